@@ -1,0 +1,75 @@
+#!lua
+-- name: claim
+-- version: 1
+-- summary: Index and fetch messages that a blocking BZMPOP/ZMPOP already popped from one queue.
+-- KEYS: 2
+--   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+-- ARGV:
+--   1   visibility_ms       integer > 0   visibility deadline of each claimed message, from now
+--   2   no_ack              0 or 1        1: delete each message as it is delivered
+--   3   message_key_prefix  string        P message: ; the hash is prefix .. '{Q}:' .. id
+--   4.. id                  string        the members BZMPOP returned, in order
+-- returns: array {-1, then 4 items per delivered message: 1, id, delivery_count, payload}
+--   (the same shape as consume's reply, for one queue; the wake marker and expired
+--   messages are skipped)
+-- errors:
+--   ERR celery-redis-lua: claim: expected 2 keys (queue, index), got N
+--   ERR celery-redis-lua: claim: expected at least 4 arguments, got N
+--   ERR celery-redis-lua: claim: key 'K' has no {hash tag}
+--   ERR celery-redis-lua: claim: visibility_ms must be a positive integer, got 'V'
+--   ERR celery-redis-lua: claim: no_ack must be 0 or 1, got 'V'
+-- why: publish indexed the message already, so a consumer that dies between BZMPOP and
+--   claim loses nothing: the sweep finds the index entry and puts the message back.
+--   If that happened while this consumer was merely slow, the restored copy is removed
+--   from the queue again here so that it is not delivered twice.
+
+local rcall = redis.call
+local WAKE_MEMBER = '~wake'
+
+local function fail(message)
+  return redis.error_reply('ERR celery-redis-lua: claim: ' .. message)
+end
+
+if #KEYS ~= 2 then return fail('expected 2 keys (queue, index), got ' .. #KEYS) end
+if #ARGV < 4 then return fail('expected at least 4 arguments, got ' .. #ARGV) end
+local queue_key, index_key = KEYS[1], KEYS[2]
+local brace = string.find(queue_key, '{', 1, true)
+if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
+local visibility = string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
+if not visibility or visibility <= 0 then
+  return fail("visibility_ms must be a positive integer, got '" .. ARGV[1] .. "'")
+end
+if ARGV[2] ~= '0' and ARGV[2] ~= '1' then return fail("no_ack must be 0 or 1, got '" .. ARGV[2] .. "'") end
+local no_ack = ARGV[2] == '1'
+local message_prefix = ARGV[3] .. string.sub(queue_key, brace) .. ':'
+
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local deadline = string.format('%d', now + visibility)
+
+local reply = {-1}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  if id ~= WAKE_MEMBER then
+    rcall('ZREM', queue_key, id) -- a sweep may have restored it while we were on our way
+    local message_key = message_prefix .. id
+    local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
+    if not message[1] then
+      rcall('ZREM', index_key, id) -- expired (message TTL)
+    else
+      if no_ack then
+        rcall('DEL', message_key)
+        rcall('ZREM', index_key, id)
+      else
+        rcall('HSET', message_key, 'state', 'unacked')
+        rcall('ZADD', index_key, deadline, id)
+      end
+      reply[#reply + 1] = 1
+      reply[#reply + 1] = id
+      reply[#reply + 1] = tonumber(message[2]) or 0
+      reply[#reply + 1] = message[1]
+    end
+  end
+end
+return reply

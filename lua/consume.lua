@@ -1,0 +1,141 @@
+#!lua
+-- name: consume
+-- version: 1
+-- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
+-- KEYS: 3 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+--   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
+--   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+-- ARGV:
+--   1  count               integer 1..10000   most messages to deliver
+--   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
+--   3  no_ack              0 or 1             1: delete each message as it is delivered (nothing is left behind)
+--   4  message_key_prefix  string             P message: ; the hash is prefix .. '{Q}:' .. id
+-- returns: array {wake_in_ms, then 4 items per delivered message: queue_position, id, delivery_count, payload}
+--   wake_in_ms is -1 when none of the queues holds a delayed message, else the ms until
+--   the earliest ETA (0 when one is due); queue_position is 1-based in the order of KEYS.
+-- errors:
+--   ERR celery-redis-lua: consume: expected 3 keys per queue, got N
+--   ERR celery-redis-lua: consume: expected 4 arguments, got N
+--   ERR celery-redis-lua: consume: key 'K' has no {hash tag}
+--   ERR celery-redis-lua: consume: count must be an integer in 1..10000, got 'V'
+--   ERR celery-redis-lua: consume: visibility_ms must be a positive integer, got 'V'
+--   ERR celery-redis-lua: consume: no_ack must be 0 or 1, got 'V'
+-- why: due delayed messages are promoted here (not only by the periodic sweep) so that
+--   they become consumable at their ETA. A message whose hash has expired (message TTL)
+--   is skipped and its index entry removed. The number of expired messages skipped per
+--   call is bounded so that one call never runs for long.
+
+local rcall = redis.call
+local PRIORITY_FACTOR = 10000000000000
+local WAKE_MEMBER = '~wake'
+local READY_MAX = '(' .. string.format('%d', 256 * PRIORITY_FACTOR)
+
+local function fail(message)
+  return redis.error_reply('ERR celery-redis-lua: consume: ' .. message)
+end
+
+local function integer(value)
+  if not string.match(value, '^%-?%d+$') then return nil end
+  return tonumber(value)
+end
+
+if #KEYS == 0 or #KEYS % 3 ~= 0 then return fail('expected 3 keys per queue, got ' .. #KEYS) end
+if #ARGV ~= 4 then return fail('expected 4 arguments, got ' .. #ARGV) end
+local count = integer(ARGV[1])
+if not count or count < 1 or count > 10000 then
+  return fail("count must be an integer in 1..10000, got '" .. ARGV[1] .. "'")
+end
+local visibility = integer(ARGV[2])
+if not visibility or visibility <= 0 then
+  return fail("visibility_ms must be a positive integer, got '" .. ARGV[2] .. "'")
+end
+if ARGV[3] ~= '0' and ARGV[3] ~= '1' then return fail("no_ack must be 0 or 1, got '" .. ARGV[3] .. "'") end
+local no_ack = ARGV[3] == '1'
+local prefix = ARGV[4]
+
+local queues = {}
+for q = 1, #KEYS / 3 do
+  local queue_key = KEYS[3 * q - 2]
+  local brace = string.find(queue_key, '{', 1, true)
+  if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
+  queues[q] = {queue = queue_key, delayed = KEYS[3 * q - 1], index = KEYS[3 * q],
+               message_prefix = prefix .. string.sub(queue_key, brace) .. ':'}
+end
+
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local deadline = string.format('%d', now + visibility)
+
+-- 1. Promote due delayed messages, and work out when the next one falls due.
+local wake_in = -1
+for _, q in ipairs(queues) do
+  local due = rcall('ZRANGE', q.delayed, '-inf', now, 'BYSCORE', 'LIMIT', 0, count + 100, 'WITHSCORES')
+  for i = 1, #due, 2 do
+    local id, eta = due[i], tonumber(due[i + 1])
+    local message_key = q.message_prefix .. id
+    local priority = tonumber(rcall('HGET', message_key, 'priority'))
+    if priority then -- else the message expired while it waited
+      rcall('ZADD', q.queue, string.format('%d', (255 - priority) * PRIORITY_FACTOR + eta), id)
+      rcall('ZADD', q.index, string.format('%d', now + visibility), id)
+      rcall('HSET', message_key, 'state', 'ready')
+    end
+    rcall('ZREM', q.delayed, id)
+  end
+  rcall('ZREM', q.queue, WAKE_MEMBER) -- we are awake; the hint below replaces it
+  local first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
+  if first[2] then
+    local wait = math.max(0, tonumber(first[2]) - now)
+    if wake_in < 0 or wait < wake_in then wake_in = wait end
+  end
+end
+
+-- 2. Merge the heads of all queues by score: priority first, then ready time.
+local heads = {}
+local function refill(q)
+  local head = rcall('ZRANGE', queues[q].queue, '-inf', READY_MAX, 'BYSCORE', 'LIMIT', 0, count, 'WITHSCORES')
+  heads[q] = {items = head, pos = 1, full = #head == 2 * count}
+end
+for q = 1, #queues do refill(q) end
+
+local reply = {wake_in}
+local delivered = 0
+local skips_left = 4 * count + 100
+while delivered < count and skips_left > 0 do
+  local best, best_score
+  for q = 1, #queues do
+    local head = heads[q]
+    if head.pos > #head.items and head.full then
+      refill(q)
+      head = heads[q]
+    end
+    local score = tonumber(head.items[head.pos + 1])
+    if score and (not best or score < best_score) then best, best_score = q, score end
+  end
+  if not best then break end
+
+  local head, q = heads[best], queues[best]
+  local id = head.items[head.pos]
+  head.pos = head.pos + 2
+  rcall('ZREM', q.queue, id)
+  local message_key = q.message_prefix .. id
+  local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
+  if not message[1] then
+    rcall('ZREM', q.index, id) -- expired (message TTL): nothing to deliver
+    skips_left = skips_left - 1
+  else
+    if no_ack then
+      rcall('DEL', message_key)
+      rcall('ZREM', q.index, id)
+    else
+      rcall('HSET', message_key, 'state', 'unacked')
+      rcall('ZADD', q.index, deadline, id)
+    end
+    reply[#reply + 1] = best
+    reply[#reply + 1] = id
+    reply[#reply + 1] = tonumber(message[2]) or 0
+    reply[#reply + 1] = message[1]
+    delivered = delivered + 1
+  end
+end
+return reply

