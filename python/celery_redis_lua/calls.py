@@ -84,10 +84,14 @@ class DeadLetter:
     payload: bytes
 
 
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
-    payload = (lambda v: v if isinstance(v, bytes) else str(v).encode())
+    """Decode the 4-items-per-message tail of consume/claim/sweep replies."""
     return [
-        Delivery(queues[int(flat[i]) - 1], _text(flat[i + 1]), int(flat[i + 2]), payload(flat[i + 3]))
+        Delivery(queues[int(flat[i]) - 1], _text(flat[i + 1]), int(flat[i + 2]), _bytes(flat[i + 3]))
         for i in range(0, len(flat), 4)
     ]
 
@@ -248,11 +252,10 @@ def stats(keys: Keyspace, queues: Sequence[str]) -> Call:
 def _dead_letter(entry: Sequence[Any]) -> DeadLetter:
     raw = entry[1]
     fields = {_text(raw[i]): raw[i + 1] for i in range(0, len(raw), 2)}
-    payload = fields.get("payload", b"")
     return DeadLetter(
         _text(entry[0]), _text(fields.get("id", "")), _text(fields.get("reason", "")),
         int(fields.get("delivery_count", 0)), int(fields.get("priority", 0)),
-        payload if isinstance(payload, bytes) else str(payload).encode(),
+        _bytes(fields.get("payload", b"")),
     )
 
 

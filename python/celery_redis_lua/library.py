@@ -10,9 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from redis.cluster import RedisCluster
+
 from . import calls
 from .calls import (
-    Consumed, DeadLetter, Delivery, Payload, QueueCounts, QueueStats, Rejected, SweepReport,
+    Consumed,
+    DeadLetter,
+    Delivery,
+    Payload,
+    QueueCounts,
+    QueueStats,
+    Rejected,
+    SweepReport,
 )
 from .keys import Keyspace
 from .scripts import Call, ScriptRunner
@@ -39,9 +48,30 @@ class ScriptLibrary:
         return self.run(calls.publish(self.keys, queue, payload, priority=priority, eta_ms=eta_ms,
                                       ttl_ms=ttl_ms, visibility_ms=self.visibility_ms))
 
+    def slot_groups(self, queues: Sequence[str]) -> list[list[str]]:
+        """``queues`` grouped so that each group shares a cluster slot (one group when
+        the server is not a cluster), in first-seen order."""
+        if not isinstance(self.client, RedisCluster):
+            return [list(queues)] if queues else []
+        groups: dict[int, list[str]] = {}
+        for queue in queues:
+            groups.setdefault(self.keys.slot(queue), []).append(queue)
+        return list(groups.values())
+
     def consume(self, queues: Sequence[str], count: int = 1, *, no_ack: bool = False) -> Consumed:
-        return self.run(calls.consume(self.keys, queues, count=count,
-                                      visibility_ms=self.visibility_ms, no_ack=no_ack))
+        """Up to ``count`` messages across ``queues``. Priority order holds across the
+        queues of one cluster slot; on a cluster, slot groups are asked in turn."""
+        deliveries: list[Delivery] = []
+        wake: list[int] = []
+        for group in self.slot_groups(queues):
+            consumed = self.run(calls.consume(self.keys, group, count=count - len(deliveries),
+                                              visibility_ms=self.visibility_ms, no_ack=no_ack))
+            deliveries += consumed.deliveries
+            if consumed.wake_in_ms is not None:
+                wake.append(consumed.wake_in_ms)
+            if len(deliveries) >= count:
+                break
+        return Consumed(deliveries, min(wake) if wake else None)
 
     def claim(self, queue: str, ids: Sequence[str], *, no_ack: bool = False) -> list[Delivery]:
         return self.run(calls.claim(self.keys, queue, ids, visibility_ms=self.visibility_ms,
@@ -64,15 +94,16 @@ class ScriptLibrary:
               dead_letter_maxlen: int = 10_000, batch: int = 1000, report_limit: int = 10,
               max_rounds: int = 100) -> SweepReport:
         """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up."""
-        total: SweepReport | None = None
-        for _ in range(max_rounds):
-            report = self.run(calls.sweep(
-                self.keys, queues, visibility_ms=self.visibility_ms, delivery_limit=delivery_limit,
-                dead_letter_maxlen=dead_letter_maxlen, batch=batch, report_limit=report_limit))
-            total = report if total is None else _add_reports(total, report, report_limit)
-            if not report.more:
-                break
-        assert total is not None
+        total = SweepReport(0, 0, 0, 0, 0, 0, False, [])
+        for group in self.slot_groups(queues):
+            for _ in range(max_rounds):
+                report = self.run(calls.sweep(
+                    self.keys, group, visibility_ms=self.visibility_ms,
+                    delivery_limit=delivery_limit, dead_letter_maxlen=dead_letter_maxlen,
+                    batch=batch, report_limit=report_limit))
+                total = _add_reports(total, report, report_limit)
+                if not report.more:
+                    break
         return total
 
     def declare(self, queue: str, *, expires_ms: int | None = None,
@@ -114,7 +145,9 @@ class ScriptLibrary:
         return self.run(calls.size(self.keys, queue))
 
     def stats(self, queues: Sequence[str]) -> list[QueueStats]:
-        return self.run(calls.stats(self.keys, queues))
+        by_name = {s.queue: s for group in self.slot_groups(queues)
+                   for s in self.run(calls.stats(self.keys, group))}
+        return [by_name[queue] for queue in queues]
 
     def dead_list(self, queue: str, *, count: int = 100, after: str | None = None) -> list[DeadLetter]:
         return self.run(calls.dead_list(self.keys, queue, count=count, after=after))

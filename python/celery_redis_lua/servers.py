@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import random
 import shutil
 import signal
 import socket
@@ -46,13 +47,24 @@ def server_binary(kind: str) -> str:
     raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")
 
 
-def free_port() -> int:
+def _is_free(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    if port == 6379:  # never hand out the shared server's port
-        return free_port()
-    return port
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port (never 6379). With ``cluster_bus``, port + 10000 is free too
+    and the port is at most 55535, as cluster mode requires."""
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(20000, 55535) if cluster_bus else rng.randrange(20000, 60000)
+        if port != 6379 and _is_free(port) and (not cluster_bus or _is_free(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port found")
 
 
 def _die_with_parent() -> None:
@@ -158,7 +170,7 @@ class Cluster:
 
     def start(self, size: int = 3, timeout: float = 20.0) -> Cluster:
         for _ in range(size):
-            node = Server(self.kind, args=["--cluster-enabled", "yes",
+            node = Server(self.kind, port=free_port(cluster_bus=True), args=["--cluster-enabled", "yes",
                                            "--cluster-config-file", "nodes.conf",
                                            "--cluster-node-timeout", "5000"])
             self.nodes.append(node.start())

@@ -1,0 +1,39 @@
+# celery-redis-lua developer commands. `make test` is what CI runs (.ci/run).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: venv test test-all lint manifest bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,hiredis]'
+	touch $(STAMP)
+
+## Run the whole test suite against throwaway Valkey and Redis servers.
+test: venv
+	$(BIN)/pytest
+
+## Also the slow tests (chaos smoke runs and the like).
+test-all: venv
+	$(BIN)/pytest -m ''
+
+## ruff on the Python, luacheck (Debian package lua-check) on the scripts.
+lint: venv
+	$(BIN)/ruff check python tests scripts
+	luacheck lua
+
+## Rewrite lua/manifest.json after changing a script (bump its version first).
+manifest: venv
+	$(BIN)/python scripts/gen_manifest.py
+
+## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.
+bench: venv
+	$(BIN)/python scripts/bench_scripts.py
+
+clean:
+	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,121 @@
+"""Fixtures: throwaway Valkey and Redis servers (standalone and three-primary clusters).
+
+Every server is started here on a free loopback port and dies with the test
+process. Script-level tests take the ``lib`` fixture, which runs them on every
+server kind, with and without a key prefix. A machine without ``redis-server``
+skips the Redis cases with a visible reason; under CI (``CI`` set) that is a
+failure instead, so CI always covers Redis 7.0 and Valkey 9.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.servers import Cluster, Server, ServerUnavailable, server_binary
+
+TARGETS = ("valkey", "redis", "valkey-cluster", "redis-cluster")
+PREFIXES = ("", "app:")
+
+
+def require_kind(kind: str) -> None:
+    try:
+        server_binary(kind)
+    except ServerUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must cover {kind}: {error}")
+        pytest.skip(f"{kind} not available here: {error}")
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[Server]:
+    require_kind("valkey")
+    with Server("valkey") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Server]:
+    require_kind("redis")
+    with Server("redis") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Cluster]:
+    require_kind("valkey")
+    with Cluster("valkey") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    require_kind("redis")
+    with Cluster("redis") as cluster:
+        yield cluster
+
+
+@dataclass
+class Target:
+    """A server (or cluster) under test and a fresh client for it."""
+
+    name: str
+    client: Any
+    server: Server | Cluster
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.server, Cluster)
+
+    def flush(self) -> None:
+        if self.is_cluster:
+            self.client.flushall()  # redis-py sends both to every primary
+            self.client.script_flush()
+        else:
+            self.client.flushall()
+            self.client.script_flush()
+
+    def keys(self) -> set[bytes]:
+        if self.is_cluster:
+            return set(self.client.keys(target_nodes=self.client.ALL_NODES))
+        return set(self.client.keys())
+
+
+def make_target(request: pytest.FixtureRequest, name: str) -> Target:
+    server = request.getfixturevalue(name.replace("-", "_") + ("" if "cluster" in name else "_server"))
+    client = server.client(socket_timeout=10)
+    return Target(name, client, server)
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    target = make_target(request, request.param)
+    target.flush()
+    yield target
+    target.client.close()
+
+
+@pytest.fixture(params=PREFIXES, ids=["noprefix", "prefix"])
+def keyspace(request: pytest.FixtureRequest) -> Keyspace:
+    return Keyspace(request.param)
+
+
+@pytest.fixture
+def lib(target: Target, keyspace: Keyspace) -> ScriptLibrary:
+    """The script library on every server kind, with and without a key prefix."""
+    return ScriptLibrary(target.client, keyspace, visibility_ms=60_000)
+
+
+@pytest.fixture
+def standalone(valkey_server: Server) -> Iterator[redis.Redis]:
+    """A flushed client on the session Valkey, for tests that need only one kind."""
+    client = valkey_server.client(socket_timeout=10)
+    client.flushall()
+    yield client
+    client.close()
