@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-all lint manifest bench clean
+.PHONY: venv demo test test-all lint manifest bench clean
 
 venv: $(STAMP)
 
@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,hiredis]'
 	touch $(STAMP)
+
+## A tour on an embedded Valkey (or BROKER_URL=redis://... make demo).
+demo: venv
+	$(BIN)/python scripts/demo.py $(BROKER_URL)
 
 ## Run the whole test suite against throwaway Valkey and Redis servers.
 test: venv
