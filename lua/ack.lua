@@ -30,11 +30,25 @@ local brace = string.find(queue_key, '{', 1, true)
 if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
 local message_prefix = ARGV[1] .. string.sub(queue_key, brace) .. ':'
 
-local existed = 0
-for i = 2, #ARGV do
-  local id = ARGV[i]
-  rcall('ZREM', index_key, id)
-  rcall('ZREM', queue_key, id)
-  existed = existed + rcall('DEL', message_prefix .. id)
+-- One command over many arguments, in chunks that Lua's unpack() can take.
+local function variadic(command, key_or_nil, items)
+  local total = 0
+  for first = 1, #items, 4000 do
+    local last = math.min(first + 3999, #items)
+    if key_or_nil then
+      total = total + rcall(command, key_or_nil, unpack(items, first, last))
+    else
+      total = total + rcall(command, unpack(items, first, last))
+    end
+  end
+  return total
 end
-return existed
+
+local ids, message_keys = {}, {}
+for i = 2, #ARGV do
+  ids[#ids + 1] = ARGV[i]
+  message_keys[#message_keys + 1] = message_prefix .. ARGV[i]
+end
+variadic('ZREM', index_key, ids)
+variadic('ZREM', queue_key, ids)
+return variadic('DEL', nil, message_keys)

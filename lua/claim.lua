@@ -9,13 +9,14 @@
 --   1   visibility_ms       integer > 0   visibility deadline of each claimed message, from now
 --   2   no_ack              0 or 1        1: delete each message as it is delivered
 --   3   message_key_prefix  string        P message: ; the hash is prefix .. '{Q}:' .. id
---   4.. id                  string        the members BZMPOP returned, in order
+--   4.. id                  string        the members BZMPOP returned, in order (at most 1000)
 -- returns: array {-1, then 4 items per delivered message: 1, id, delivery_count, payload}
 --   (the same shape as consume's reply, for one queue; the wake marker and expired
 --   messages are skipped)
 -- errors:
 --   ERR celery-redis-lua: claim: expected 2 keys (queue, index), got N
 --   ERR celery-redis-lua: claim: expected at least 4 arguments, got N
+--   ERR celery-redis-lua: claim: at most 1000 ids per call, got N
 --   ERR celery-redis-lua: claim: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: claim: visibility_ms must be a positive integer, got 'V'
 --   ERR celery-redis-lua: claim: no_ack must be 0 or 1, got 'V'
@@ -33,6 +34,7 @@ end
 
 if #KEYS ~= 2 then return fail('expected 2 keys (queue, index), got ' .. #KEYS) end
 if #ARGV < 4 then return fail('expected at least 4 arguments, got ' .. #ARGV) end
+if #ARGV > 1003 then return fail('at most 1000 ids per call, got ' .. (#ARGV - 3)) end
 local queue_key, index_key = KEYS[1], KEYS[2]
 local brace = string.find(queue_key, '{', 1, true)
 if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
@@ -48,28 +50,34 @@ local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local deadline = string.format('%d', now + visibility)
 
-local reply = {-1}
+local ids = {}
 for i = 4, #ARGV do
-  local id = ARGV[i]
-  if id ~= WAKE_MEMBER then
-    rcall('ZREM', queue_key, id) -- a sweep may have restored it while we were on our way
-    local message_key = message_prefix .. id
-    local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
-    if not message[1] then
-      rcall('ZREM', index_key, id) -- expired (message TTL)
+  if ARGV[i] ~= WAKE_MEMBER then ids[#ids + 1] = ARGV[i] end
+end
+if #ids == 0 then return {-1} end
+rcall('ZREM', queue_key, unpack(ids)) -- a sweep may have restored them while we were on our way
+
+local reply, deadlines, gone = {-1}, {}, {}
+for _, id in ipairs(ids) do
+  local message_key = message_prefix .. id
+  local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
+  if not message[1] then
+    gone[#gone + 1] = id -- expired (message TTL)
+  else
+    if no_ack then
+      rcall('DEL', message_key)
+      gone[#gone + 1] = id
     else
-      if no_ack then
-        rcall('DEL', message_key)
-        rcall('ZREM', index_key, id)
-      else
-        rcall('HSET', message_key, 'state', 'unacked')
-        rcall('ZADD', index_key, deadline, id)
-      end
-      reply[#reply + 1] = 1
-      reply[#reply + 1] = id
-      reply[#reply + 1] = tonumber(message[2]) or 0
-      reply[#reply + 1] = message[1]
+      rcall('HSET', message_key, 'state', 'unacked')
+      deadlines[#deadlines + 1] = deadline
+      deadlines[#deadlines + 1] = id
     end
+    reply[#reply + 1] = 1
+    reply[#reply + 1] = id
+    reply[#reply + 1] = tonumber(message[2]) or 0
+    reply[#reply + 1] = message[1]
   end
 end
+if #gone > 0 then rcall('ZREM', index_key, unpack(gone)) end
+if #deadlines > 0 then rcall('ZADD', index_key, unpack(deadlines)) end
 return reply

@@ -23,8 +23,9 @@
 --   ERR celery-redis-lua: consume: no_ack must be 0 or 1, got 'V'
 -- why: due delayed messages are promoted here (not only by the periodic sweep) so that
 --   they become consumable at their ETA. A message whose hash has expired (message TTL)
---   is skipped and its index entry removed. The number of expired messages skipped per
---   call is bounded so that one call never runs for long.
+--   is skipped and its index entry removed, and replaced by the next message; at most
+--   4 * count + 100 are skipped per call, so one call never runs for long. Writes are variadic (one ZADD
+--   and one ZREM per queue and call), which keeps the server's cost per message low.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000
@@ -33,6 +34,13 @@ local READY_MAX = '(' .. string.format('%d', 256 * PRIORITY_FACTOR)
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: consume: ' .. message)
+end
+
+-- One command over many arguments, in chunks that Lua's unpack() can take.
+local function variadic(command, key, items)
+  for first = 1, #items, 4000 do
+    rcall(command, key, unpack(items, first, math.min(first + 3999, #items)))
+  end
 end
 
 local function integer(value)
@@ -68,74 +76,106 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local deadline = string.format('%d', now + visibility)
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.
+--    The common case (nothing due) costs one ZRANGE per queue.
 local wake_in = -1
 for _, q in ipairs(queues) do
-  local due = rcall('ZRANGE', q.delayed, '-inf', now, 'BYSCORE', 'LIMIT', 0, count + 100, 'WITHSCORES')
-  for i = 1, #due, 2 do
-    local id, eta = due[i], tonumber(due[i + 1])
-    local message_key = q.message_prefix .. id
-    local priority = tonumber(rcall('HGET', message_key, 'priority'))
-    if priority then -- else the message expired while it waited
-      rcall('ZADD', q.queue, string.format('%d', (255 - priority) * PRIORITY_FACTOR + eta), id)
-      rcall('ZADD', q.index, string.format('%d', now + visibility), id)
-      rcall('HSET', message_key, 'state', 'ready')
-    end
-    rcall('ZREM', q.delayed, id)
-  end
-  rcall('ZREM', q.queue, WAKE_MEMBER) -- we are awake; the hint below replaces it
   local first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
+  if first[2] and tonumber(first[2]) <= now then
+    local due = rcall('ZRANGE', q.delayed, '-inf', now, 'BYSCORE', 'LIMIT', 0, count + 100, 'WITHSCORES')
+    local promoted = {}
+    for i = 1, #due, 2 do
+      local id, eta = due[i], tonumber(due[i + 1])
+      local message_key = q.message_prefix .. id
+      local priority = tonumber(rcall('HGET', message_key, 'priority'))
+      if priority then -- else the message expired while it waited
+        rcall('ZADD', q.queue, string.format('%d', (255 - priority) * PRIORITY_FACTOR + eta), id)
+        rcall('ZADD', q.index, deadline, id)
+        rcall('HSET', message_key, 'state', 'ready')
+      end
+      promoted[#promoted + 1] = id
+    end
+    variadic('ZREM', q.delayed, promoted)
+    first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
+  end
   if first[2] then
     local wait = math.max(0, tonumber(first[2]) - now)
     if wake_in < 0 or wait < wake_in then wake_in = wait end
   end
 end
 
--- 2. Merge the heads of all queues by score: priority first, then ready time.
-local heads = {}
-local function refill(q)
-  local head = rcall('ZRANGE', queues[q].queue, '-inf', READY_MAX, 'BYSCORE', 'LIMIT', 0, count, 'WITHSCORES')
-  heads[q] = {items = head, pos = 1, full = #head == 2 * count}
+-- 2. Take up to `need` ids off the queues, lowest score (highest priority, then oldest)
+--    first across queues. One queue: ZPOPMIN. Several: merge their heads, then ZREM.
+--    A queue that runs short loses its wake marker: this consumer is awake and has the hint.
+local function take(need)
+  local taken = {}
+  if #queues == 1 then
+    local popped = rcall('ZPOPMIN', queues[1].queue, need)
+    for i = 1, #popped, 2 do
+      if popped[i] ~= WAKE_MEMBER then taken[#taken + 1] = {1, popped[i]} end
+    end
+    return taken, #popped < 2 * need
+  end
+  local heads, positions = {}, {}
+  for q = 1, #queues do
+    heads[q] = rcall('ZRANGE', queues[q].queue, '-inf', READY_MAX, 'BYSCORE', 'LIMIT', 0, need, 'WITHSCORES')
+    positions[q] = 1
+    if #heads[q] < 2 * need then rcall('ZREM', queues[q].queue, WAKE_MEMBER) end
+  end
+  local removed = {}
+  while #taken < need do
+    local best, best_score
+    for q = 1, #queues do
+      local score = tonumber(heads[q][positions[q] + 1])
+      if score and (not best or score < best_score) then best, best_score = q, score end
+    end
+    if not best then break end
+    local id = heads[best][positions[best]]
+    positions[best] = positions[best] + 2
+    taken[#taken + 1] = {best, id}
+    removed[best] = removed[best] or {}
+    table.insert(removed[best], id)
+  end
+  for q, ids in pairs(removed) do variadic('ZREM', queues[q].queue, ids) end
+  return taken, #taken < need
 end
-for q = 1, #queues do refill(q) end
 
+-- 3. Deliver what was taken: fetch, stamp the deadline (or delete, without ack).
+--    An id whose hash expired (message TTL) is skipped and its index entry removed;
+--    skipped ids are replaced by more from the queues, a bounded number of times.
 local reply = {wake_in}
 local delivered = 0
 local skips_left = 4 * count + 100
-while delivered < count and skips_left > 0 do
-  local best, best_score
-  for q = 1, #queues do
-    local head = heads[q]
-    if head.pos > #head.items and head.full then
-      refill(q)
-      head = heads[q]
-    end
-    local score = tonumber(head.items[head.pos + 1])
-    if score and (not best or score < best_score) then best, best_score = q, score end
-  end
-  if not best then break end
-
-  local head, q = heads[best], queues[best]
-  local id = head.items[head.pos]
-  head.pos = head.pos + 2
-  rcall('ZREM', q.queue, id)
-  local message_key = q.message_prefix .. id
-  local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
-  if not message[1] then
-    rcall('ZREM', q.index, id) -- expired (message TTL): nothing to deliver
-    skips_left = skips_left - 1
-  else
-    if no_ack then
-      rcall('DEL', message_key)
-      rcall('ZREM', q.index, id)
+while skips_left > 0 do
+  local taken, exhausted = take(count - delivered)
+  local deadlines, gone = {}, {}
+  for _, item in ipairs(taken) do
+    local q, id = queues[item[1]], item[2]
+    local message_key = q.message_prefix .. id
+    local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
+    if not message[1] then
+      gone[q] = gone[q] or {}
+      table.insert(gone[q], id)
+      skips_left = skips_left - 1
     else
-      rcall('HSET', message_key, 'state', 'unacked')
-      rcall('ZADD', q.index, deadline, id)
+      if no_ack then
+        rcall('DEL', message_key)
+        gone[q] = gone[q] or {}
+        table.insert(gone[q], id)
+      else
+        rcall('HSET', message_key, 'state', 'unacked')
+        deadlines[q] = deadlines[q] or {}
+        table.insert(deadlines[q], deadline)
+        table.insert(deadlines[q], id)
+      end
+      reply[#reply + 1] = item[1]
+      reply[#reply + 1] = id
+      reply[#reply + 1] = tonumber(message[2]) or 0
+      reply[#reply + 1] = message[1]
+      delivered = delivered + 1
     end
-    reply[#reply + 1] = best
-    reply[#reply + 1] = id
-    reply[#reply + 1] = tonumber(message[2]) or 0
-    reply[#reply + 1] = message[1]
-    delivered = delivered + 1
   end
+  for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
+  for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
+  if exhausted or delivered >= count then break end
 end
 return reply

@@ -76,4 +76,5 @@ for _, entry in ipairs(entries) do
   end
   rcall('XDEL', dead_key, entry[1])
 end
+if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 return replayed

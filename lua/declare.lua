@@ -62,5 +62,5 @@ for i = 1, 4 do
   if fields.expires then rcall('PEXPIRE', KEYS[i], fields.expires) else rcall('PERSIST', KEYS[i]) end
 end
 
-local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], '(2560000000000000', '+inf')
+local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], '2560000000000000', '+inf')
 return {ready, rcall('ZCARD', KEYS[2]), math.max(0, rcall('ZCARD', KEYS[3]) - ready)}

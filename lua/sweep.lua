@@ -69,14 +69,20 @@ local function ready_score(priority, ready_at)
   return string.format('%d', (255 - priority) * PRIORITY_FACTOR + ready_at)
 end
 
+-- Validate every queue key before the first write, so bad input changes nothing.
+local message_prefixes = {}
+for q = 1, #KEYS / 4 do
+  local brace = string.find(KEYS[4 * q - 3], '{', 1, true)
+  if not brace then return fail("key '" .. KEYS[4 * q - 3] .. "' has no {hash tag}") end
+  message_prefixes[q] = ARGV[1] .. string.sub(KEYS[4 * q - 3], brace) .. ':'
+end
+
 local promoted, requeued, unclaimed, backlog, dead_lettered, orphans, more = 0, 0, 0, 0, 0, 0, 0
 local reported = {}
 
 for q = 1, #KEYS / 4 do
   local queue_key, delayed_key, index_key, dead_key = KEYS[4 * q - 3], KEYS[4 * q - 2], KEYS[4 * q - 1], KEYS[4 * q]
-  local brace = string.find(queue_key, '{', 1, true)
-  if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
-  local message_prefix = ARGV[1] .. string.sub(queue_key, brace) .. ':'
+  local message_prefix = message_prefixes[q]
 
   local due = rcall('ZRANGE', delayed_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch, 'WITHSCORES')
   for i = 1, #due, 2 do

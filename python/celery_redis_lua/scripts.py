@@ -275,4 +275,6 @@ class ScriptRunner:
 
     @staticmethod
     def _evalsha(target: Any, script: Script, call: Call) -> Any:
-        return target.evalsha(script.sha1, len(call.keys), *call.keys, *call.args)
+        # execute_command, not .evalsha(): redis-py's ClusterPipeline blocks the
+        # evalsha method, while the raw command is routed by its first key.
+        return target.execute_command("EVALSHA", script.sha1, len(call.keys), *call.keys, *call.args)

@@ -1,0 +1,314 @@
+"""Bad input: every script refuses it with a clear error naming the problem, before any write.
+
+Each case seeds a queue with ready, delayed (one of them already due), in-flight and
+dead-lettered messages, a binding table and a fanout stream, snapshots the whole
+database (DBSIZE, and DUMP + PEXPIRETIME of every key and of every key the call would
+touch), runs one bad call and asserts a ScriptError ``celery-redis-lua: <script>: ...``
+naming the argument and the value, and a byte-for-byte identical database afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+from redis.crc import key_slot
+
+from celery_redis_lua import Call, Keyspace, KeyspaceError, ScriptError, ScriptLibrary, calls
+from conftest import Target
+from helpers import server_now_ms, wait_for_server_time
+
+QUEUE = "bad"
+EXCHANGE = "bad-exchange"
+MEMBER = "rk\x06\x16\x06\x16bad"
+FANOUT = "bad-fanout"
+VIS = 60_000
+Snapshot = tuple[int, dict[bytes, tuple[bytes | None, int]]]
+
+
+@dataclass(frozen=True)
+class Seeded:
+    ready: str
+    in_flight: str
+    dead_entry: str
+    next_id: str
+
+
+def seed(lib: ScriptLibrary, target: Target) -> Seeded:
+    lib.declare(QUEUE, expires_ms=600_000)  # every queue key carries a TTL a write would refresh
+    ready = lib.publish(QUEUE, "ready", priority=3)
+    lib.publish(QUEUE, "in-flight", priority=7, ttl_ms=600_000)
+    lib.publish(QUEUE, "far", priority=1, eta_ms=server_now_ms(target.client) + 600_000)
+    in_flight = lib.consume([QUEUE], 1).deliveries[0].id
+    lib.publish(QUEUE, "dead", priority=9)
+    dead = lib.consume([QUEUE], 1).deliveries[0].id
+    assert lib.reject(QUEUE, [dead], requeue=False).dead_lettered == 1
+    lib.bind(EXCHANGE, [MEMBER], lifetime_ms=600_000)
+    lib.fanout_publish(lib.keys.fanout(FANOUT, "/0."), "fan", maxlen=100, expires_ms=600_000)
+    # Last: a delayed message that is already due, so a script that promoted (or swept)
+    # before validating would change the database.
+    eta = server_now_ms(target.client) + 20
+    lib.publish(QUEUE, "due", priority=5, eta_ms=eta)
+    wait_for_server_time(target.client, eta + 1)
+    return Seeded(ready, in_flight, lib.dead_list(QUEUE)[0].entry_id, f"{6:016x}")
+
+
+def dbsize(target: Target) -> int:
+    if target.is_cluster:
+        return int(target.client.dbsize(target_nodes=target.client.PRIMARIES))
+    return int(target.client.dbsize())
+
+
+def snapshot(target: Target, extra: list[str]) -> Snapshot:
+    keys = target.keys() | {k.encode() for k in extra}
+    client = target.client
+    return dbsize(target), {key: (client.dump(key), client.pexpiretime(key)) for key in sorted(keys)}
+
+
+def braceless_key_in_slot_of(key: str, stem: str) -> str:
+    """A key without '{' that hashes to the same cluster slot as ``key``."""
+    slot = key_slot(key.encode())
+    for i in range(1_000_000):
+        candidate = f"{stem}{i}"
+        if key_slot(candidate.encode()) == slot:
+            return candidate
+    raise AssertionError("unreachable")
+
+
+# -- call builders (valid calls; the cases spoil one thing) --------------------------------
+Build = Callable[[Keyspace, Seeded], Call]
+
+
+BASE: dict[str, Build] = {
+    "pub": lambda k, s: calls.publish(k, QUEUE, "payload", visibility_ms=VIS),
+    "con": lambda k, s: calls.consume(k, [QUEUE], count=5, visibility_ms=VIS),
+    "rej": lambda k, s: calls.reject(k, QUEUE, [s.in_flight], requeue=True, delivery_limit=5,
+                                     dead_letter_maxlen=100, visibility_ms=VIS),
+    "ext": lambda k, s: calls.extend(k, QUEUE, [s.in_flight], visibility_ms=VIS),
+    "ack": lambda k, s: calls.ack(k, QUEUE, [s.in_flight, s.ready]),
+    "claim": lambda k, s: calls.claim(k, QUEUE, [s.ready], visibility_ms=VIS),
+    "swp": lambda k, s: calls.sweep(k, [QUEUE], visibility_ms=VIS, delivery_limit=5,
+                                    dead_letter_maxlen=100),
+    "prg": lambda k, s: calls.purge(k, QUEUE),
+    "dlt": lambda k, s: calls.delete(k, QUEUE),
+    "bnd": lambda k, s: calls.bind(k, EXCHANGE, [MEMBER, "other"], lifetime_ms=600_000),
+    "fan": lambda k, s: calls.fanout_publish(k.fanout(FANOUT, "/0."), "payload", maxlen=100),
+    "dlist": lambda k, s: calls.dead_list(k, QUEUE),
+    "replay": lambda k, s: calls.dead_replay(k, QUEUE, visibility_ms=VIS, entry_ids=[s.dead_entry]),
+}
+pub, con, rej, ext, ack, claim, swp, prg, dlt, bnd, fan, dlist, replay = BASE.values()
+
+
+def arg(build: Build, position: int, value: Any) -> Build:
+    """``build`` with ARGV[position] (1-based, as in the script headers) replaced."""
+    def spoiled(k: Keyspace, s: Seeded) -> Call:
+        call = build(k, s)
+        args = list(call.args)
+        args[position - 1] = value
+        return replace(call, args=args)
+    return spoiled
+
+
+def argv(build: Build, count: int) -> Build:
+    """``build`` with only the first ``count`` arguments."""
+    return lambda k, s: replace(build(k, s), args=list(build(k, s).args)[:count])
+
+
+def keys(build: Build, count: int) -> Build:
+    """``build`` with ``count`` keys: cut, or padded with keys of the same hash tag."""
+    def spoiled(k: Keyspace, s: Seeded) -> Call:
+        call = build(k, s)
+        pool = [*call.keys, k.meta(QUEUE), k.dead(QUEUE), k.delayed(QUEUE)] if "{" in call.keys[0] \
+            else [*call.keys] + [call.keys[0]] * count
+        return replace(call, keys=pool[:count])
+    return spoiled
+
+
+def untagged(build: Build) -> Build:
+    """``build`` with every key replaced by one queue key that has no hash tag."""
+    def spoiled(k: Keyspace, s: Seeded) -> Call:
+        call = build(k, s)
+        return replace(call, keys=[f"{k.prefix}queue:{QUEUE}"] * len(call.keys))
+    return spoiled
+
+
+def second_untagged(build: Build, per_queue: int) -> Build:
+    """``build`` for two queues, the second without a hash tag (same slot on a cluster)."""
+    def spoiled(k: Keyspace, s: Seeded) -> Call:
+        call = build(k, s)
+        other = braceless_key_in_slot_of(call.keys[0], f"{k.prefix}queue:untagged")
+        return replace(call, keys=[*call.keys, *[other] * per_queue])
+    return spoiled
+
+
+CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
+    "publish-priority-word": (arg(pub, 3, "high"), ("priority", "'high'")),
+    "publish-priority-256": (arg(pub, 3, 256), ("priority", "0..255", "'256'")),
+    "publish-priority-negative": (arg(pub, 3, -1), ("priority", "'-1'")),
+    "publish-priority-fraction": (arg(pub, 3, "1.5"), ("priority", "'1.5'")),
+    "publish-payload-empty": (arg(pub, 2, ""), ("payload is missing or empty",)),
+    "publish-payload-missing": (argv(pub, 1), ("expected 6 arguments", "got 1")),
+    "publish-ttl-negative": (arg(pub, 5, -5), ("ttl_ms", "'-5'")),
+    "publish-ttl-zero": (arg(pub, 5, 0), ("ttl_ms", "'0'")),
+    "publish-eta-negative": (arg(pub, 4, -5), ("eta_ms", "'-5'")),
+    "publish-visibility-zero": (arg(pub, 6, 0), ("visibility_ms", "'0'")),
+    "publish-3-keys": (keys(pub, 3), ("expected 4 keys", "got 3")),
+    "publish-5-keys": (keys(pub, 5), ("expected 4 keys", "got 5")),
+    "publish-untagged": (untagged(pub), ("has no {hash tag}", "queue:bad'")),
+    "consume-count-zero": (arg(con, 1, 0), ("count", "1..10000", "'0'")),
+    "consume-count-huge": (arg(con, 1, 10_001), ("count", "'10001'")),
+    "consume-count-word": (arg(con, 1, "all"), ("count", "'all'")),
+    "consume-visibility-negative": (arg(con, 2, -1), ("visibility_ms", "'-1'")),
+    "consume-visibility-zero": (arg(con, 2, 0), ("visibility_ms", "'0'")),
+    "consume-no-ack-2": (arg(con, 3, 2), ("no_ack", "'2'")),
+    "consume-no-ack-word": (arg(con, 3, "yes"), ("no_ack", "'yes'")),
+    "consume-2-keys": (keys(con, 2), ("expected 3 keys per queue", "got 2")),
+    "consume-4-keys": (keys(con, 4), ("expected 3 keys per queue", "got 4")),
+    "consume-3-args": (argv(con, 3), ("expected 4 arguments", "got 3")),
+    "consume-untagged": (untagged(con), ("has no {hash tag}",)),
+    "consume-second-untagged": (second_untagged(con, 3), ("has no {hash tag}", "untagged")),
+    "claim-visibility-zero": (arg(claim, 1, 0), ("visibility_ms", "'0'")),
+    "claim-no-ack-word": (arg(claim, 2, "no"), ("no_ack", "'no'")),
+    "claim-untagged": (untagged(claim), ("has no {hash tag}",)),
+    "reject-requeue-2": (arg(rej, 2, 2), ("requeue", "'2'")),
+    "reject-requeue-word": (arg(rej, 2, "true"), ("requeue", "'true'")),
+    "reject-limit-negative": (arg(rej, 3, -1), ("delivery_limit", "'-1'")),
+    "reject-limit-word": (arg(rej, 3, "x"), ("delivery_limit", "'x'")),
+    "reject-maxlen-negative": (arg(rej, 4, -1), ("dead_letter_maxlen", "'-1'")),
+    "reject-visibility-zero": (arg(rej, 5, 0), ("visibility_ms", "'0'")),
+    "reject-no-ids": (argv(rej, 5), ("expected at least 6 arguments", "got 5")),
+    "reject-2-keys": (keys(rej, 2), ("expected 3 keys", "got 2")),
+    "reject-4-keys": (keys(rej, 4), ("expected 3 keys", "got 4")),
+    "reject-untagged": (untagged(rej), ("has no {hash tag}",)),
+    "extend-visibility-zero": (arg(ext, 1, 0), ("visibility_ms", "'0'")),
+    "extend-visibility-word": (arg(ext, 1, "soon"), ("visibility_ms", "'soon'")),
+    "extend-3-keys": (keys(ext, 3), ("expected 4 keys", "got 3")),
+    "ack-1-key": (keys(ack, 1), ("expected 2 keys", "got 1")),
+    "ack-3-keys": (keys(ack, 3), ("expected 2 keys", "got 3")),
+    "ack-no-ids": (argv(ack, 1), ("at least one id",)),
+    "ack-untagged": (untagged(ack), ("has no {hash tag}",)),
+    "sweep-batch-zero": (arg(swp, 5, 0), ("batch", "1..10000", "'0'")),
+    "sweep-batch-huge": (arg(swp, 5, 10_001), ("batch", "'10001'")),
+    "sweep-batch-word": (arg(swp, 5, "x"), ("batch", "'x'")),
+    "sweep-visibility-zero": (arg(swp, 2, 0), ("visibility_ms", "'0'")),
+    "sweep-limit-negative": (arg(swp, 3, -1), ("delivery_limit", "'-1'")),
+    "sweep-report-limit-negative": (arg(swp, 6, -1), ("report_limit", "'-1'")),
+    "sweep-3-keys": (keys(swp, 3), ("expected 4 keys per queue", "got 3")),
+    "sweep-untagged": (untagged(swp), ("has no {hash tag}",)),
+    "sweep-second-untagged": (second_untagged(swp, 4), ("has no {hash tag}", "untagged")),
+    "purge-batch-zero": (arg(prg, 2, 0), ("batch", "1..100000", "'0'")),
+    "purge-batch-huge": (arg(prg, 2, 100_001), ("batch", "'100001'")),
+    "purge-batch-word": (arg(prg, 2, "all"), ("batch", "'all'")),
+    "purge-2-keys": (keys(prg, 2), ("expected 3 keys", "got 2")),
+    "purge-untagged": (untagged(prg), ("has no {hash tag}",)),
+    "delete-batch-zero": (arg(dlt, 2, 0), ("batch", "'0'")),
+    "delete-batch-negative": (arg(dlt, 2, -3), ("batch", "'-3'")),
+    "delete-4-keys": (keys(dlt, 4), ("expected 5 keys", "got 4")),
+    "delete-untagged": (untagged(dlt), ("has no {hash tag}",)),
+    "bind-lifetime-zero": (arg(bnd, 1, 0), ("lifetime_ms", "'0'")),
+    "bind-lifetime-negative": (arg(bnd, 1, -5), ("lifetime_ms", "'-5'")),
+    "bind-lifetime-word": (arg(bnd, 1, "soon"), ("lifetime_ms", "'soon'")),
+    "bind-no-members": (argv(bnd, 1), ("at least one member",)),
+    "bind-2-keys": (keys(bnd, 2), ("expected 1 key", "got 2")),
+    "fanout-maxlen-zero": (arg(fan, 2, 0), ("maxlen", "'0'")),
+    "fanout-maxlen-negative": (arg(fan, 2, -1), ("maxlen", "'-1'")),
+    "fanout-maxlen-word": (arg(fan, 2, "lots"), ("maxlen", "'lots'")),
+    "fanout-payload-empty": (arg(fan, 1, ""), ("payload is missing or empty",)),
+    "fanout-expires-zero": (arg(fan, 3, 0), ("expires_ms", "'0'")),
+    "fanout-2-keys": (keys(fan, 2), ("expected 1 key", "got 2")),
+    "dead-list-count-zero": (arg(dlist, 1, 0), ("count", "'0'")),
+    "dead-list-after-word": (arg(dlist, 2, "abc"), ("after", "'abc'")),
+    "dead-list-after-half-id": (arg(dlist, 2, "1-"), ("after", "'1-'")),
+    "dead-list-2-keys": (keys(dlist, 2), ("expected 1 key", "got 2")),
+    "dead-replay-entry-word": (arg(replay, 4, "nope"), ("entry id", "'nope'")),
+    "dead-replay-entry-3-parts": (arg(replay, 4, "1-2-3"), ("entry id", "'1-2-3'")),
+    # A valid entry id first: nothing may be replayed before the bad one is found.
+    "dead-replay-good-then-bad": (
+        lambda k, s: replace(replay(k, s), args=[*replay(k, s).args, "bad-id"]),
+        ("entry id", "'bad-id'"),
+    ),
+    "dead-replay-count-zero": (argv(arg(replay, 3, 0), 3), ("count", "'0'")),
+    "dead-replay-visibility-zero": (arg(replay, 2, 0), ("visibility_ms", "'0'")),
+    "dead-replay-3-keys": (keys(replay, 3), ("expected 4 keys", "got 3")),
+    "dead-replay-untagged": (untagged(replay), ("has no {hash tag}",)),
+}
+
+
+def script_of(case: str) -> str:
+    return CASES[case][0](Keyspace(), Seeded("1", "2", "1-1", "3")).script
+
+
+BY_SCRIPT: dict[str, list[str]] = {}
+for _case in CASES:
+    BY_SCRIPT.setdefault(script_of(_case), []).append(_case)
+
+
+def check_case(target: Target, lib: ScriptLibrary, seeded: Seeded, case: str) -> str | None:
+    """Run one bad call; return what went wrong (None: refused cleanly, nothing changed)."""
+    build, expected = CASES[case]
+    call = build(lib.keys, seeded)
+    touched = [*call.keys, lib.keys.message(QUEUE, seeded.next_id)]
+    before = snapshot(target, touched)
+    try:
+        lib.runner.run(call)
+    except ScriptError as error:
+        message, script = str(error), error.script
+    else:
+        return f"{case}: no error"
+    after = snapshot(target, touched)
+    problems = []
+    if script != call.script or not message.startswith(f"celery-redis-lua: {call.script}: "):
+        problems.append(f"error not from {call.script}: {message!r}")
+    problems += [f"{fragment!r} not in {message!r}" for fragment in expected if fragment not in message]
+    if target.client.hget(lib.keys.meta(QUEUE), "seq") != b"5":
+        problems.append("the id sequence moved")
+    if after[0] != before[0]:
+        problems.append(f"DBSIZE {before[0]} -> {after[0]}")
+    changed = sorted(k for k in before[1].keys() | after[1].keys() if before[1].get(k) != after[1].get(k))
+    if changed:
+        problems.append(f"changed keys {changed}")
+    return f"{case}: {'; '.join(problems)}" if problems else None
+
+
+@pytest.mark.parametrize("script", sorted(BY_SCRIPT))
+def test_bad_input_is_refused_and_changes_nothing(target: Target, lib: ScriptLibrary, script: str) -> None:
+    """Every bad case of ``script`` (see CASES) on one seeded database; a case that
+    changed the database is reported and the database is seeded afresh for the next."""
+    seeded = seed(lib, target)
+    failures = []
+    for case in BY_SCRIPT[script]:
+        failure = check_case(target, lib, seeded, case)
+        if failure:
+            failures.append(failure)
+            target.flush()
+            seeded = seed(lib, target)
+    assert not failures, "\n".join(failures)
+
+
+def test_the_snapshot_sees_a_valid_call_and_ttl_minus_one_means_none(
+        target: Target, lib: ScriptLibrary) -> None:
+    """The control: a valid publish with ttl_ms -1 succeeds, moves the snapshot, and the
+    message hash has no TTL (-1 is "none", not an error)."""
+    seeded = seed(lib, target)
+    before = snapshot(target, [lib.keys.message(QUEUE, seeded.next_id)])
+    message_id = lib.run(calls.publish(lib.keys, QUEUE, "p", ttl_ms=-1, visibility_ms=VIS))
+    assert message_id == seeded.next_id
+    assert snapshot(target, [lib.keys.message(QUEUE, seeded.next_id)]) != before
+    assert target.client.pttl(lib.keys.message(QUEUE, message_id)) == -1
+    assert target.client.hget(lib.keys.meta(QUEUE), "seq") == b"6"
+
+
+@pytest.mark.parametrize("prefix", ["a{b", "a}b", "{x}:"])
+def test_keyspace_rejects_braces_in_the_global_prefix(prefix: str) -> None:
+    with pytest.raises(KeyspaceError, match="global_keyprefix") as raised:
+        Keyspace(prefix)
+    assert repr(prefix) in str(raised.value)
+
+
+@pytest.mark.parametrize("builder", ["queue", "delayed", "index", "meta", "dead", "queue_keys", "slot"])
+def test_keyspace_rejects_an_empty_queue_name(builder: str) -> None:
+    with pytest.raises(KeyspaceError, match="queue name must be a non-empty string") as raised:
+        getattr(Keyspace("app:"), builder)("")
+    assert "''" in str(raised.value)

@@ -1,0 +1,144 @@
+"""A full server (maxmemory, noeviction) refuses publish before it writes, and still drains.
+
+publish carries no shebang flags, so the server refuses it when used memory is
+above maxmemory, before the script runs: nothing is written, not even the id
+sequence. ack, purge and sweep carry allow-oom, so they run on a full server and
+free memory. Each test starts its own small server (1mb is below Valkey 9's
+baseline of about 1.1 MB, so the limit here is 4mb) and fills it with raw
+strings until the server answers OOM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+from redis.exceptions import OutOfMemoryError
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.servers import Server, ServerUnavailable, server_binary
+from helpers import server_now_ms, wait_for_server_time
+
+VISIBILITY_MS = 300
+PAYLOAD = "p" * 65_536
+FREED = 5 * len(PAYLOAD) // 2  # at least half of five payloads (INFO itself moves by ~25 KB)
+FILL_CHUNK = b"x" * 16_384
+
+
+def require(kind: str) -> None:
+    try:
+        server_binary(kind)
+    except ServerUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must cover {kind}: {error}")
+        pytest.skip(f"{kind} not available here: {error}")
+
+
+@dataclass
+class Full:
+    client: redis.Redis
+    lib: ScriptLibrary
+    in_flight: list[str]
+    delivered_at_ms: int
+    filled: Iterator[int]
+
+    def fill_until_oom(self) -> None:
+        """Write raw strings until the server refuses one with OOM."""
+        for _ in range(2_000):
+            try:
+                self.client.set(f"fill:{next(self.filled)}", FILL_CHUNK)
+            except OutOfMemoryError:
+                return
+        raise AssertionError("the server never reported OOM")
+
+    def used_memory(self) -> int:
+        return int(self.client.info("memory")["used_memory"])
+
+    def assert_publish_refused(self) -> None:
+        """publish is refused with OOM and writes nothing (DBSIZE, id sequence, queue keys)."""
+        keys = self.lib.keys
+        watched = [keys.queue("q"), keys.index("q"), keys.meta("q"), keys.delayed("q")]
+        before = (self.client.dbsize(), self.client.hget(keys.meta("q"), "seq"),
+                  [self.client.dump(k) for k in watched])
+        with pytest.raises(OutOfMemoryError, match="maxmemory"):
+            self.lib.publish("q", "refused")
+        after = (self.client.dbsize(), self.client.hget(keys.meta("q"), "seq"),
+                 [self.client.dump(k) for k in watched])
+        assert after == before
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def full(request: pytest.FixtureRequest) -> Iterator[Full]:
+    """10 messages in queue 'q', 5 of them delivered (in flight, 300 ms visibility)."""
+    require(request.param)
+    with Server(request.param, args=["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]) as server:
+        client = server.client(socket_timeout=10)
+        lib = ScriptLibrary(client, Keyspace(), visibility_ms=VISIBILITY_MS)
+        for i in range(10):
+            lib.publish("q", f"{i}:{PAYLOAD}")
+        in_flight = [d.id for d in lib.consume(["q"], 5).deliveries]
+        delivered_at = server_now_ms(client)
+        assert len(in_flight) == 5
+        yield Full(client, lib, in_flight, delivered_at, itertools.count())
+        client.close()
+
+
+def message_keys(full: Full) -> int:
+    return len(full.client.keys(full.lib.keys.message("q", "*")))
+
+
+def test_publish_is_refused_before_writing_anything(full: Full) -> None:
+    seq = full.client.hget(full.lib.keys.meta("q"), "seq")
+    assert seq is not None and int(seq) == 10
+    full.fill_until_oom()
+    full.assert_publish_refused()
+    full.client.script_flush()  # the NOSCRIPT path (load, retry) is refused the same way
+    full.assert_publish_refused()
+    assert int(full.client.hget(full.lib.keys.meta("q"), "seq") or 0) == 10
+
+
+def test_ack_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
+    full.fill_until_oom()
+    full.assert_publish_refused()
+    dbsize, memory = full.client.dbsize(), full.used_memory()
+
+    assert full.lib.ack("q", full.in_flight) == 5
+
+    assert full.client.dbsize() == dbsize - 5
+    assert message_keys(full) == 5
+    assert memory - full.used_memory() >= FREED
+    assert full.client.zscore(full.lib.keys.index("q"), full.in_flight[0]) is None
+
+
+def test_purge_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
+    full.client.script_flush()  # purge is loaded for the first time while the server is full
+    full.fill_until_oom()
+    full.assert_publish_refused()
+    dbsize, memory = full.client.dbsize(), full.used_memory()
+
+    assert full.lib.purge("q") == 5  # the ready ones; in-flight messages are left alone
+
+    assert full.client.dbsize() == dbsize - 6  # five hashes, and the emptied queue ZSET
+    assert message_keys(full) == 5
+    assert memory - full.used_memory() >= FREED
+    assert full.client.exists(full.lib.keys.queue("q")) == 0
+
+
+def test_sweep_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
+    wait_for_server_time(full.client, full.delivered_at_ms + VISIBILITY_MS + 1)
+    full.fill_until_oom()
+    full.assert_publish_refused()
+    dbsize, memory = full.client.dbsize(), full.used_memory()
+
+    # Limit 1: the timed-out deliveries may not start a second attempt; maxlen 0 deletes them.
+    report = full.lib.sweep(["q"], delivery_limit=1, dead_letter_maxlen=0)
+
+    assert report.dropped == 5
+    assert sorted(d.id for d in report.dropped_messages) == sorted(full.in_flight)
+    assert full.client.dbsize() == dbsize - 5
+    assert message_keys(full) == 5
+    assert memory - full.used_memory() >= FREED

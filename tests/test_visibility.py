@@ -1,0 +1,176 @@
+"""Visibility: an unacked delivery comes back after its deadline with delivery_count 1;
+extend keeps it away; ack after a restore cancels the restored copy; what BZMPOP/ZMPOP
+popped is claimed, or restored uncounted when never claimed; backlog is not counted;
+no-ack consume leaves nothing behind. Deadlines are judged by the server's clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.calls import SweepReport
+from conftest import Target
+from helpers import server_now_ms, wait_for_server_time
+
+VISIBILITY_MS = 200
+
+
+@pytest.fixture
+def vlib(target: Target, keyspace: Keyspace) -> ScriptLibrary:
+    """The script library with a tiny visibility timeout, on every server kind."""
+    return ScriptLibrary(target.client, keyspace, visibility_ms=VISIBILITY_MS)
+
+
+def index_time(lib: ScriptLibrary, queue: str, message_id: str) -> int | None:
+    score = lib.client.zscore(lib.keys.index(queue), message_id)
+    return None if score is None else int(score)
+
+
+def sweep_after_index_time(lib: ScriptLibrary, queue: str, message_id: str) -> SweepReport:
+    """Wait until the server clock passes the message's index time, then sweep."""
+    due = index_time(lib, queue, message_id)
+    assert due is not None, f"{message_id} is not indexed"
+    wait_for_server_time(lib.client, due)
+    return lib.sweep([queue])
+
+
+def counts(report: SweepReport) -> tuple[int, ...]:
+    return (report.promoted, report.requeued, report.unclaimed, report.backlog, report.dropped,
+            report.orphans)
+
+
+def zmpop(client: Any, key: str, count: int) -> list[str]:
+    """What a blocking consumer does: pop members straight off the queue zset."""
+    reply = client.execute_command("ZMPOP", 1, key, "MIN", "COUNT", count)
+    assert reply is not None and reply[0] == key.encode()
+    return [member.decode() for member, _ in reply[1]]
+
+
+def test_unacked_delivery_comes_back_after_its_deadline_counted(vlib: ScriptLibrary) -> None:
+    message_id = vlib.publish("vis", "work")
+    before = server_now_ms(vlib.client)
+    [first] = vlib.consume(["vis"], 5).deliveries
+    assert (first.id, first.delivery_count) == (message_id, 0)
+    deadline = index_time(vlib, "vis", message_id)
+    assert deadline is not None and deadline >= before + VISIBILITY_MS
+    assert vlib.consume(["vis"], 5).deliveries == []  # in flight, not ready
+
+    report = sweep_after_index_time(vlib, "vis", message_id)
+    assert counts(report) == (0, 1, 0, 0, 0, 0)
+    [again] = vlib.consume(["vis"], 5).deliveries
+    assert (again.id, again.delivery_count, again.payload) == (message_id, 1, b"work")
+
+
+def test_extend_keeps_a_delivery_away(vlib: ScriptLibrary, target: Target, keyspace: Keyspace) -> None:
+    message_id = vlib.publish("vis", "long task")
+    vlib.consume(["vis"], 1)
+    deadline = index_time(vlib, "vis", message_id)
+    assert deadline is not None
+
+    heartbeat = ScriptLibrary(target.client, keyspace, visibility_ms=60_000)
+    assert heartbeat.extend("vis", [message_id, "00000000000000ff"]) == 1  # unknown id ignored
+    extended = index_time(vlib, "vis", message_id)
+    assert extended is not None and extended >= deadline + 60_000 - VISIBILITY_MS
+
+    wait_for_server_time(target.client, deadline + 1)
+    assert counts(vlib.sweep(["vis"])) == (0, 0, 0, 0, 0, 0)
+    assert vlib.consume(["vis"], 5).deliveries == []
+    assert index_time(vlib, "vis", message_id) == extended
+    assert vlib.ack("vis", [message_id]) == 1
+
+
+def test_extend_does_not_resurrect_an_acked_message(vlib: ScriptLibrary) -> None:
+    message_id = vlib.publish("vis", "done")
+    vlib.consume(["vis"], 1)
+    assert vlib.ack("vis", [message_id]) == 1
+    assert vlib.extend("vis", [message_id]) == 0
+    assert index_time(vlib, "vis", message_id) is None
+
+
+def test_ack_after_restore_cancels_the_restored_copy(vlib: ScriptLibrary, target: Target) -> None:
+    message_id = vlib.publish("vis", "slow but fine")
+    vlib.consume(["vis"], 1)
+    assert sweep_after_index_time(vlib, "vis", message_id).requeued == 1
+    assert vlib.size("vis") == 1  # restored, ready again
+
+    assert vlib.ack("vis", [message_id]) == 1  # the slow worker finishes after all
+    client = target.client
+    assert vlib.size("vis") == 0
+    assert client.exists(vlib.keys.queue("vis")) == 0
+    assert index_time(vlib, "vis", message_id) is None
+    assert client.exists(vlib.keys.message("vis", message_id)) == 0
+    assert vlib.consume(["vis"], 5).deliveries == []
+
+
+def test_claim_after_a_real_zmpop(vlib: ScriptLibrary, target: Target) -> None:
+    ids = [vlib.publish("pop", f"m{i}", priority=p) for i, p in enumerate((1, 9))]
+    popped = zmpop(target.client, vlib.keys.queue("pop"), 5)
+    assert popped == ids[::-1]  # priority order, straight from the zset
+
+    before = server_now_ms(target.client)
+    claimed = vlib.claim("pop", popped)
+    assert [(d.queue, d.id, d.delivery_count, d.payload) for d in claimed] == [
+        ("pop", ids[1], 0, b"m1"), ("pop", ids[0], 0, b"m0")]
+    for message_id in ids:
+        deadline = index_time(vlib, "pop", message_id)
+        assert deadline is not None and deadline >= before + VISIBILITY_MS
+        assert target.client.hget(vlib.keys.message("pop", message_id), "state") == b"unacked"
+    # Claimed means in flight: after the deadline it is a counted redelivery.
+    report = sweep_after_index_time(vlib, "pop", ids[0])
+    assert report.requeued == 2 and report.unclaimed == 0
+
+
+def test_popped_but_never_claimed_is_restored_uncounted(vlib: ScriptLibrary, target: Target) -> None:
+    message_id = vlib.publish("pop", "lost pop")
+    assert zmpop(target.client, vlib.keys.queue("pop"), 1) == [message_id]
+    assert vlib.size("pop") == 0  # the consumer died here, between BZMPOP and claim
+
+    report = sweep_after_index_time(vlib, "pop", message_id)
+    assert counts(report) == (0, 0, 1, 0, 0, 0)
+    [delivery] = vlib.consume(["pop"], 5).deliveries
+    assert (delivery.id, delivery.delivery_count) == (message_id, 0)
+
+
+def test_slow_claim_after_restore_is_not_delivered_twice(vlib: ScriptLibrary, target: Target) -> None:
+    message_id = vlib.publish("pop", "slow claim")
+    assert zmpop(target.client, vlib.keys.queue("pop"), 1) == [message_id]
+    assert sweep_after_index_time(vlib, "pop", message_id).unclaimed == 1
+    assert vlib.size("pop") == 1
+
+    [claimed] = vlib.claim("pop", [message_id])
+    assert (claimed.id, claimed.delivery_count) == (message_id, 0)
+    assert vlib.size("pop") == 0  # the restored copy was taken back by claim
+    assert vlib.consume(["pop"], 5).deliveries == []
+
+
+def test_backlog_is_rescheduled_not_counted(vlib: ScriptLibrary, target: Target) -> None:
+    message_id = vlib.publish("backlog", "waiting")
+    for _ in range(2):
+        report = sweep_after_index_time(vlib, "backlog", message_id)
+        swept_at = server_now_ms(target.client)
+        assert counts(report) == (0, 0, 0, 1, 0, 0)
+        next_look = index_time(vlib, "backlog", message_id)
+        assert next_look is not None and next_look > swept_at  # pushed forward
+        assert vlib.size("backlog") == 1
+    assert target.client.hget(vlib.keys.message("backlog", message_id), "delivery_count") == b"0"
+    [delivery] = vlib.consume(["backlog"], 5).deliveries
+    assert (delivery.id, delivery.delivery_count) == (message_id, 0)
+
+
+def test_no_ack_consume_leaves_nothing_behind(vlib: ScriptLibrary, target: Target) -> None:
+    ids = [vlib.publish("noack", f"m{i}") for i in range(3)]
+    got = vlib.consume(["noack"], 10, no_ack=True).deliveries
+    assert [(d.id, d.payload) for d in got] == [(i, f"m{n}".encode()) for n, i in enumerate(ids)]
+
+    client = target.client
+    for message_id in ids:
+        assert client.exists(vlib.keys.message("noack", message_id)) == 0
+    assert client.exists(vlib.keys.index("noack")) == 0
+    # Only the queue's definition (meta: its id sequence) remains.
+    assert target.keys() == {vlib.keys.meta("noack").encode()}
+
+    wait_for_server_time(client, server_now_ms(client) + VISIBILITY_MS + 1)
+    assert counts(vlib.sweep(["noack"])) == (0, 0, 0, 0, 0, 0)
+    assert vlib.consume(["noack"], 10).deliveries == []

@@ -1,0 +1,116 @@
+"""The wheel carries the Lua scripts inside the package, and an installed wheel finds them.
+
+Builds the wheel, installs it into a fresh venv outside the source tree (no
+PYTHONPATH, no editable install, cwd elsewhere), and runs publish + consume
+through the installed package against a throwaway server.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_redis_lua.servers import Server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import json, sys, sysconfig
+from pathlib import Path
+import celery_redis_lua
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.scripts import load_scripts, lua_dir, read_manifest
+import redis
+
+client = redis.Redis(host="127.0.0.1", port=int(sys.argv[1]))
+lib = ScriptLibrary(client, Keyspace("wheel:"), visibility_ms=60_000)
+message_id = lib.publish("wheel-q", "from the installed wheel", priority=9)
+consumed = lib.consume(["wheel-q"], 10)
+print(json.dumps({
+    "package": celery_redis_lua.__file__,
+    "lua_dir": str(lua_dir()),
+    "purelib": sysconfig.get_paths()["purelib"],
+    "scripts": sorted(load_scripts()),
+    "manifest": read_manifest(),
+    "id": message_id,
+    "deliveries": [[d.queue, d.id, d.delivery_count, d.payload.decode()] for d in consumed.deliveries],
+}))
+"""
+
+
+def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)  # type: ignore[call-overload]
+    assert result.returncode == 0, f"{command[:4]} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def build_wheel(out: Path) -> Path:
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)], cwd=ROOT)
+    wheels = list(out.glob("celery_redis_lua-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def install(venv: Path, wheel: Path) -> None:
+    """The wheel with --no-deps, plus redis (its only import-time dependency here).
+
+    redis comes from the package index (pip's cache makes that quick); without a
+    reachable index, the redis package of this environment is copied in instead."""
+    python = str(venv / "bin" / "python")
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-input",
+         "--disable-pip-version-check", str(wheel)])
+    redis_version = importlib.metadata.version("redis")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-input",
+         "--disable-pip-version-check", "--retries", "1", "--timeout", "15", f"redis=={redis_version}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    if result.returncode != 0:
+        purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        shutil.copytree(Path(redis.__file__).parent, Path(purelib.stdout.strip()) / "redis")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wheel(tmp_path_factory.mktemp("dist"))
+
+
+def test_wheel_carries_every_script_byte_for_byte(wheel: Path) -> None:
+    sources = {p.name: p.read_bytes() for p in (ROOT / "lua").iterdir()
+               if p.suffix == ".lua" or p.name == "manifest.json"}
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = {Path(n).name: archive.read(n) for n in archive.namelist()
+                    if n.startswith("celery_redis_lua/lua/")}
+        assert "celery_redis_lua/__init__.py" in archive.namelist()
+    assert packaged == sources
+
+
+def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_path: Path) -> None:
+    assert ROOT not in tmp_path.parents
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    install(venv, wheel)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+    with Server("valkey") as server:
+        result = run([str(venv / "bin" / "python"), "-c", PROBE, str(server.port)], cwd=tmp_path, env=env)
+        report = json.loads(result.stdout)
+
+    purelib = Path(report["purelib"])
+    assert purelib.is_relative_to(venv)
+    assert Path(report["package"]).is_relative_to(purelib)
+    assert Path(report["lua_dir"]) == purelib / "celery_redis_lua" / "lua"
+    assert not Path(report["lua_dir"]).resolve().is_relative_to(ROOT)
+    assert report["scripts"] == sorted(p.stem for p in (ROOT / "lua").glob("*.lua"))
+    assert report["manifest"] == json.loads((ROOT / "lua" / "manifest.json").read_text())["scripts"]
+    assert int(report["id"], 16) == 1
+    assert report["deliveries"] == [["wheel-q", report["id"], 0, "from the installed wheel"]]
