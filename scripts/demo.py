@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-import redis  # noqa: E402
+import redis
 
-from celery_redis_lua import Keyspace, ScriptLibrary  # noqa: E402
-from celery_redis_lua.servers import Server, server_version  # noqa: E402
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.servers import Server, server_version
 
 VISIBILITY_MS = 1500
 
@@ -38,7 +38,7 @@ def wait_for_server_time(client: redis.Redis, at_ms: int) -> None:
 
 def table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -> None:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(f"\n{title}")
     print("  " + line.format(*header))
     print("  " + line.format(*("-" * w for w in widths)))

@@ -1,0 +1,211 @@
+"""Queue administration: purge, delete, size, stats, declare counts, dead letters.
+
+purge drops ready and delayed messages (not in-flight ones) in bounded batches; delete
+drops everything of a queue, in-flight hashes and dead letters included; stats count per
+queue across cluster slots; dead letters can be listed page by page, replayed as fresh
+messages (new ids, delivery count 0) and purged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, calls
+from conftest import Target
+from helpers import names_on_each_node, server_now_ms
+
+LATER = 3_600_000  # an ETA an hour away: delayed for the whole test
+
+
+def exists(lib: ScriptLibrary, queue: str, ids: Sequence[str]) -> list[bool]:
+    return [bool(lib.client.exists(lib.keys.message(queue, i))) for i in ids]
+
+
+def later(lib: ScriptLibrary) -> int:
+    return server_now_ms(lib.client) + LATER
+
+
+def test_purge_drops_ready_and_delayed_but_not_in_flight(target: Target, lib: ScriptLibrary) -> None:
+    ready = [lib.publish("p", f"r{i}") for i in range(5)]
+    delayed = [lib.publish("p", f"d{i}", eta_ms=later(lib)) for i in range(2)]
+    in_flight = [d.id for d in lib.consume(["p"], 2).deliveries]
+    assert in_flight == ready[:2]
+
+    assert lib.purge("p") == 5
+    assert exists(lib, "p", ready[2:] + delayed) == [False] * 5
+    assert exists(lib, "p", in_flight) == [True, True]
+    assert [m.decode() for m in lib.client.zrange(lib.keys.index("p"), 0, -1)] == in_flight
+    assert lib.stats(["p"]) == [QueueStats("p", 0, 0, 2, 0)]
+    assert lib.consume(["p"], 10).deliveries == []
+
+    assert lib.ack("p", in_flight) == 2  # in-flight work still completes normally
+    assert target.keys() == {lib.keys.meta("p").encode()}
+
+
+def test_purge_of_a_large_queue_runs_in_batches(target: Target, lib: ScriptLibrary) -> None:
+    eta = later(lib)
+    lib.run_many([calls.publish(lib.keys, "big", f"m{i}", visibility_ms=60_000) for i in range(4_600)]
+            + [calls.publish(lib.keys, "big", f"d{i}", eta_ms=eta, visibility_ms=60_000)
+               for i in range(400)])
+    assert lib.stats(["big"]) == [QueueStats("big", 4_600, 400, 0, 0)]
+
+    purged, remaining = lib.run(calls.purge(lib.keys, "big", batch=1_000))
+    assert purged == 1_000
+    assert remaining >= 4_000  # (the wake marker of the delayed messages may count too)
+    assert lib.size("big") == 3_600
+
+    assert lib.purge("big", batch=1_000) == 4_000
+    assert lib.stats(["big"]) == [QueueStats("big", 0, 0, 0, 0)]
+    assert target.keys() == {lib.keys.meta("big").encode()}
+
+
+def test_delete_removes_everything_of_the_queue_only(target: Target, lib: ScriptLibrary) -> None:
+    keys = lib.keys
+    lib.declare("doomed", max_priority=10)
+    ready = [lib.publish("doomed", f"r{i}", priority=i) for i in range(6)]
+    delayed = lib.publish("doomed", "later", eta_ms=later(lib))
+    taken = lib.consume(["doomed"], 3).deliveries
+    assert lib.reject("doomed", [taken[0].id], requeue=False).dead_lettered == 1
+    in_flight = [d.id for d in taken[1:]]
+    survivor = lib.publish("other", "keep me")
+
+    assert lib.delete("doomed") == 6  # 3 ready + 1 delayed + 2 in flight
+    assert exists(lib, "doomed", [*ready, delayed]) == [False] * 7
+    assert lib.ack("doomed", in_flight) == 0
+    other = {keys.meta("other"), keys.queue("other"), keys.index("other"), keys.message("other", survivor)}
+    assert target.keys() == {k.encode() for k in other}
+    assert [d.payload for d in lib.consume(["other"], 5).deliveries] == [b"keep me"]
+
+
+def test_delete_in_batches_keeps_meta_until_the_end(target: Target, lib: ScriptLibrary) -> None:
+    for i in range(5):
+        lib.publish("slow", f"m{i}")
+    lib.consume(["slow"], 2)
+    deleted, remaining = lib.run(calls.delete(lib.keys, "slow", batch=2))
+    assert deleted == 2
+    assert remaining > 0  # entries left to look at (index entries of deleted ones count too)
+    assert lib.client.exists(lib.keys.meta("slow")) == 1  # the id sequence survives meanwhile
+    assert lib.delete("slow", batch=2) == 3
+    assert target.keys() == set()
+
+
+def test_size_counts_ready_messages_only(lib: ScriptLibrary) -> None:
+    assert lib.size("s") == 0
+    for i in range(3):
+        lib.publish("s", f"m{i}")
+    lib.publish("s", "later", eta_ms=later(lib))  # delayed, and leaves a wake marker
+    assert lib.size("s") == 3
+    lib.consume(["s"], 1)
+    assert lib.size("s") == 2
+
+
+def queues_in_different_slots(target: Target, keys: Keyspace) -> list[str]:
+    if target.is_cluster:
+        return names_on_each_node(target.client, keys, stem="stat")
+    names = ["stat-a", "stat-b", "stat-c"]
+    assert len({keys.slot(n) for n in names}) == 3
+    return names
+
+
+def test_stats_per_queue_across_slots(target: Target, lib: ScriptLibrary) -> None:
+    a, b, c = queues_in_different_slots(target, lib.keys)
+    lib.publish(a, "a1")
+    lib.publish(a, "a2")
+    lib.publish(b, "b1")
+    lib.consume([b], 1)  # in flight
+    lib.publish(b, "b-later", eta_ms=later(lib))
+    lib.publish(c, "c1")
+    lib.publish(c, "c2")
+    (first,) = lib.consume([c], 1).deliveries
+    lib.reject(c, [first.id], requeue=False)
+
+    expected = [QueueStats(a, 2, 0, 0, 0), QueueStats(b, 0, 1, 1, 0), QueueStats(c, 1, 0, 0, 1),
+                QueueStats("never-used", 0, 0, 0, 0)]
+    assert lib.stats([a, b, c, "never-used"]) == expected
+    assert lib.stats([c, "never-used", a, b]) == [expected[i] for i in (2, 3, 0, 1)]
+
+
+def test_declare_returns_counts(lib: ScriptLibrary) -> None:
+    counts = lib.declare("d")
+    assert (counts.ready, counts.delayed, counts.in_flight) == (0, 0, 0)
+    for i in range(3):
+        lib.publish("d", f"m{i}")
+    lib.publish("d", "later", eta_ms=later(lib))
+    lib.consume(["d"], 1)
+    counts = lib.declare("d", max_priority=5)
+    assert (counts.ready, counts.delayed, counts.in_flight) == (2, 1, 1)
+
+
+def test_declare_does_not_count_the_wake_marker_as_ready(lib: ScriptLibrary) -> None:
+    lib.publish("w", "later", eta_ms=later(lib))  # leaves a wake marker in queue:{w}
+    assert lib.client.zscore(lib.keys.queue("w"), "~wake") is not None
+    counts = lib.declare("w")
+    assert (counts.ready, counts.delayed, counts.in_flight) == (0, 1, 0)
+    assert lib.stats(["w"]) == [QueueStats("w", 0, 1, 0, 0)]
+
+
+def make_dead_letters(lib: ScriptLibrary, queue: str, priorities: Sequence[int]) -> list[str]:
+    """Dead letters in publish order; the second one was redelivered once first."""
+    ids = [lib.publish(queue, f"m{i}", priority=p) for i, p in enumerate(priorities)]
+    taken = lib.consume([queue], len(ids)).deliveries
+    assert {d.id for d in taken} == set(ids)
+    lib.reject(queue, [ids[1]], requeue=True)
+    assert [d.id for d in lib.consume([queue], 1).deliveries] == [ids[1]]
+    assert lib.reject(queue, ids, requeue=False).dead_lettered == len(ids)
+    return ids
+
+
+def test_dead_letters_are_listed_page_by_page(lib: ScriptLibrary) -> None:
+    ids = make_dead_letters(lib, "dl", [0, 0, 0, 9, 0])
+    pages, after = [], None
+    while page := lib.dead_list("dl", count=2, after=after):
+        pages.append(page)
+        after = page[-1].entry_id
+    assert [len(p) for p in pages] == [2, 2, 1]
+    letters = [letter for page in pages for letter in page]
+    assert [d.id for d in letters] == ids
+    assert [d.payload for d in letters] == [f"m{i}".encode() for i in range(5)]
+    assert {d.reason for d in letters} == {"rejected"}
+    assert [d.delivery_count for d in letters] == [0, 1, 0, 0, 0]
+    assert [d.priority for d in letters] == [0, 0, 0, 9, 0]
+    assert lib.stats(["dl"])[0].dead == 5
+    assert lib.dead_list("dl", count=10) == letters  # one page of everything
+
+
+def test_replay_chosen_entries_gives_fresh_messages(lib: ScriptLibrary) -> None:
+    old_ids = make_dead_letters(lib, "rp", [0, 0, 0, 9, 0])
+    letters = lib.dead_list("rp")
+    chosen = [letters[1].entry_id, letters[3].entry_id]
+    new_ids = lib.dead_replay("rp", entry_ids=chosen)
+    assert len(new_ids) == 2
+    assert not set(new_ids) & set(old_ids)
+    assert min(new_ids) > max(old_ids)  # from the queue's sequence, after every old id
+    assert [d.id for d in lib.dead_list("rp")] == [old_ids[0], old_ids[2], old_ids[4]]
+
+    replayed = lib.consume(["rp"], 5).deliveries
+    # Priority 9 first; delivery counts start again at 0.
+    assert [(d.id, d.payload, d.delivery_count) for d in replayed] == [
+        (new_ids[1], b"m3", 0), (new_ids[0], b"m1", 0)]
+    assert lib.dead_replay("rp", entry_ids=["1-1"]) == []  # unknown entries are skipped
+
+
+def test_replay_all_and_by_count(lib: ScriptLibrary) -> None:
+    make_dead_letters(lib, "ra", [0, 0, 0])
+    first = lib.dead_replay("ra", count=1)
+    assert len(first) == 1
+    assert [d.payload for d in lib.dead_list("ra")] == [b"m1", b"m2"]
+    rest = lib.dead_replay("ra")
+    assert len(rest) == 2
+    assert lib.stats(["ra"]) == [QueueStats("ra", 3, 0, 0, 0)]
+    replayed = lib.consume(["ra"], 5).deliveries
+    assert [(d.id, d.payload, d.delivery_count) for d in replayed] == [
+        (first[0], b"m0", 0), (rest[0], b"m1", 0), (rest[1], b"m2", 0)]
+
+
+def test_dead_purge(lib: ScriptLibrary) -> None:
+    make_dead_letters(lib, "dp", [0, 0])
+    lib.publish("dp", "alive")
+    assert lib.dead_purge("dp") == 2
+    assert lib.client.exists(lib.keys.dead("dp")) == 0
+    assert lib.stats(["dp"]) == [QueueStats("dp", 1, 0, 0, 0)]
+    assert lib.dead_purge("dp") == 0
