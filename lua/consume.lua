@@ -96,6 +96,7 @@ for _, q in ipairs(queues) do
     end
     variadic('ZREM', q.delayed, promoted)
     first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
+    if not first[1] then rcall('ZREM', q.queue, WAKE_MEMBER) end -- nothing left to wake anyone for
   end
   if first[2] then
     local wait = math.max(0, tonumber(first[2]) - now)

@@ -100,6 +100,9 @@ for q = 1, #KEYS / 4 do
     rcall('ZREM', delayed_key, id)
   end
   if #due == 2 * batch then more = 1 end
+  if #due > 0 and rcall('ZCARD', delayed_key) == 0 then
+    rcall('ZREM', queue_key, '~wake') -- the wake marker lives only while something is delayed
+  end
 
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
   for _, id in ipairs(entries) do

@@ -24,7 +24,7 @@ SCRIPTS = sorted(ROOT.glob("lua/*.lua"))
 NAMES = [p.stem for p in SCRIPTS]
 REDIS_TYPES = {"ZSET", "HASH", "STREAM", "STRING", "LIST", "SET"}
 FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge"}
-READ_ONLY = {"size", "stats", "dead_list"}
+READ_ONLY = {"size", "stats", "dead_list", "exists"}
 
 
 def contract(name: str) -> Contract:
@@ -51,7 +51,7 @@ def test_there_are_scripts_for_every_operation() -> None:
     assert set(NAMES) >= {
         "publish", "consume", "claim", "ack", "reject", "extend", "sweep", "bind", "unbind",
         "lookup", "fanout_publish", "purge", "delete", "size", "stats", "dead_list",
-        "dead_replay", "dead_purge",
+        "dead_replay", "dead_purge", "fanout_bind", "fanout_consume", "exists",
     }
 
 
@@ -113,7 +113,10 @@ def sample_calls() -> dict[str, tuple[Call, int]]:
         (calls.bind(KS, "ex", ["rk\x06\x16\x06\x16wq1", "rk2\x06\x16\x06\x16wq2"], lifetime_ms=None), 1),
         (calls.unbind(KS, "ex", ["rk2\x06\x16\x06\x16wq2"]), 1),
         (calls.lookup(KS, "ex", "\x06\x16"), 1),
-        (calls.fanout_publish(KS.fanout("ex", "/0."), "payload", maxlen=100), 1),
+        (calls.fanout_publish(KS.fanout("ex", "/0."), "payload", maxlen=100, routing_key="rk"), 1),
+        (calls.fanout_bind(KS.fanout("ex", "/0."), "wq1", expires_ms=60_000), 1),
+        (calls.fanout_consume(KS.fanout("ex", "/0."), "wq1", "worker-1", count=10), 1),
+        (calls.exists(KS, "wq1"), 1),
         (calls.purge(KS, "wq2"), 1),
         (calls.delete(KS, "wq2"), 1),
         (calls.size(KS, "wq1"), 1),

@@ -1,4 +1,4 @@
-"""Fanout publish: XADD with field 'payload', MAXLEN ~ trimming, optional expiry, order kept."""
+"""Fanout publish: XADD of payload and routing key, MAXLEN ~ trimming, optional expiry, order kept."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ def entries(lib: ScriptLibrary, stream: str) -> list[tuple[str, dict[bytes, byte
 
 def test_fanout_publish_appends_payload_entries_in_order(lib: ScriptLibrary) -> None:
     stream = lib.keys.fanout("broadcast", FANOUT_PREFIX)
-    ids = [lib.fanout_publish(stream, f"message {i}") for i in range(5)]
+    ids = [lib.fanout_publish(stream, f"message {i}", routing_key=f"rk{i}") for i in range(5)]
     ids.append(lib.fanout_publish(stream, b"\x00binary\xff"))
     stored = entries(lib, stream)
     assert [entry_id for entry_id, _ in stored] == ids
     assert [fields for _, fields in stored] == [
-        {b"payload": f"message {i}".encode()} for i in range(5)] + [{b"payload": b"\x00binary\xff"}]
+        {b"payload": f"message {i}".encode(), b"routing_key": f"rk{i}".encode()} for i in range(5)
+    ] + [{b"payload": b"\x00binary\xff", b"routing_key": b""}]
     assert lib.client.pttl(stream) == -1  # no expiry unless asked
 
 

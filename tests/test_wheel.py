@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-import redis
 
 from celery_redis_lua.servers import Server
 
@@ -61,22 +59,12 @@ def build_wheel(out: Path) -> Path:
 
 
 def install(venv: Path, wheel: Path) -> None:
-    """The wheel with --no-deps, plus redis (its only import-time dependency here).
-
-    redis comes from the package index (pip's cache makes that quick); without a
-    reachable index, the redis package of this environment is copied in instead."""
+    """The wheel with its dependencies, pinned to the versions of this environment so
+    that pip's cache serves them (the package imports kombu to register its URL scheme)."""
     python = str(venv / "bin" / "python")
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-input",
-         "--disable-pip-version-check", str(wheel)])
-    redis_version = importlib.metadata.version("redis")
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-input",
-         "--disable-pip-version-check", "--retries", "1", "--timeout", "15", f"redis=={redis_version}"],
-        capture_output=True, text=True, timeout=300,
-    )
-    if result.returncode != 0:
-        purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-        shutil.copytree(Path(redis.__file__).parent, Path(purelib.stdout.strip()) / "redis")
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in ("redis", "kombu", "celery")]
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-input",
+         "--disable-pip-version-check", str(wheel), *pins])
 
 
 @pytest.fixture(scope="module")

@@ -214,8 +214,32 @@ def lookup(keys: Keyspace, exchange: str, sep: str) -> Call:
 
 
 def fanout_publish(stream_key: str, payload: Payload, *, maxlen: int,
-                   expires_ms: int | None = None) -> Call:
-    return Call("fanout_publish", [stream_key], [payload, maxlen, _optional(expires_ms)], _text)
+                   expires_ms: int | None = None, routing_key: str = "") -> Call:
+    return Call("fanout_publish", [stream_key],
+                [payload, maxlen, _optional(expires_ms), routing_key or ""], _text)
+
+
+@dataclass(frozen=True)
+class FanoutBatch:
+    last_id: str  # the stream's newest entry id: block on XREAD after it
+    entries: list[tuple[str, str, bytes]]  # (entry id, routing key, payload)
+
+
+def fanout_bind(stream_key: str, queue: str, *, expires_ms: int | None = None) -> Call:
+    return Call("fanout_bind", [stream_key], [queue, _optional(expires_ms)], int)
+
+
+def fanout_consume(stream_key: str, queue: str, consumer: str, *, count: int) -> Call:
+    def decode(reply: Sequence[Any]) -> FanoutBatch:
+        entries = [(_text(reply[i]), _text(reply[i + 1]), _bytes(reply[i + 2]))
+                   for i in range(1, len(reply), 3)]
+        return FanoutBatch(_text(reply[0]), entries)
+
+    return Call("fanout_consume", [stream_key], [queue, consumer, count], decode)
+
+
+def exists(keys: Keyspace, queue: str) -> Call:
+    return Call("exists", [keys.meta(queue)], [], bool)
 
 
 def purge(keys: Keyspace, queue: str, *, batch: int = 10000) -> Call:

@@ -17,6 +17,7 @@ from .calls import (
     Consumed,
     DeadLetter,
     Delivery,
+    FanoutBatch,
     Payload,
     QueueCounts,
     QueueStats,
@@ -121,9 +122,19 @@ class ScriptLibrary:
         return self.run(calls.lookup(self.keys, exchange, sep))
 
     def fanout_publish(self, stream_key: str, payload: Payload, *, maxlen: int = 10_000,
-                       expires_ms: int | None = None) -> str:
+                       expires_ms: int | None = None, routing_key: str = "") -> str:
         return self.run(calls.fanout_publish(stream_key, payload, maxlen=maxlen,
-                                             expires_ms=expires_ms))
+                                             expires_ms=expires_ms, routing_key=routing_key))
+
+    def fanout_bind(self, stream_key: str, queue: str, *, expires_ms: int | None = None) -> bool:
+        return bool(self.run(calls.fanout_bind(stream_key, queue, expires_ms=expires_ms)))
+
+    def fanout_consume(self, stream_key: str, queue: str, consumer: str, *,
+                       count: int = 100) -> FanoutBatch:
+        return self.run(calls.fanout_consume(stream_key, queue, consumer, count=count))
+
+    def exists(self, queue: str) -> bool:
+        return self.run(calls.exists(self.keys, queue))
 
     def purge(self, queue: str, *, batch: int = 10_000) -> int:
         purged, remaining = self.run(calls.purge(self.keys, queue, batch=batch))
