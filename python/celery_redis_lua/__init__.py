@@ -7,8 +7,18 @@ from .scripts import Call, Script, ScriptError, ScriptRunner, load_scripts
 
 __version__ = "0.1.0"
 
+# Importing the package registers our URL schemes with kombu, so that
+# broker_url = "redislua://host:6379/0" (TLS: "redisluas://", Unix socket:
+# "redislua+socket:///path") alone selects this transport.
+from kombu.transport import TRANSPORT_ALIASES
+
+from .transport import Transport
+
+for _scheme in ("redislua", "redisluas"):
+    TRANSPORT_ALIASES.setdefault(_scheme, "celery_redis_lua.transport:Transport")
+
 __all__ = [
     "Call", "Consumed", "DeadLetter", "Delivery", "Keyspace", "KeyspaceError", "QueueStats",
     "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport",
-    "load_scripts",
+    "Transport", "load_scripts",
 ]
