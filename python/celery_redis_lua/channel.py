@@ -186,14 +186,27 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         if no_ack:
             self._no_ack_queues.add(queue)
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+        result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self._restart_waits()
+        return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+        self._restart_waits()
         return result
+
+    def _restart_waits(self) -> None:
+        """The consumed queues changed: end pending waits (they name the old keys), so the
+        next round blocks on the new set at once instead of after blocking_timeout."""
+        if self.closed:
+            return
+        popped = self.queue_wait.cancel(self.client)
+        if popped:
+            self._claim_popped(popped, deliver=True)
+        self.stream_wait.cancel(self.client)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         for delivery in self.lib.consume([queue], 1, no_ack=no_ack).deliveries:
@@ -259,21 +272,27 @@ class Channel(virtual.Channel):
         return self._claim_and_deliver(reply)
 
     def _claim_and_deliver(self, reply: Any) -> int:
-        if not reply:
-            return 0
+        return self._claim_popped(reply, deliver=True) if reply else 0
+
+    def _claim_popped(self, reply: Any, *, deliver: bool) -> int:
+        """Claim what BZMPOP popped; deliver it if its queue is still consumed here,
+        else hand it straight back (counted, as for a consumer that went away)."""
         key, members = reply
         key = key.decode() if isinstance(key, bytes) else key
         queue = self._queue_of_key(key)
         ids = [m[0].decode() if isinstance(m[0], bytes) else m[0] for m in members]
         no_ack = queue in self._no_ack_queues
-        deliveries = self.lib.claim(queue, ids, no_ack=no_ack)
-        return self._deliver_all(deliveries, no_ack)
+        consumed = deliver and queue in self.queues_polled
+        deliveries = self.lib.claim(queue, ids, no_ack=no_ack and consumed)
+        if consumed:
+            return self._deliver_all(deliveries, no_ack)
+        if deliveries:
+            self.reject_ids(queue, [d.id for d in deliveries], requeue=True)
+        return 0
 
     def _queue_of_key(self, key: str) -> str:
-        for queue in self.queues_polled:
-            if self.keys.queue(queue) == key:
-                return queue
-        prefix = self.keys.queue("x")[:-3]
+        """The queue name inside a ``P queue:{Q}`` key."""
+        prefix = self.keys.queue("x")[:-3]  # 'P queue:'
         return key[len(prefix) + 1:-1]
 
     def consume_fanout_now(self) -> int:
@@ -386,15 +405,8 @@ class Channel(virtual.Channel):
             return
         self.connection.channels_polled.discard(self)
         popped = self.queue_wait.cancel(self.client)
-        if popped:
-            # BZMPOP popped messages just as we cancelled: claim and hand them back.
-            key, members = popped
-            key = key.decode() if isinstance(key, bytes) else key
-            queue = self._queue_of_key(key)
-            ids = [m[0].decode() if isinstance(m[0], bytes) else m[0] for m in members]
-            claimed = self.lib.claim(queue, ids)
-            if claimed:
-                self.reject_ids(queue, [d.id for d in claimed], requeue=True)
+        if popped:  # BZMPOP popped messages just as we cancelled: hand them back
+            self._claim_popped(popped, deliver=False)
         self.stream_wait.cancel(self.client)
         try:
             super().close()

@@ -99,6 +99,11 @@ def delivered_envelope(delivery: Delivery) -> dict[str, Any]:
     if message.get("headers") is None:
         message["headers"] = {}
     message["headers"]["x-delivery-count"] = delivery.delivery_count
+    # The broker held the message until its ETA by the server's clock; a worker that saw
+    # the ETA again would park the task in its own memory (and `inspect scheduled`).
+    if message["headers"].get("eta"):
+        message["headers"]["x-eta"] = message["headers"]["eta"]
+        message["headers"]["eta"] = None
     if delivery.delivery_count > 0:
         message["redelivered"] = True
     return message

@@ -1,0 +1,81 @@
+"""The Celery app the end-to-end tests run in real worker processes.
+
+Broker and result backend come from the environment (the tests start the
+servers): CRL_BROKER_URL (a redislua:// URL), CRL_RESULT_URL (redis://),
+CRL_TRANSPORT_OPTIONS (JSON). Tasks record what they saw in the result
+backend's server under ``ledger:*`` keys, so a test can check exactly what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+from celery.exceptions import Reject
+
+import celery_redis_lua  # noqa: F401  (registers the redislua:// scheme)
+
+app = Celery("crl_e2e")
+app.conf.update(
+    broker_url=os.environ.get("CRL_BROKER_URL", "redislua://127.0.0.1:6379/0"),
+    result_backend=os.environ.get("CRL_RESULT_URL"),
+    broker_transport_options=json.loads(os.environ.get("CRL_TRANSPORT_OPTIONS", "{}")),
+    task_acks_late=os.environ.get("CRL_ACKS_LATE") == "1",
+    worker_prefetch_multiplier=int(os.environ.get("CRL_PREFETCH", "4")),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_default_priority=0,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+
+_ledger: redis.Redis | None = None
+
+
+def ledger() -> redis.Redis:
+    global _ledger
+    if _ledger is None:
+        _ledger = redis.Redis.from_url(os.environ["CRL_RESULT_URL"])
+    return _ledger
+
+
+def record(kind: str, **fields: object) -> None:
+    ledger().rpush(f"ledger:{kind}", json.dumps(fields))
+
+
+def delivery_count(request: object) -> object:
+    """The x-delivery-count header as the task sees it (Celery copies headers into the request)."""
+    return vars(request).get("x-delivery-count")
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(bind=True)
+def note(self, label: str) -> str:
+    """Record that this task ran, with what the broker told it."""
+    info = self.request.delivery_info or {}
+    record("ran", label=label, id=self.request.id, at=time.time(),
+           delivery_count=delivery_count(self.request), redelivered=info.get("redelivered"),
+           pid=os.getpid(), hostname=self.request.hostname)
+    return label
+
+
+@app.task(bind=True)
+def slow(self, label: str, seconds: float) -> str:
+    record("started", label=label, pid=os.getpid(), at=time.time(),
+           redelivered=(self.request.delivery_info or {}).get("redelivered"),
+           delivery_count=delivery_count(self.request))
+    time.sleep(seconds)
+    record("finished", label=label, pid=os.getpid(), at=time.time())
+    return label
+
+
+@app.task(bind=True)
+def always_reject(self, label: str) -> None:
+    record("rejected", label=label, at=time.time())
+    raise Reject("always", requeue=True)

@@ -1,0 +1,59 @@
+"""Fixtures for the Celery end-to-end tests: fresh servers per test, a producer app."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+import celery_redis_lua  # noqa: F401  (registers redislua://)
+from celery_redis_lua.servers import Server
+from conftest import require_kind
+
+from .harness import Broker
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def broker_kind(request: pytest.FixtureRequest) -> str:
+    require_kind(request.param)
+    return request.param
+
+
+@pytest.fixture
+def servers(broker_kind: str) -> Iterator[tuple[Server, Server]]:
+    """A broker server of the kind under test, and a Valkey for results and the ledger."""
+    with Server(broker_kind) as broker_server, Server("valkey") as result_server:
+        yield broker_server, result_server
+
+
+@pytest.fixture
+def broker(servers: tuple[Server, Server]) -> Broker:
+    broker_server, result_server = servers
+    return Broker(
+        broker_url=f"redislua://127.0.0.1:{broker_server.port}/0",
+        result_url=f"redis://127.0.0.1:{result_server.port}/0",
+        transport_options={"visibility_timeout": 30, "sweep_interval": 1},
+    )
+
+
+def make_producer(broker: Broker) -> Celery:
+    """A Celery app that only sends tasks by name (the worker's app defines them)."""
+    app = Celery("crl-producer", broker=broker.broker_url, backend=broker.result_url,
+                 set_as_current=False)
+    app.conf.broker_transport_options = broker.transport_options
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+@pytest.fixture
+def producer(broker: Broker) -> Iterator[Celery]:
+    app = make_producer(broker)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    return tmp_path
