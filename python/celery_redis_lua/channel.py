@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 MIN_BLOCK_SECONDS = 0.005
 # Delivery tags of fanout entries (read at most once per queue; nothing to ack).
 FANOUT_TAG = "fanout:"
+# The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
+FANOUT_PATTERN = "fanout"
 
 
 def is_fanout_tag(tag: str) -> bool:
@@ -163,11 +165,21 @@ class Channel(virtual.Channel):
             self._fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             self.lib.fanout_bind(self.fanout_key(exchange), queue,
                                  expires_ms=self.options.queue_expires_ms)
+            pattern = FANOUT_PATTERN  # lets producers that never declared the exchange route it
         member = calls.binding_member(routing_key, pattern, queue, self.options.sep)
         self.lib.bind(exchange, [member], lifetime_ms=self._queue_expires.get(queue))
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
         return self.lib.lookup(exchange, self.options.sep)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        """An exchange this process never declared is a fanout exchange when its bindings
+        say so (Celery does not declare Broadcast queues before publishing to them)."""
+        if (exchange and exchange not in self.state.exchanges
+                and any(pattern == FANOUT_PATTERN for _, pattern, _ in self.get_table(exchange))):
+            self.state.exchanges[exchange] = {"type": "fanout", "durable": True,
+                                              "auto_delete": False, "arguments": {}, "table": []}
+        return super().typeof(exchange, default)
 
     def _size(self, queue: str) -> int:
         return self.lib.size(queue)
