@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
 from . import calls
@@ -157,16 +158,37 @@ class Channel(virtual.Channel):
                          message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
                          max_priority=_ms_argument(queue, arguments, "x-max-priority"))
 
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> dict[str, Any]:
+        """kombu's Queue(max_priority=, message_ttl=, expires=) as RabbitMQ's x- arguments."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        """Delete the queue's keys whether or not this process knows its bindings; the
+        bindings it knows are removed too."""
+        if if_empty and self._size(queue):
+            return
+        for exchange, routing_key, arguments in self.state.queue_bindings(queue):
+            meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+            self.lib.unbind(exchange, [self._binding_member(exchange, *meta)])
+        self.state.queue_bindings_delete(queue)
+        self.lib.delete(queue)
+        self._fanout_queues.pop(queue, None)
+
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.lib.exists(queue)
+
+    def _binding_member(self, exchange: str, routing_key: str, pattern: str, queue: str) -> str:
+        if self.typeof(exchange).type == "fanout":
+            pattern = FANOUT_PATTERN  # lets producers that never declared the exchange route it
+        return calls.binding_member(routing_key, pattern, queue, self.options.sep)
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
         if self.typeof(exchange).type == "fanout":
             self._fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             self.lib.fanout_bind(self.fanout_key(exchange), queue,
                                  expires_ms=self.options.queue_expires_ms)
-            pattern = FANOUT_PATTERN  # lets producers that never declared the exchange route it
-        member = calls.binding_member(routing_key, pattern, queue, self.options.sep)
+        member = self._binding_member(exchange, routing_key, pattern, queue)
         self.lib.bind(exchange, [member], lifetime_ms=self._queue_expires.get(queue))
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
@@ -189,7 +211,7 @@ class Channel(virtual.Channel):
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
-        self.lib.unbind(exchange, [calls.binding_member(routing_key, pattern, queue, self.options.sep)])
+        self.lib.unbind(exchange, [self._binding_member(exchange, routing_key, pattern, queue)])
         self.lib.delete(queue)
         self._fanout_queues.pop(queue, None)
 

@@ -141,6 +141,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             "transport option 'polling_interval' is deprecated for celery-redis-lua: it is read as "
             "'blocking_timeout' (how long the server holds a blocking poll open); "
             "there is no sleep between polls", DeprecationWarning, stacklevel=3)
+        _CHECKS["blocking_timeout"]("polling_interval", raw["polling_interval"])
         raw.setdefault("blocking_timeout", raw["polling_interval"])
     known = {f.name for f in fields(TransportOptions)}
     values = {name: _CHECKS[name](name, raw[name]) for name in known if name in raw}

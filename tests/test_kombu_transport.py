@@ -1,0 +1,309 @@
+"""The transport through plain kombu (no Celery worker), on Valkey and Redis, with and
+without a global_keyprefix; the broker is inspected with the script library or raw keys."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.message import Message
+from kombu.transport.base import to_rabbitmq_queue_arguments
+
+import celery_redis_lua
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.servers import Server
+from helpers import wait_until
+
+
+@dataclass
+class Broker:
+    server: Server
+    prefix: str
+    client: redis.Redis
+
+    def connection(self, db: int = 0, **options: Any) -> Connection:
+        return Connection(f"redislua://127.0.0.1:{self.server.port}/{db}",
+                          transport_options={"global_keyprefix": self.prefix, **options})
+
+    @property
+    def keys(self) -> Keyspace:
+        return Keyspace(self.prefix)
+
+    @property
+    def lib(self) -> ScriptLibrary:
+        return ScriptLibrary(self.client, self.keys)
+
+    def queue_keys(self, queue: str) -> set[str]:
+        return {k.decode() for k in self.client.keys(f"*{{{queue}}}*")}
+
+
+@pytest.fixture(params=[(kind, prefix) for prefix in ("", "app:") for kind in ("valkey", "redis")],
+                ids=lambda p: f"{p[0]}-{'prefix' if p[1] else 'noprefix'}")
+def broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    kind, prefix = request.param
+    server = request.getfixturevalue(f"{kind}_server")
+    client = server.client(socket_timeout=10)
+    client.flushall()
+    yield Broker(server, prefix, client)
+    client.close()
+
+
+@pytest.fixture
+def conn(broker: Broker) -> Iterator[Connection]:
+    with broker.connection() as connection:
+        yield connection
+
+
+def drain(conn: Connection, got: list[Any], count: int, timeout: float = 10.0) -> None:
+    """drain_events until ``got`` holds ``count`` items (fails after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"got {len(got)} of {count} messages within {timeout}s")
+        with contextlib.suppress(socket.timeout):
+            conn.drain_events(timeout=remaining)
+
+
+def consume(conn: Connection, queues: list[Queue], count: int, *, ack: bool = True,
+            **consumer_args: Any) -> list[Message]:
+    got: list[Message] = []
+
+    def on_message(body: Any, message: Message) -> None:
+        got.append(message)
+        if ack and not consumer_args.get("no_ack"):
+            message.ack()
+
+    with Consumer(conn, queues, callbacks=[on_message], **consumer_args):
+        drain(conn, got, count)
+    return got
+
+
+EX = Exchange("ex", "direct")
+
+
+def test_publish_consume_ack_leaves_only_the_queue_definition(conn: Connection, broker: Broker) -> None:
+    queue = Queue("work", EX, routing_key="work")
+    producer = Producer(conn, exchange=EX, routing_key="work")
+    for i in range(3):
+        producer.publish({"n": i}, declare=[queue])
+    assert queue(conn.default_channel).queue_declare(passive=True).message_count == 3
+    messages = consume(conn, [queue], 3)
+    assert [m.payload for m in messages] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert [m.delivery_info["routing_key"] for m in messages] == ["work"] * 3
+    assert broker.lib.stats(["work"])[0] == celery_redis_lua.QueueStats("work", 0, 0, 0, 0)
+    assert broker.queue_keys("work") == {broker.keys.meta("work")}
+
+
+def test_reject_dead_letters_and_requeue_redelivers_counted(conn: Connection, broker: Broker) -> None:
+    queue = Queue("rq", EX, routing_key="rq")
+    producer = Producer(conn, exchange=EX, routing_key="rq")
+    producer.publish("drop me", declare=[queue])
+    producer.publish("again", declare=[queue])
+    first = consume(conn, [queue], 2, ack=False)
+    assert [(m.headers["x-delivery-count"], m.delivery_info["redelivered"]) for m in first] == [
+        (0, False), (0, False)]
+    first[0].reject()
+    first[1].requeue()
+    again = consume(conn, [queue], 1)[0]
+    assert (again.payload, again.headers["x-delivery-count"], again.delivery_info["redelivered"]) == (
+        "again", 1, True)
+    assert [(d.reason, d.delivery_count) for d in broker.lib.dead_list("rq")] == [("rejected", 0)]
+    assert broker.lib.stats(["rq"])[0].ready == 0
+
+
+def test_purge_and_queue_length(conn: Connection, broker: Broker) -> None:
+    queue = Queue("pq", EX, routing_key="pq")(conn.default_channel)
+    for i in range(5):
+        Producer(conn, exchange=EX, routing_key="pq").publish(i, declare=[queue])
+    assert queue.queue_declare(passive=True).message_count == 5
+    assert queue.purge() == 5
+    assert queue.queue_declare(passive=True).message_count == 0
+    assert broker.queue_keys("pq") == {broker.keys.meta("pq")}
+
+
+@pytest.mark.parametrize("how", ["bound", "default-exchange", "other-connection"])
+def test_delete_removes_every_key_of_the_queue(broker: Broker, how: str) -> None:
+    exchange = Exchange("") if how == "default-exchange" else EX
+    with broker.connection() as conn:
+        queue = Queue("dq", exchange, routing_key="dq")(conn.default_channel)
+        Producer(conn, exchange=exchange, routing_key="dq").publish("x", declare=[queue])
+        assert broker.queue_keys("dq")
+        if how != "other-connection":
+            queue.delete()
+    if how == "other-connection":
+        with broker.connection() as other:
+            Queue("dq", exchange, routing_key="dq")(other.default_channel).delete()
+    assert broker.queue_keys("dq") == set()
+    assert not broker.lib.exists("dq")
+
+
+def test_simple_queue(conn: Connection) -> None:
+    channel = conn.channel()
+    channel.basic_qos(0, 1, False)  # else get() prefetches the whole queue into its buffer
+    simple = conn.SimpleQueue("simple", channel=channel)
+    for i in range(3):
+        simple.put({"i": i})
+    assert simple.qsize() == 3
+    message = simple.get(timeout=5)
+    assert message.payload == {"i": 0}
+    message.ack()
+    assert simple.qsize() == 2
+    nowait = simple.get_nowait()
+    assert nowait.payload == {"i": 1}
+    nowait.ack()
+    assert simple.clear() == 1
+    assert simple.qsize() == 0
+    with pytest.raises(simple.Empty):
+        simple.get_nowait()
+    simple.close()
+
+
+def test_direct_and_topic_routing_follow_kombu_patterns(conn: Connection) -> None:
+    topic = Exchange("tx", "topic")
+    star, hash_ = Queue("star", topic, routing_key="a.*"), Queue("hash", topic, routing_key="a.#")
+    one, two = Queue("one", EX, routing_key="k1"), Queue("two", EX, routing_key="k2")
+    producer = Producer(conn)
+    for key in ("a.b", "a.b.c", "a", "x.b"):
+        producer.publish(key, exchange=topic, routing_key=key, declare=[star, hash_])
+    producer.publish("k2", exchange=EX, routing_key="k2", declare=[one, two])
+    assert [m.payload for m in consume(conn, [star], 1)] == ["a.b"]
+    assert [m.payload for m in consume(conn, [hash_], 2)] == ["a.b", "a.b.c"]
+    assert [m.payload for m in consume(conn, [two], 1)] == ["k2"]
+    for queue in (star, hash_, one):
+        assert queue(conn.default_channel).queue_declare(passive=True).message_count == 0
+
+
+def test_fanout_reaches_every_bound_queue_even_when_consumed_later(conn: Connection) -> None:
+    fan = Exchange("fan", "fanout")
+    first, second = Queue("f1", fan), Queue("f2", fan)
+    first(conn.default_channel).declare()
+    producer = Producer(conn, exchange=fan)
+    producer.publish("before f2 was bound")
+    second(conn.default_channel).declare()
+    producer.publish("after")
+    # f2 was bound but not consumed when 'after' went out; it still gets it, and only it.
+    assert [m.payload for m in consume(conn, [second], 1)] == ["after"]
+    assert [m.payload for m in consume(conn, [first], 2)] == ["before f2 was bound", "after"]
+
+
+def test_priority_higher_first_then_publish_order(conn: Connection) -> None:
+    queue = Queue("prio", EX, routing_key="prio")
+    producer = Producer(conn, exchange=EX, routing_key="prio")
+    for body, priority in [("p0", 0), ("p5a", 5), ("p9", 9), ("p5b", 5), ("p1", 1)]:
+        producer.publish(body, priority=priority, declare=[queue])
+    assert [m.payload for m in consume(conn, [queue], 5)] == ["p9", "p5a", "p5b", "p1", "p0"]
+
+
+def test_no_ack_leaves_nothing_in_the_broker(conn: Connection, broker: Broker) -> None:
+    queue = Queue("noack", EX, routing_key="noack")
+    for i in range(3):
+        Producer(conn, exchange=EX, routing_key="noack").publish(i, declare=[queue])
+    assert [m.payload for m in consume(conn, [queue], 3, no_ack=True)] == [0, 1, 2]
+    assert broker.lib.stats(["noack"])[0] == celery_redis_lua.QueueStats("noack", 0, 0, 0, 0)
+    assert broker.queue_keys("noack") == {broker.keys.meta("noack")}
+
+
+def test_prefetch_count_limits_deliveries_per_drain(conn: Connection, broker: Broker) -> None:
+    queue = Queue("pf", EX, routing_key="pf")
+    for i in range(5):
+        Producer(conn, exchange=EX, routing_key="pf").publish(i, declare=[queue])
+    got: list[Message] = []
+    with Consumer(conn, [queue], callbacks=[lambda body, m: got.append(m)], prefetch_count=2):
+        conn.drain_events(timeout=5)
+        assert [m.payload for m in got] == [0, 1]
+        with pytest.raises(socket.timeout):  # QoS is full: nothing more until an ack
+            conn.drain_events(timeout=0.3)
+        assert broker.lib.stats(["pf"])[0].in_flight == 2
+        for message in got:
+            message.ack()
+        conn.drain_events(timeout=5)
+        assert [m.payload for m in got] == [0, 1, 2, 3]
+
+
+def test_drain_events_times_out_idle_and_wakes_for_a_message(broker: Broker) -> None:
+    queue = Queue("idle", EX, routing_key="idle")
+    got: list[Message] = []
+    with broker.connection(blocking_timeout=30) as conn, Consumer(
+            conn, [queue], callbacks=[lambda body, m: (got.append(m), m.ack())]):
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.2)
+
+        def publish_once_blocked() -> None:
+            wait_until(lambda: broker.client.info("clients")["blocked_clients"] >= 1)
+            with broker.connection() as producer_conn:
+                Producer(producer_conn, exchange=EX, routing_key="idle").publish("wake")
+
+        thread = threading.Thread(target=publish_once_blocked)
+        thread.start()
+        try:
+            conn.drain_events(timeout=20)  # blocking_timeout 30: only the message can end it
+        finally:
+            thread.join()
+    assert [m.payload for m in got] == ["wake"]
+
+
+def declared(name: str, how: str, **options: float) -> Queue:
+    """Queue arguments the kombu way (Queue(max_priority=3)) or as raw x-* queue_arguments."""
+    if how == "kombu":
+        return Queue(name, EX, routing_key=name, **options)
+    return Queue(name, EX, routing_key=name, queue_arguments=to_rabbitmq_queue_arguments({}, **options))
+
+
+HOW = pytest.mark.parametrize("how", ["kombu", "x-args"])
+
+
+@HOW
+def test_x_max_priority_caps_priorities(conn: Connection, broker: Broker, how: str) -> None:
+    queue = declared("cap", how, max_priority=3)
+    producer = Producer(conn, exchange=EX, routing_key="cap")
+    for body, priority in [("p3", 3), ("p9", 9), ("p2", 2)]:
+        producer.publish(body, priority=priority, declare=[queue])
+    assert broker.client.hget(broker.keys.message("cap", "0000000000000002"), "priority") == b"3"
+    assert [m.payload for m in consume(conn, [queue], 3)] == ["p3", "p9", "p2"]
+
+
+@HOW
+def test_x_message_ttl_expires_messages(conn: Connection, broker: Broker, how: str) -> None:
+    queue = declared("ttl", how, message_ttl=0.6)
+    Producer(conn, exchange=EX, routing_key="ttl").publish("short-lived", declare=[queue])
+    message_key = broker.keys.message("ttl", "0000000000000001")
+    assert 0 < broker.client.pttl(message_key) <= 600
+    wait_until(lambda: not broker.client.exists(message_key), timeout=5)
+    simple = conn.SimpleQueue(queue)
+    with pytest.raises(simple.Empty):
+        simple.get_nowait()
+    assert broker.lib.stats(["ttl"])[0].in_flight == 0
+
+
+@HOW
+def test_x_expires_sets_key_ttls(conn: Connection, broker: Broker, how: str) -> None:
+    keep, expiring = declared("keep", how), declared("exp", how, expires=30)
+    producer = Producer(conn, exchange=EX)
+    producer.publish("a", routing_key="keep", declare=[keep])
+    producer.publish("b", routing_key="exp", declare=[expiring])
+    assert broker.client.pttl(broker.keys.meta("keep")) == -1
+    assert 25_000 < broker.client.pttl(broker.keys.meta("exp")) <= 30_000
+    assert 25_000 < broker.client.pttl(broker.keys.queue("exp")) <= 30_000
+
+
+def test_db_number_and_prefix_apply_to_every_key(broker: Broker) -> None:
+    fan = Exchange("dbfan", "fanout")
+    with broker.connection(db=3) as conn:
+        producer = Producer(conn)
+        producer.publish("x", exchange=EX, routing_key="dbq", declare=[Queue("dbq", EX, "dbq")])
+        producer.publish("y", exchange=fan, declare=[Queue("dbf", fan)])
+        assert [m.payload for m in consume(conn, [Queue("dbq", EX, "dbq")], 1, ack=False)] == ["x"]
+    assert broker.client.keys("*") == []  # db 0
+    with broker.server.client(db=3) as db3:
+        keys = {k.decode() for k in db3.keys("*")}
+    assert {broker.keys.meta("dbq"), broker.keys.binding("ex"), broker.keys.fanout("dbfan", "/3.")} <= keys
+    assert all(k.startswith(broker.prefix) for k in keys)

@@ -1,0 +1,193 @@
+"""Transport options: the reference API's names and defaults, validation that names the
+option, errors at connection time, polling_interval, and unknown options."""
+
+from __future__ import annotations
+
+import ssl
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection
+
+import celery_redis_lua  # noqa: F401  (registers redislua://)
+from celery_redis_lua.options import OptionError, TransportOptions, parse_options
+from celery_redis_lua.servers import Server
+from celery_redis_lua.transport import Transport
+
+# The reference API's options and defaults, plus the dead-letter and sweep options.
+DOCUMENTED: dict[str, Any] = {
+    "visibility_timeout": 300,
+    "delivery_limit": 20,
+    "blocking_timeout": 10,
+    "queue_expires": None,
+    "global_keyprefix": "",
+    "stream_maxlen": 10_000,
+    "message_key_prefix": "message:",
+    "message_ttl": -1,
+    "socket_timeout": None,
+    "socket_connect_timeout": None,
+    "socket_keepalive": None,
+    "socket_keepalive_options": None,
+    "max_connections": 10,
+    "health_check_interval": 25,
+    "retry_on_timeout": None,
+    "client_name": None,
+    "credential_provider": None,
+    "ssl": None,
+    "fanout_prefix": True,
+    "fanout_patterns": True,
+    "sep": "\x06\x16",
+    "dead_letter_maxlen": 10_000,
+    "sweep_interval": 60,
+}
+
+BAD: list[tuple[str, Any]] = [
+    ("visibility_timeout", 0), ("visibility_timeout", -1), ("visibility_timeout", "x"),
+    ("visibility_timeout", True), ("visibility_timeout", None), ("visibility_timeout", float("nan")),
+    ("delivery_limit", 0), ("delivery_limit", 1.5), ("delivery_limit", "3"), ("delivery_limit", True),
+    ("blocking_timeout", -1), ("blocking_timeout", "10"), ("blocking_timeout", None),
+    ("queue_expires", 0), ("queue_expires", -1), ("queue_expires", "60"),
+    ("global_keyprefix", 1), ("global_keyprefix", None), ("global_keyprefix", "{x}"),
+    ("global_keyprefix", "a}"),
+    ("stream_maxlen", 0), ("stream_maxlen", 1.5), ("stream_maxlen", "100"),
+    ("message_key_prefix", ""), ("message_key_prefix", 1), ("message_key_prefix", "m{"),
+    ("message_ttl", 0), ("message_ttl", -5), ("message_ttl", "x"), ("message_ttl", True),
+    ("socket_timeout", 0), ("socket_timeout", "x"), ("socket_connect_timeout", -1),
+    ("socket_keepalive", "yes"), ("socket_keepalive", 1), ("socket_keepalive_options", [1]),
+    ("max_connections", 0), ("max_connections", 2.5), ("max_connections", None),
+    ("health_check_interval", -1), ("health_check_interval", "x"),
+    ("retry_on_timeout", "no"), ("client_name", 5),
+    ("ssl", "yes"), ("ssl", 1),
+    ("fanout_prefix", 3), ("fanout_prefix", None), ("fanout_patterns", "yes"), ("fanout_patterns", None),
+    ("sep", ""), ("sep", 5),
+    ("dead_letter_maxlen", -1), ("dead_letter_maxlen", 1.5),
+    ("sweep_interval", 0), ("sweep_interval", "60"),
+]
+
+GOOD: list[tuple[str, Any]] = [
+    ("visibility_timeout", 0.5), ("delivery_limit", None), ("delivery_limit", 1),
+    ("blocking_timeout", 0), ("blocking_timeout", 2.5), ("queue_expires", 60),
+    ("global_keyprefix", "app:"), ("message_ttl", 3600), ("message_ttl", 0.5),
+    ("socket_timeout", 30), ("socket_keepalive", True), ("socket_keepalive_options", {1: 2}),
+    ("max_connections", 1), ("health_check_interval", 0), ("retry_on_timeout", False),
+    ("client_name", "worker-1"), ("ssl", True), ("ssl", {"ssl_cert_reqs": ssl.CERT_REQUIRED}),
+    ("fanout_prefix", False), ("fanout_prefix", "custom."), ("fanout_patterns", False),
+    ("sep", "|"), ("dead_letter_maxlen", 0), ("sweep_interval", 0.1),
+]
+
+
+@pytest.fixture
+def server(valkey_server: Server) -> Iterator[Server]:
+    client = valkey_server.client(socket_timeout=10)
+    client.flushall()
+    client.close()
+    yield valkey_server
+
+
+def url(server: Server) -> str:
+    return f"redislua://127.0.0.1:{server.port}/0"
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    options = parse_options({})
+    assert {name: getattr(options, name) for name in DOCUMENTED} == DOCUMENTED
+    assert options == TransportOptions()
+
+
+def test_every_documented_option_is_accepted_with_its_default() -> None:
+    assert parse_options(dict(DOCUMENTED)) == parse_options({})
+
+
+@pytest.mark.parametrize(("name", "value"), GOOD, ids=[f"{n}={v!r}" for n, v in GOOD])
+def test_valid_values_are_kept(name: str, value: Any) -> None:
+    assert getattr(parse_options({name: value}), name) == value
+
+
+@pytest.mark.parametrize(("name", "value"), BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_a_bad_value_raises_naming_the_option(name: str, value: Any) -> None:
+    with pytest.raises(OptionError) as error:
+        parse_options({name: value})
+    assert repr(name) in str(error.value)
+    assert isinstance(error.value, ValueError)
+
+
+def test_ssl_false_means_no_tls() -> None:
+    assert parse_options({"ssl": False}).ssl is None
+
+
+def test_derived_values_follow_the_options() -> None:
+    options = parse_options({"visibility_timeout": 1.5, "message_ttl": 2, "queue_expires": 30})
+    assert (options.visibility_ms, options.message_ttl_ms, options.queue_expires_ms) == (1500, 2000, 30_000)
+    assert options.heartbeat_interval == 0.5
+    assert parse_options({}).message_ttl_ms is None
+    assert parse_options({}).queue_expires_ms is None
+
+
+@pytest.mark.parametrize("entry", ["connect", "channel", "default_channel"])
+@pytest.mark.parametrize(("name", "value"), [("visibility_timeout", 0), ("ssl", "yes"),
+                                             ("global_keyprefix", "{x}"), ("max_connections", 0)])
+def test_the_error_happens_at_connection_time(server: Server, entry: str, name: str, value: Any) -> None:
+    connection = Connection(url(server), transport_options={name: value})  # nothing checked yet
+    try:
+        with pytest.raises(OptionError, match=repr(name)):
+            thing = getattr(connection, entry)
+            if callable(thing):
+                thing()
+    finally:
+        connection.release()
+
+
+def test_options_reach_the_redis_connections(server: Server) -> None:
+    options = {"client_name": "crl-options-test", "socket_timeout": 30, "max_connections": 7,
+               "health_check_interval": 5}
+    with Connection(url(server), transport_options=options) as connection:
+        channel = connection.channel()
+        pool = channel.client.connection_pool
+        assert pool.max_connections == 7
+        assert pool.connection_kwargs["socket_timeout"] == 30
+        assert pool.connection_kwargs["health_check_interval"] == 5
+        names = [c["name"] for c in server.client().client_list()]
+        assert "crl-options-test" in names
+        channel.close()
+
+
+def test_polling_interval_is_read_as_blocking_timeout_with_a_warning(server: Server) -> None:
+    with pytest.warns(DeprecationWarning, match="polling_interval"):
+        assert parse_options({"polling_interval": 2}).blocking_timeout == 2
+    with pytest.warns(DeprecationWarning):
+        both = parse_options({"polling_interval": 2, "blocking_timeout": 4})
+    assert both.blocking_timeout == 4
+    with pytest.warns(DeprecationWarning), Connection(
+            url(server), transport_options={"polling_interval": 3}) as connection:
+        transport = connection.transport
+        assert transport.options.blocking_timeout == 3
+        assert transport.polling_interval is None  # never a sleep between polls
+
+
+def test_a_bad_polling_interval_names_polling_interval() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(OptionError, match="polling_interval"):
+            parse_options({"polling_interval": "soon"})
+
+
+def test_no_sleep_between_polls() -> None:
+    assert Transport.polling_interval is None
+    assert parse_options({}) == parse_options({"blocking_timeout": 10})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no polling_interval given: no warning either
+        parse_options({"blocking_timeout": 1})
+
+
+def test_unknown_options_are_ignored(server: Server) -> None:
+    unknown = {"max_retries": 3, "interval_start": 0, "interval_step": 0.2, "no_such_option": object()}
+    assert parse_options(unknown) == TransportOptions()
+    with Connection(url(server), transport_options=unknown) as connection:
+        simple = connection.SimpleQueue("opts")
+        simple.put("ok")
+        message = simple.get(timeout=5)
+        message.ack()
+        assert message.payload == "ok"
+        simple.close()
