@@ -9,7 +9,6 @@ message twice, so the tests count exactly what landed in the queues.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,19 +17,11 @@ import redis
 
 from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary, calls
 from celery_redis_lua.scripts import load_scripts
-from celery_redis_lua.servers import Server, ServerUnavailable, server_binary
+from celery_redis_lua.servers import Server
+from conftest import require_kind as require
 from helpers import names_on_each_node
 
 SHA = {name: script.sha1 for name, script in load_scripts().items()}
-
-
-def require(kind: str) -> None:
-    try:
-        server_binary(kind)
-    except ServerUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must cover {kind}: {error}")
-        pytest.skip(f"{kind} not available here: {error}")
 
 
 def loaded(client: Any, name: str, node: Any = None) -> bool:

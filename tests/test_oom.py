@@ -11,7 +11,6 @@ strings until the server answers OOM.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,22 +19,14 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server, ServerUnavailable, server_binary
+from celery_redis_lua.servers import Server
+from conftest import require_kind as require
 from helpers import server_now_ms, wait_for_server_time
 
 VISIBILITY_MS = 300
 PAYLOAD = "p" * 65_536
 FREED = 5 * len(PAYLOAD) // 2  # at least half of five payloads (INFO itself moves by ~25 KB)
 FILL_CHUNK = b"x" * 16_384
-
-
-def require(kind: str) -> None:
-    try:
-        server_binary(kind)
-    except ServerUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must cover {kind}: {error}")
-        pytest.skip(f"{kind} not available here: {error}")
 
 
 @dataclass

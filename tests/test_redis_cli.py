@@ -16,20 +16,12 @@ from pathlib import Path
 import pytest
 
 from celery_redis_lua import Keyspace
-from celery_redis_lua.servers import Server, ServerUnavailable, server_binary
+from celery_redis_lua.servers import Server
+from conftest import require_kind as require
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = Keyspace("cli:")
 QUEUE = "cli-q"
-
-
-def require(kind: str) -> None:
-    try:
-        server_binary(kind)
-    except ServerUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must cover {kind}: {error}")
-        pytest.skip(f"{kind} not available here: {error}")
 
 
 @pytest.fixture(scope="module")
