@@ -13,6 +13,7 @@ import os
 import socket
 from collections import defaultdict
 from collections.abc import Iterable
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
@@ -360,9 +361,10 @@ class Channel(virtual.Channel):
         return self.consume_fanout_now()
 
     def _fanout_matches(self, pattern: str, routing_key: str) -> bool:
-        if not self.options.fanout_patterns or pattern in ("", "*"):
+        """A fanout exchange ignores routing keys (AMQP), unless fanout_patterns is on and
+        the binding key is a pattern ('*' or '#'): then it filters what the queue gets."""
+        if not self.options.fanout_patterns or "*" not in pattern or pattern == "*":
             return True
-        from fnmatch import fnmatchcase
         return fnmatchcase(routing_key, pattern)
 
     def _deliver_fanout(self, delivery: Delivery) -> int:

@@ -58,6 +58,10 @@ class Transport(virtual.Transport):
     driver_type = "redis"
     driver_name = "celery-redis-lua"
     connection_errors, channel_errors = _redis_errors()
+    # Only a lost connection is worth a reconnect and retry; a script refusing its input
+    # (ScriptError, a channel error) must reach the caller once, as it is.
+    recoverable_connection_errors = connection_errors
+    recoverable_channel_errors = ()
 
     implements = virtual.Transport.implements.extend(
         asynchronous=True,

@@ -79,3 +79,19 @@ def slow(self, label: str, seconds: float) -> str:
 def always_reject(self, label: str) -> None:
     record("rejected", label=label, at=time.time())
     raise Reject("always", requeue=True)
+
+
+# -- added for test_remote_control.py (append-only) ------------------------------------------
+# CRL_BROADCAST=1: consume the default queue and a Broadcast('bcast') queue (a fanout exchange
+# 'bcast' with a queue of its own per worker), so a task routed to 'bcast' reaches every worker.
+if os.environ.get("CRL_BROADCAST") == "1":
+    from kombu import Queue
+    from kombu.common import Broadcast
+
+    app.conf.task_queues = (Queue("celery"), Broadcast("bcast"))
+
+
+@app.task
+def tsum(values: list[int]) -> int:
+    """The body of a chord: sums what the header's tasks returned."""
+    return sum(values)

@@ -79,12 +79,13 @@ class Worker:
             *self.extra_args,
         ]
         log = self.log_path.open("ab")
+        start_of_run = log.tell()  # a restarted worker appends: look for its own "ready."
         self.process = subprocess.Popen(
             command, env=self.broker.env(**self.env), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=TESTS_DIR,
         )
         deadline = time.monotonic() + ready_timeout
-        while b" ready." not in self.log_path.read_bytes():
+        while b" ready." not in self.log_path.read_bytes()[start_of_run:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited early:\n{self.log_tail()}")
             if time.monotonic() > deadline:
