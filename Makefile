@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test test-all lint manifest bench clean
+.PHONY: venv demo test test-all lint manifest bench bench-all clean
 
 venv: $(STAMP)
 
@@ -35,9 +35,20 @@ lint: venv
 manifest: venv
 	$(BIN)/python scripts/gen_manifest.py
 
+## Regenerate docs/scripts.md from the script headers (a test fails when it is stale).
+.PHONY: scripts-doc
+scripts-doc: venv
+	$(BIN)/python -m celery_redis_lua.docgen
+
 ## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.
 bench: venv
 	$(BIN)/python scripts/bench_scripts.py
+
+## Transport benchmark: ours vs stock kombu Redis, celery-redis-plus and RabbitMQ (~10 min;
+## ARGS=--quick for ~2 min). Writes bench-results/ and docs/bench/latest.{json,png,md}.
+bench-all: venv
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m scripts.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis

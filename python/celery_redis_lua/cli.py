@@ -1,0 +1,311 @@
+"""``celery-redis-lua``: inspect and load the scripts, publish a task, show queues, handle dead letters.
+
+Every command takes ``--url`` (default: ``$CELERY_BROKER_URL``) and ``--prefix`` (the
+transport's ``global_keyprefix``). Failures end with one line on stderr and a non-zero exit;
+a password in a URL is never printed. The tool talks to one standalone server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from itertools import takewhile
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
+
+import click
+import redis
+
+from . import producer
+from .keys import Keyspace, KeyspaceError
+from .library import ScriptLibrary
+from .scripts import ERROR_PREFIX, load_scripts, read_manifest
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+PROG = "celery-redis-lua"
+# Our schemes (and kombu's socket forms) as redis-py knows them.
+SCHEMES = {"redis": "redis", "rediss": "rediss", "redislua": "redis", "redisluas": "rediss",
+           "unix": "unix", "redislua+socket": "unix", "redis+socket": "unix", "socket": "unix"}
+_secrets: set[str] = set()  # passwords seen in URLs; scrubbed from every message we print
+
+
+class CliError(click.ClickException):
+    """Ends the command with ``celery-redis-lua: error: <message>`` and exit status 1."""
+
+
+def mask(url: str) -> str:
+    """``url`` with its password (userinfo or ``?password=``) replaced by ``***``."""
+    url = re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+
+
+def scrub(text: str) -> str:
+    for secret in _secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def redis_url(url: str) -> str:
+    """A broker URL as redis-py's ``from_url`` takes it; :class:`CliError` if it is not one."""
+    url = url.split(";")[0].strip()  # Celery's failover list: the first one
+    scheme, sep, rest = url.partition("://")
+    expected = "expected redis://, rediss://, redislua://, redisluas:// or unix:// (a Unix socket)"
+    if not sep:  # not even a scheme: do not echo it, it may hold anything
+        raise CliError(f"bad URL (no scheme): {expected}")
+    if scheme.lower() not in SCHEMES:
+        raise CliError(f"bad URL {mask(url)!r}: {expected}")
+    mapped = SCHEMES[scheme.lower()]
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            _secrets.add(parts.password)
+        parts.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError as error:
+        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
+    db = parts.path.strip("/")
+    if mapped != "unix" and db and not db.isdigit():  # redis-py would quietly use db 0
+        raise CliError(f"bad URL {mask(url)!r}: the database must be a number, got {db!r}")
+    return f"{mapped}://{rest}"
+
+
+def connect(url: str, prefix: str) -> ScriptLibrary:
+    """A :class:`ScriptLibrary` on a server that answered PING."""
+    mapped = redis_url(url)
+    try:
+        keyspace = Keyspace(prefix)
+    except KeyspaceError as error:
+        raise CliError(f"bad --prefix: {error}") from None
+    try:
+        client = redis.Redis.from_url(mapped, socket_connect_timeout=5, socket_timeout=30)
+    except ValueError as error:
+        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
+    try:
+        client.ping()
+    except redis.AuthenticationError as error:
+        raise CliError(f"cannot log in to {mask(url)}: {scrub(str(error))}") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+        raise CliError(f"cannot reach {mask(url)}: {scrub(str(error))}") from None
+    return ScriptLibrary(client, keyspace, visibility_ms=300_000)  # the transport's default
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+class OneLineGroup(click.Group):
+    """Every failure (usage, URL, connection, script error) as one line on stderr."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> NoReturn:
+        try:
+            status = super().main(args, prog_name or PROG, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as error:
+            fail(error.format_message(), error.exit_code)
+        except click.Abort:
+            fail("aborted")
+        except redis.RedisError as error:  # a script's own error reply reads "<script>: <problem>"
+            fail(str(error).removeprefix(ERROR_PREFIX).strip())
+        sys.exit(status if isinstance(status, int) else 0)
+
+
+def fail(message: str, status: int = 1) -> NoReturn:
+    line = " ".join(scrub(message).split())
+    click.echo(f"{PROG}: error: {line}", err=True)
+    sys.exit(status)
+
+
+def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    command = click.option("--prefix", default="", help="Key prefix (global_keyprefix).")(command)
+    return click.option(
+        "--url", envvar="CELERY_BROKER_URL", default=DEFAULT_URL, show_default=True, show_envvar=True,
+        help="redis://, rediss://, redislua://, redisluas:// or unix:///path URL.")(command)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Operator's tool for celery-redis-lua: scripts, publishing, queue status, dead letters."""
+
+
+@main.group()
+def scripts() -> None:
+    """The Lua scripts: list, load, verify, show."""
+
+
+@scripts.command("list")
+@connection_options
+def scripts_list(url: str, prefix: str) -> None:
+    """Name, contract version, SHA1, and whether the server's script cache holds it."""
+    lib = connect(url, prefix)
+    files = load_scripts()
+    loaded = lib.client.script_exists(*(s.sha1 for s in files.values()))
+    rows = [(name, s.contract.version, s.sha1, "yes" if here else "no")
+            for (name, s), here in zip(files.items(), loaded, strict=True)]
+    click.echo(table(["script", "version", "sha1", "loaded"], rows))
+
+
+@scripts.command("load")
+@connection_options
+def scripts_load(url: str, prefix: str) -> None:
+    """SCRIPT LOAD every script; print name and SHA1."""
+    lib = connect(url, prefix)
+    files = load_scripts()
+    for name, sha1 in lib.runner.load().items():
+        if sha1 != files[name].sha1:
+            raise CliError(f"the server hashed {name} to {sha1}, the file is {files[name].sha1}")
+        click.echo(f"{name} {sha1}")
+
+
+@scripts.command("verify")
+@connection_options
+def scripts_verify(url: str, prefix: str) -> None:
+    """Exit 1 unless the server's cache holds every file's SHA1 (and the files match the manifest)."""
+    lib = connect(url, prefix)
+    files, manifest = load_scripts(), read_manifest()
+    loaded = lib.client.script_exists(*(s.sha1 for s in files.values()))
+    problems = 0
+    for (name, script), here in zip(files.items(), loaded, strict=True):
+        pinned = manifest.get(name, {}).get("sha1")
+        status = "ok" if here else "not loaded"
+        if pinned != script.sha1:
+            status = f"file differs from lua/manifest.json ({pinned})"
+        problems += status != "ok"
+        click.echo(f"{name} {script.sha1} {status}")
+    if problems:
+        raise CliError(f"{problems} of {len(files)} scripts failed verification "
+                       f"(load them with: {PROG} scripts load)")
+
+
+@scripts.command("show")
+@click.argument("name")
+@connection_options
+def scripts_show(name: str, url: str, prefix: str) -> None:
+    """Print a script's header contract (reads the file only; no server is contacted)."""
+    files = load_scripts()
+    if name not in files:
+        raise CliError(f"no script named {name!r}; scripts: {', '.join(files)}")
+    lines = files[name].source.decode().splitlines()
+    click.echo("\n".join([lines[0], *takewhile(lambda line: line.startswith("--"), lines[1:])]))
+
+
+def _json_option(value: str, name: str, kind: type) -> Any:
+    try:
+        parsed = json.loads(value)
+    except ValueError as error:
+        raise CliError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(parsed, kind):
+        raise CliError(f"{name} must be a JSON {'array' if kind is list else 'object'}, got {value!r}")
+    return parsed
+
+
+@main.command()
+@click.argument("task_name")
+@click.option("--args", "args_json", default="[]", help="Positional arguments, a JSON array.")
+@click.option("--kwargs", "kwargs_json", default="{}", help="Keyword arguments, a JSON object.")
+@click.option("--queue", default=producer.DEFAULT_QUEUE, show_default=True)
+@click.option("--priority", type=int, default=0, show_default=True, help="0..255, higher first.")
+@click.option("--countdown", type=float, default=0, help="Seconds to wait (server clock).")
+@click.option("--task-id", default=None, help="Default: a new UUID.")
+@click.option("--visibility-timeout", type=float, default=300, show_default=True,
+              help="The workers' visibility_timeout, seconds.")
+@connection_options
+def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priority: int,
+            countdown: float, task_id: str | None, visibility_timeout: float, url: str,
+            prefix: str) -> None:
+    """Publish a Celery (protocol v2) task message; print its task id."""
+    args = _json_option(args_json, "--args", list)
+    kwargs = _json_option(kwargs_json, "--kwargs", dict)
+    if countdown < 0:
+        raise CliError(f"--countdown must be >= 0, got {countdown}")
+    if visibility_timeout <= 0:
+        raise CliError(f"--visibility-timeout must be > 0, got {visibility_timeout}")
+    lib = connect(url, prefix)
+    lib.visibility_ms = int(visibility_timeout * 1000)
+    eta_ms = None
+    if countdown > 0:
+        seconds, micros = lib.client.time()  # the server's clock, the one the scripts use
+        eta_ms = seconds * 1000 + micros // 1000 + round(countdown * 1000)
+    envelope = producer.build_envelope(task_name, args, kwargs, task_id=task_id, queue=queue,
+                                       priority=priority, eta_ms=eta_ms)
+    lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms)
+    click.echo(envelope["headers"]["id"])
+
+
+def discover_queues(lib: ScriptLibrary) -> list[str]:
+    """Queue names from ``P meta:{Q}`` keys (SCAN, a read; fine for an operator's tool)."""
+    head = lib.keys.meta("x")[:-len("x}")]  # 'P meta:{'
+    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", head) + "*}"
+    names = {key.decode()[len(head):-1] for key in lib.client.scan_iter(match=pattern, count=1000)}
+    return sorted(names)
+
+
+@main.command()
+@click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
+@connection_options
+def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
+    """Ready, delayed, in-flight and dead-lettered messages per queue."""
+    lib = connect(url, prefix)
+    names = list(queues) or discover_queues(lib)
+    if not names:
+        click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
+        return
+    rows = [(s.queue, s.ready, s.delayed, s.in_flight, s.dead) for s in lib.stats(names)]
+    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead"], rows))
+
+
+@main.group()
+def dead() -> None:
+    """Dead letters of a queue: list, replay, purge."""
+
+
+def task_of(payload: bytes) -> tuple[str, str]:
+    """(task name, task id) of a Celery envelope; ('-', '-') for anything else."""
+    try:
+        headers = json.loads(payload)["headers"]
+        return str(headers.get("task") or "-"), str(headers.get("id") or "-")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return "-", "-"
+
+
+@dead.command("list")
+@click.argument("queue")
+@click.option("--count", type=int, default=100, show_default=True)
+@click.option("--after", default=None, help="Entry id to continue after.")
+@connection_options
+def dead_list(queue: str, count: int, after: str | None, url: str, prefix: str) -> None:
+    """Dead letters, oldest first: entry id, message id, reason, delivery count, task."""
+    letters = connect(url, prefix).dead_list(queue, count=count, after=after)
+    if not letters:
+        click.echo(f"no dead letters in {queue!r}")
+        return
+    rows = [(d.entry_id, d.id, d.reason, d.delivery_count, *task_of(d.payload)) for d in letters]
+    click.echo(table(["entry", "message", "reason", "count", "task", "task_id"], rows))
+
+
+@dead.command("replay")
+@click.argument("queue")
+@click.argument("entry_ids", nargs=-1)
+@click.option("--count", type=int, default=100, show_default=True,
+              help="Oldest entries replayed when no entry ids are given.")
+@connection_options
+def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, prefix: str) -> None:
+    """Put dead letters back into their queue as fresh messages; print the new message ids."""
+    ids = connect(url, prefix).dead_replay(queue, count=count, entry_ids=entry_ids)
+    click.echo(f"replayed {len(ids)} dead letters into {queue!r}" + "".join(f"\n{i}" for i in ids))
+
+
+@dead.command("purge")
+@click.argument("queue")
+@connection_options
+def dead_purge(queue: str, url: str, prefix: str) -> None:
+    """Delete every dead letter of the queue."""
+    click.echo(f"purged {connect(url, prefix).dead_purge(queue)} dead letters of {queue!r}")
+
+
+if __name__ == "__main__":
+    main()

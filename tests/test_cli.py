@@ -1,0 +1,182 @@
+"""The celery-redis-lua command line: publish and status against a real server, URLs
+(our schemes, the environment variable, a Unix socket), and one-line failures that never
+show a password. tests/test_cli_admin.py covers `scripts` and `dead`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner, Result
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.cli import main, mask, redis_url
+from celery_redis_lua.producer import decode_body
+from celery_redis_lua.servers import Server, free_port
+from helpers import server_now_ms
+
+SECRET = "s3cret-Pw"
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def one_line_error(result: Result, *needles: str) -> str:
+    """The command failed with exactly one line on stderr (containing ``needles``)."""
+    assert result.exit_code != 0, result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("celery-redis-lua: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert SECRET not in result.output
+    return lines[0]
+
+
+@pytest.fixture
+def url(standalone: redis.Redis, valkey_server: Server) -> str:
+    return f"redis://127.0.0.1:{valkey_server.port}/0"
+
+
+def status_rows(result: Result) -> dict[str, list[int]]:
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead"]
+    return {row.split()[0]: [int(n) for n in row.split()[1:]] for row in rows}
+
+
+def test_publish_stores_a_celery_envelope_and_status_shows_it_ready(
+        url: str, standalone: redis.Redis) -> None:
+    result = invoke("publish", "tasks.add", "--args", "[2, 3]", "--kwargs", '{"z": 1}',
+                    "--queue", "cliq", "--priority", "7", "--url", url)
+    assert result.exit_code == 0, result.output
+    task_id = result.stdout.strip()
+    assert len(task_id) == 36 and task_id.count("-") == 4
+    assert invoke("publish", "tasks.other", "--queue", "other", "--url", url).exit_code == 0
+
+    assert status_rows(invoke("status", "--queue", "cliq", "--url", url)) == {"cliq": [1, 0, 0, 0]}
+    # Without --queue, the queues are found from their meta:{Q} keys.
+    assert status_rows(invoke("status", "--url", url)) == {"cliq": [1, 0, 0, 0], "other": [1, 0, 0, 0]}
+
+    [delivery] = ScriptLibrary(standalone, Keyspace()).consume(["cliq"], 10).deliveries
+    envelope = json.loads(delivery.payload)
+    assert envelope["headers"]["task"] == "tasks.add" and envelope["headers"]["id"] == task_id
+    assert envelope["properties"]["priority"] == 7
+    assert envelope["properties"]["delivery_info"]["routing_key"] == "cliq"
+    assert decode_body(envelope)[:2] == [[2, 3], {"z": 1}]
+    assert standalone.hget(Keyspace().message("cliq", delivery.id), "priority") == b"7"
+
+
+def test_countdown_is_an_eta_by_the_servers_clock(url: str, standalone: redis.Redis) -> None:
+    before = server_now_ms(standalone)
+    result = invoke("publish", "tasks.later", "--countdown", "30", "--prefix", "app:", "--url", url)
+    after = server_now_ms(standalone)
+    assert result.exit_code == 0, result.output
+    keys = Keyspace("app:")
+    [(member, eta)] = standalone.zrange(keys.delayed("celery"), 0, -1, withscores=True)
+    assert before + 30_000 <= eta <= after + 30_000
+    payload = json.loads(standalone.hget(keys.message("celery", member.decode()), "payload"))
+    assert payload["headers"]["id"] == result.stdout.strip()
+    assert status_rows(invoke("status", "--prefix", "app:", "--url", url)) == {"celery": [0, 1, 0, 0]}
+    # The prefix matters: without it there is no queue.
+    assert invoke("status", "--url", url).stdout.startswith("no queues")
+
+
+def test_priority_out_of_range_is_the_scripts_one_line_error(url: str, standalone: redis.Redis) -> None:
+    result = invoke("publish", "tasks.add", "--priority", "256", "--url", url)
+    one_line_error(result, "priority must be an integer in 0..255, got '256'")
+    assert standalone.exists(Keyspace().queue("celery")) == 0
+
+
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("--args", "[1,", "--args is not valid JSON"),
+    ("--kwargs", "{'z': 1}", "--kwargs is not valid JSON"),
+    ("--args", '{"a": 1}', "--args must be a JSON array"),
+    ("--kwargs", "[1]", "--kwargs must be a JSON object"),
+    ("--countdown", "-1", "--countdown must be >= 0"),
+    ("--priority", "high", "'high' is not a valid integer"),
+])
+def test_bad_publish_arguments_fail_in_one_line_and_store_nothing(
+        url: str, standalone: redis.Redis, option: str, value: str, needle: str) -> None:
+    one_line_error(invoke("publish", "tasks.add", option, value, "--url", url), needle)
+    assert standalone.dbsize() == 0
+
+
+@pytest.mark.parametrize(("bad", "needle", "shown"), [
+    (f"http://:{SECRET}@127.0.0.1:1/0", "expected redis://", "'http://:***@127.0.0.1:1/0'"),
+    (f"user:{SECRET}@127.0.0.1:1/0", "(no scheme)", None),
+    (f"redislua://:{SECRET}@127.0.0.1:notaport/0", "Port could not be cast", "redislua://:***@"),
+    (f"redis://:{SECRET}@127.0.0.1:1/db", "the database must be a number, got 'db'", "redis://:***@"),
+])
+def test_bad_url_is_one_line_without_the_password(bad: str, needle: str, shown: str | None) -> None:
+    line = one_line_error(invoke("status", "--url", bad), "bad URL", needle)
+    assert shown is None or shown in line
+
+
+def test_unreachable_server_is_one_line_without_the_password() -> None:
+    port = free_port()  # nothing listens there
+    line = one_line_error(invoke("status", "--url", f"redislua://user:{SECRET}@127.0.0.1:{port}/0"),
+                          "cannot reach", f"redislua://user:***@127.0.0.1:{port}/0")
+    assert "Connection refused" in line
+
+
+def test_wrong_password_is_refused_and_never_printed() -> None:
+    with Server("valkey") as server:
+        server.client().config_set("requirepass", SECRET)
+        ok = invoke("publish", "tasks.add", "--url", f"redislua://:{SECRET}@127.0.0.1:{server.port}/0")
+        assert ok.exit_code == 0 and SECRET not in ok.output
+        wrong = f"redis://:wrong-{SECRET}@127.0.0.1:{server.port}/0"
+        one_line_error(invoke("status", "--url", wrong), "cannot log in", "redis://:***@")
+        env_url = f"redis://127.0.0.1:{server.port}/0?password=nope{SECRET}"
+        one_line_error(invoke("status", env={"CELERY_BROKER_URL": env_url}), "cannot log in",
+                       "password=***")
+
+
+def test_url_comes_from_celery_broker_url_and_lua_schemes_map_to_redis(valkey_server: Server,
+                                                                        standalone: redis.Redis) -> None:
+    env = {"CELERY_BROKER_URL": f"redislua://127.0.0.1:{valkey_server.port}/3"}
+    assert invoke("publish", "tasks.add", "--queue", "envq", env=env).exit_code == 0
+    assert status_rows(invoke("status", env=env)) == {"envq": [1, 0, 0, 0]}
+    assert standalone.dbsize() == 0  # it went to db 3, as the URL says
+    assert redis_url(f"redisluas://:{SECRET}@h:1/2") == f"rediss://:{SECRET}@h:1/2"
+    assert redis_url("redislua+socket:///run/r.sock") == "unix:///run/r.sock"
+    assert mask(f"rediss://u:{SECRET}@h:1/0?a=1&password={SECRET}") == "rediss://u:***@h:1/0?a=1&password=***"
+
+
+@pytest.fixture
+def socket_server() -> Iterator[Server]:
+    with Server("valkey", unix_socket=True) as server:
+        yield server
+
+
+@pytest.mark.parametrize("scheme", ["unix", "redislua+socket"])
+def test_unix_socket(socket_server: Server, scheme: str) -> None:
+    url = f"{scheme}://{socket_server.socket_path}"
+    assert invoke("publish", "tasks.add", "--queue", "sockq", "--url", url).exit_code == 0
+    assert status_rows(invoke("status", "--url", url)) == {"sockq": [1, 0, 0, 0]}
+
+
+def test_installed_console_script_publishes_and_reports(url: str) -> None:
+    script = Path(sys.executable).parent / "celery-redis-lua"
+    assert script.exists(), "console script missing: pip install -e . (pyproject [project.scripts])"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(script), *args, "--url", url.replace("redis://", "redislua://")],
+                              capture_output=True, text=True, timeout=60)
+
+    published = run("publish", "tasks.add", "--args", "[1, 2]", "--queue", "subq", "--countdown", "60")
+    assert published.returncode == 0, published.stderr
+    ready = run("publish", "tasks.add", "--queue", "subq")
+    assert ready.returncode == 0 and ready.stdout.strip() != published.stdout.strip()
+    status = run("status", "--queue", "subq")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0"]
+    bad = run("publish", "tasks.add", "--args", "nope")
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("celery-redis-lua: error: --args is not valid JSON")
