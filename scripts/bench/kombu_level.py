@@ -1,0 +1,67 @@
+"""kombu level: Producer.publish of N messages, then consume + ack of the same N.
+
+One connection, one channel, a fresh queue per run (deleted afterwards). The
+consume phase starts with the N messages already in the queue and uses a Consumer
+with the given prefetch, acking each message in its callback, as a worker would.
+Server cost is measured per phase.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kombu import Consumer, Producer
+
+from .peers import Peer, bind_queue, body_of_size, delete_queue, unique_queue
+from .server_cost import Probe
+
+DRAIN_TIMEOUT = 10.0  # seconds without a single delivery = the run is broken
+
+
+def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
+    name = unique_queue("k")
+    queue = bind_queue(name)
+    body = body_of_size(size)
+    probe = Probe(peer)
+    try:
+        with peer.connection() as conn:
+            channel = conn.channel()
+            queue(channel).declare()
+            producer = Producer(channel, exchange=queue.exchange, routing_key=name, serializer="json")
+
+            before = probe.snapshot()
+            began = time.perf_counter()
+            for _ in range(n):
+                producer.publish(body)
+            publish_s = time.perf_counter() - began
+            after_publish = probe.snapshot()
+
+            acked = 0
+
+            def on_message(_body: Any, message: Any) -> None:
+                nonlocal acked
+                message.ack()
+                acked += 1
+
+            consumer = Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
+                                prefetch_count=prefetch)
+            began = time.perf_counter()
+            with consumer:
+                while acked < n:
+                    conn.drain_events(timeout=DRAIN_TIMEOUT)
+            consume_s = time.perf_counter() - began
+            after_consume = probe.snapshot()
+            channel.close()
+        publish = {"seconds": publish_s, "msgs_per_s": n / publish_s,
+                   "server": probe.cost(before, after_publish, n)}
+        consume = {"seconds": consume_s, "msgs_per_s": n / consume_s,
+                   "server": probe.cost(after_publish, after_consume, n)}
+        total_cpu = None
+        if publish["server"] and consume["server"]:
+            total_cpu = publish["server"]["cpu_us_per_msg"] + consume["server"]["cpu_us_per_msg"]
+        return {"n": n, "prefetch": prefetch, "publish": publish, "consume": consume,
+                "server_cpu_us_per_msg": total_cpu}
+    finally:
+        probe.close()
+        delete_queue(peer, name)
