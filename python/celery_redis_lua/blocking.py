@@ -52,8 +52,10 @@ class BlockingRead:
         self.timeout = timeout
 
     def overdue(self, grace: float) -> bool:
-        """The server should have answered by now (a half-open socket never says so)."""
-        return self.pending is not None and time.monotonic() - self.sent_at > self.timeout + grace
+        """The server should have answered by now (a half-open socket never says so).
+        A block without timeout (blocking_timeout 0) is never overdue."""
+        return (self.pending is not None and self.timeout > 0
+                and time.monotonic() - self.sent_at > self.timeout + grace)
 
     def read(self) -> Any:
         """The reply of the pending command (None when it timed out on the server)."""

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Server-side floor for a BZMPOP/XREAD block, so a due-now hint never spins.
 MIN_BLOCK_SECONDS = 0.005
+# The claim script takes at most this many ids per call.
+MAX_CLAIM = 1000
 # Delivery tags of fanout entries (read at most once per queue; nothing to ack).
 FANOUT_TAG = "fanout:"
 # The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
@@ -297,7 +299,8 @@ class Channel(virtual.Channel):
             timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
             timeout = max(timeout, MIN_BLOCK_SECONDS)
         keys = [self.keys.queue(q) for q in queues]
-        self.queue_wait.send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN", "COUNT", room,
+        count = min(room, MAX_CLAIM)
+        self.queue_wait.send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN", "COUNT", count,
                              timeout=timeout)
         return True
 
