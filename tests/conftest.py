@@ -10,6 +10,7 @@ failure instead, so CI always covers Redis 7.0 and Valkey 9.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -119,3 +120,22 @@ def standalone(valkey_server: Server) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cli() -> str:
+    """redis-cli from PATH (tests that replay documented sessions need it; CI must have it)."""
+    path = shutil.which("redis-cli")
+    if not path:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the redis-cli tests: redis-cli is not on PATH")
+        pytest.skip("redis-cli is not on PATH (apt-get install redis-tools)")
+    return path
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def scratch_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A fresh server of each kind, for tests that need an untouched one."""
+    require_kind(request.param)
+    with Server(request.param) as server:
+        yield server

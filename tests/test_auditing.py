@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import shutil
 import subprocess
 import time
 import uuid
@@ -128,14 +127,7 @@ def doc() -> str:
     return DOC.read_text()
 
 
-@pytest.fixture(scope="module")
-def redis_cli() -> str:
-    path = shutil.which("redis-cli")
-    if not path:
-        if os.environ.get("CI"):
-            pytest.fail("CI must replay docs/auditing.md: redis-cli is not on PATH")
-        pytest.skip("redis-cli is not on PATH (apt-get install redis-tools)")
-    return path
+
 
 
 @pytest.fixture(params=["valkey", "redis"])

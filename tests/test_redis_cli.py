@@ -7,38 +7,21 @@ line per array item, error replies as their bare text.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from celery_redis_lua import Keyspace
 from celery_redis_lua.servers import Server
-from conftest import require_kind as require
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = Keyspace("cli:")
 QUEUE = "cli-q"
 
 
-@pytest.fixture(scope="module")
-def redis_cli() -> str:
-    path = shutil.which("redis-cli")
-    if not path:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the redis-cli test: redis-cli is not on PATH")
-        pytest.skip("redis-cli is not on PATH (apt-get install redis-tools)")
-    return path
 
 
-@pytest.fixture(params=["valkey", "redis"])
-def fresh_server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    require(request.param)
-    with Server(request.param) as server:
-        yield server
+
+
 
 
 def cli_eval(redis_cli: str, server: Server, script: str, keys: list[str], args: list[str]) -> str:
@@ -61,19 +44,19 @@ def assert_no_error(output: str) -> None:
     assert "(error)" not in output and "ERR" not in output, output
 
 
-def test_publish_then_consume_with_redis_cli(redis_cli: str, fresh_server: Server) -> None:
-    published = cli_eval(redis_cli, fresh_server, "publish", publish_keys(),
+def test_publish_then_consume_with_redis_cli(redis_cli: str, scratch_server: Server) -> None:
+    published = cli_eval(redis_cli, scratch_server, "publish", publish_keys(),
                          [KS.message_prefix, "hello from redis-cli", "7", "", "", "60000"])
     assert_no_error(published)
     message_id = published.strip()
     assert len(message_id) == 16 and int(message_id, 16) == 1
 
-    client = fresh_server.client()
+    client = scratch_server.client()
     stored = client.hgetall(KS.message(QUEUE, message_id))
     assert stored[b"payload"] == b"hello from redis-cli"
     assert stored[b"priority"] == b"7"
 
-    consumed = cli_eval(redis_cli, fresh_server, "consume",
+    consumed = cli_eval(redis_cli, scratch_server, "consume",
                         [KS.queue(QUEUE), KS.delayed(QUEUE), KS.index(QUEUE)],
                         ["10", "60000", "0", KS.message_prefix])
     assert_no_error(consumed)
@@ -85,11 +68,11 @@ def test_publish_then_consume_with_redis_cli(redis_cli: str, fresh_server: Serve
     client.close()
 
 
-def test_bad_priority_prints_the_error_and_writes_nothing(redis_cli: str, fresh_server: Server) -> None:
-    client = fresh_server.client()
+def test_bad_priority_prints_the_error_and_writes_nothing(redis_cli: str, scratch_server: Server) -> None:
+    client = scratch_server.client()
     assert client.dbsize() == 0
 
-    output = cli_eval(redis_cli, fresh_server, "publish", publish_keys(),
+    output = cli_eval(redis_cli, scratch_server, "publish", publish_keys(),
                       [KS.message_prefix, "payload", "high", "", "", "60000"])
 
     assert "ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'high'" in output

@@ -8,19 +8,14 @@ command's output must be exactly the `# ` lines the page shows under it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from celery_redis_lua import docgen, producer
 from celery_redis_lua.scripts import load_scripts, read_manifest
-from celery_redis_lua.servers import Server, ServerUnavailable, server_binary
+from celery_redis_lua.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "scripts.md"
@@ -91,35 +86,19 @@ def test_the_example_pins_the_manifest_sha1_and_shows_priority_order() -> None:
     assert json.loads(consume[4])["properties"]["priority"] == 9
 
 
-@pytest.fixture(scope="module")
-def redis_cli() -> str:
-    path = shutil.which("redis-cli")
-    if not path:
-        if os.environ.get("CI"):
-            pytest.fail("CI must replay the worked example: redis-cli is not on PATH")
-        pytest.skip("redis-cli is not on PATH (apt-get install redis-tools)")
-    return path
 
 
-@pytest.fixture(params=["valkey", "redis"])
-def scratch(request: pytest.FixtureRequest) -> Iterator[Server]:
-    try:
-        server_binary(request.param)
-    except ServerUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must cover {request.param}: {error}")
-        pytest.skip(f"{request.param} not available here: {error}")
-    with Server(request.param) as server:
-        yield server
 
 
-def test_the_worked_example_runs_as_printed(redis_cli: str, scratch: Server) -> None:
+
+
+def test_the_worked_example_runs_as_printed(redis_cli: str, scratch_server: Server) -> None:
     commands = example_commands(doc_text())
-    prefix = f"{shlex.quote(redis_cli)} -h 127.0.0.1 -p {scratch.port}"
+    prefix = f"{shlex.quote(redis_cli)} -h 127.0.0.1 -p {scratch_server.port}"
     for command, expected in commands:
         done = subprocess.run(["bash", "-c", prefix + command.removeprefix("redis-cli")],
                               cwd=ROOT, capture_output=True, text=True, timeout=30)
         # redis-cli exits 0 on error replies too: the output comparison is what catches them.
         assert done.returncode == 0, (command, done.stderr)
         assert done.stdout.splitlines() == expected, command
-    assert scratch.client().script_exists(read_manifest()["publish"]["sha1"]) == [True]
+    assert scratch_server.client().script_exists(read_manifest()["publish"]["sha1"]) == [True]
