@@ -3,7 +3,8 @@
 The channel holds no protocol logic of its own: publish, consume, ack, reject,
 declare, bind, purge and delete each map to one script (see lua/). What lives
 here is bookkeeping kombu needs (which queues are consumed, with or without
-ack) and the two blocking waits: BZMPOP for queues, XREAD for fanout streams.
+ack) and the blocking wait on queues (BZMPOP, then claim). Fanout streams are
+in fanout.py, acks and prefetch accounting in qos.py.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections import defaultdict
 from collections.abc import Iterable
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
-from kombu.utils.objects import cached_property
 
 from . import calls
 from .blocking import BlockingRead
@@ -26,13 +24,13 @@ from .calls import Delivery
 from .envelope import (
     BadEnvelope,
     delivered_envelope,
-    delivery_tag,
     dumps,
     publish_arguments,
-    split_tag,
 )
+from .fanout import FanoutMixin
 from .keys import Keyspace
 from .library import ScriptLibrary
+from .qos import QoS
 
 if TYPE_CHECKING:
     from .transport import Transport
@@ -43,64 +41,11 @@ logger = logging.getLogger(__name__)
 MIN_BLOCK_SECONDS = 0.005
 # The claim script takes at most this many ids per call.
 MAX_CLAIM = 1000
-# Delivery tags of fanout entries (read at most once per queue; nothing to ack).
-FANOUT_TAG = "fanout:"
 # The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
 FANOUT_PATTERN = "fanout"
 
 
-def is_fanout_tag(tag: str) -> bool:
-    return str(tag).startswith(FANOUT_TAG)
-
-
-class QoS(virtual.QoS):
-    """Prefetch accounting plus ack/reject through the scripts."""
-
-    channel: Channel
-
-    def ack(self, delivery_tag: str) -> None:
-        if not is_fanout_tag(delivery_tag):
-            queue, message_id = split_tag(delivery_tag)
-            self.channel.lib.ack(queue, [message_id])
-        super().ack(delivery_tag)
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if not is_fanout_tag(delivery_tag):
-            queue, message_id = split_tag(delivery_tag)
-            self.channel.reject_ids(queue, [message_id], requeue=requeue)
-        super().ack(delivery_tag)  # forget it locally; the script already requeued or dropped it
-
-    def in_flight(self) -> dict[str, list[str]]:
-        """Unacked message ids by queue (prefetched or running)."""
-        self._flush()
-        by_queue: dict[str, list[str]] = defaultdict(list)
-        for tag in list(self._delivered):
-            if is_fanout_tag(tag):
-                continue
-            queue, message_id = split_tag(tag)
-            by_queue[queue].append(message_id)
-        return by_queue
-
-    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """Hand every unacked message back at once, counted as a redelivery."""
-        errors: list[tuple[BaseException, Any]] = []
-        in_flight = self.in_flight()
-        batch = [
-            calls.reject(self.channel.keys, queue, ids, requeue=True,
-                         delivery_limit=self.channel.options.delivery_limit,
-                         dead_letter_maxlen=self.channel.options.dead_letter_maxlen,
-                         visibility_ms=self.channel.options.visibility_ms)
-            for queue, ids in in_flight.items()
-        ]
-        for (queue, ids), result in zip(in_flight.items(), self.channel.lib.run_many(
-                batch, raise_on_error=False), strict=True):
-            if isinstance(result, BaseException):
-                errors.append((result, (queue, ids)))
-        self._delivered.clear()
-        return errors
-
-
-class Channel(virtual.Channel):
+class Channel(FanoutMixin, virtual.Channel):
     """A kombu channel on the celery-redis-lua scripts."""
 
     QoS = QoS
@@ -132,22 +77,6 @@ class Channel(virtual.Channel):
         args = publish_arguments(message, self.options.message_ttl_ms)
         self.lib.publish(queue, dumps(message), priority=args.priority,
                          eta_ms=args.eta_ms, ttl_ms=args.ttl_ms)
-
-    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
-                    **kwargs: Any) -> None:
-        self.lib.fanout_publish(self.fanout_key(exchange), dumps(message),
-                                maxlen=self.options.stream_maxlen,
-                                expires_ms=self.options.queue_expires_ms, routing_key=routing_key)
-
-    @cached_property
-    def fanout_prefix(self) -> str:
-        prefix = self.options.fanout_prefix
-        if prefix is True:
-            return f"/{self.connection.db}."
-        return prefix or ""
-
-    def fanout_key(self, exchange: str) -> str:
-        return self.keys.fanout(exchange, self.fanout_prefix)
 
     # -- queues and bindings ----------------------------------------------------------------
 
@@ -263,10 +192,6 @@ class Channel(virtual.Channel):
         """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
         return [q for q in dict.fromkeys(self._active_queues) if q not in self._fanout_queues]
 
-    @property
-    def fanout_polled(self) -> list[str]:
-        return [q for q in dict.fromkeys(self._active_queues) if q in self._fanout_queues]
-
     def headroom(self) -> int:
         """How many messages QoS lets this channel take now."""
         room = self.qos.can_consume_max_estimate()
@@ -332,54 +257,6 @@ class Channel(virtual.Channel):
         """The queue name inside a ``P queue:{Q}`` key."""
         prefix = self.keys.queue("x")[:-3]  # 'P queue:'
         return key[len(prefix) + 1:-1]
-
-    def consume_fanout_now(self) -> int:
-        delivered = 0
-        for queue in self.fanout_polled:
-            exchange, pattern = self._fanout_queues[queue]
-            stream = self.fanout_key(exchange)
-            batch = self.lib.fanout_consume(stream, queue, self.consumer_name,
-                                            count=self.options.consume_batch)
-            self._fanout_last_id[stream] = batch.last_id
-            for entry_id, routing_key, payload in batch.entries:
-                if not self._fanout_matches(pattern, routing_key):
-                    continue
-                delivery = Delivery(queue, entry_id, 0, payload)
-                delivered += self._deliver_fanout(delivery)
-        return delivered
-
-    def start_stream_wait(self) -> bool:
-        streams = [self.fanout_key(self._fanout_queues[q][0]) for q in self.fanout_polled]
-        streams = list(dict.fromkeys(streams))
-        if not streams:
-            return False
-        timeout = self.options.blocking_timeout
-        ids = [self._fanout_last_id.get(s, "$") for s in streams]
-        self.stream_wait.send("XREAD", "COUNT", 1, "BLOCK", int(timeout * 1000), "STREAMS",
-                              *streams, *ids, timeout=timeout)
-        return True
-
-    def on_stream_wait_readable(self) -> int:
-        self.stream_wait.read()
-        return self.consume_fanout_now()
-
-    def _fanout_matches(self, pattern: str, routing_key: str) -> bool:
-        """A fanout exchange ignores routing keys (AMQP), unless fanout_patterns is on and
-        the binding key is a pattern ('*' or '#'): then it filters what the queue gets."""
-        if not self.options.fanout_patterns or "*" not in pattern or pattern == "*":
-            return True
-        return fnmatchcase(routing_key, pattern)
-
-    def _deliver_fanout(self, delivery: Delivery) -> int:
-        try:
-            payload = delivered_envelope(delivery)
-        except BadEnvelope as error:
-            logger.error("celery-redis-lua: dropped a fanout entry: %s", error)
-            return 0
-        # Fanout entries were acknowledged when read: nothing to ack or restore later.
-        payload["properties"]["delivery_tag"] = FANOUT_TAG + delivery_tag(delivery.queue, delivery.id)
-        self.connection._deliver(payload, delivery.queue)
-        return 1
 
     def _deliver_all(self, deliveries: Iterable[Delivery], no_ack: bool) -> int:
         delivered = 0
