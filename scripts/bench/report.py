@@ -175,5 +175,5 @@ def chart(summary: dict[str, dict[str, float | None]], rows: list[tuple[str, str
     right.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, metadata={"Software": None})  # no tool URL in the PNG
     plt.close(fig)
