@@ -139,9 +139,13 @@ class Transport(virtual.Transport):
         return redis.Redis(connection_pool=self.pool)
 
     def close_connection(self, connection: Any) -> None:
+        self._unregister_from_loop()
         super().close_connection(connection)
         if "pool" in self.__dict__:
             self.pool.disconnect()
+
+    def _unregister_from_loop(self) -> None:
+        """Replaced by register_with_event_loop; nothing to undo without an event loop."""
 
     # -- consuming rounds -------------------------------------------------------------------
 
@@ -217,25 +221,44 @@ class Transport(virtual.Transport):
     # -- with Celery's event loop -----------------------------------------------------------
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Poll in the hub's ticks, read waits when their sockets are readable. After a
+        reconnect Celery registers the new transport too: the old one unregisters when its
+        connection closes, and never removes a reader it does not own (fds get reused)."""
         registered: dict[int, BlockingRead] = {}
 
         def on_readable(channel: Channel, wait: BlockingRead) -> None:
             self.on_wait_readable(channel, wait)
+
+        def owned(fd: int, wait: BlockingRead) -> bool:
+            reader = loop.readers.get(fd)
+            return reader is not None and reader[1][1:] == (wait,)
 
         def on_tick() -> None:
             for channel in list(self.channels_polled):
                 self.poll_round(channel)
                 for wait in (channel.queue_wait, channel.stream_wait):
                     fd = wait.fileno()
-                    if wait.pending is not None and fd is not None and registered.get(fd) is not wait:
+                    if wait.pending is not None and fd is not None and not (
+                            registered.get(fd) is wait and owned(fd, wait)):
                         loop.add_reader(fd, on_readable, channel, wait)
                         registered[fd] = wait
             for fd, wait in list(registered.items()):
                 if wait.fileno() != fd:
-                    loop.remove_reader(fd)
+                    if owned(fd, wait):
+                        loop.remove_reader(fd)
                     del registered[fd]
 
+        def unregister() -> None:
+            loop.on_tick.discard(on_tick)
+            for timer in timers:
+                timer.cancel()
+            for fd, wait in list(registered.items()):
+                if owned(fd, wait):
+                    loop.remove_reader(fd)
+            registered.clear()
+
         loop.on_tick.add(on_tick)
-        loop.call_repeatedly(self.options.heartbeat_interval, self.heartbeat)
-        loop.call_repeatedly(self.options.sweep_interval, self.sweep)
+        timers = [loop.call_repeatedly(self.options.heartbeat_interval, self.heartbeat),
+                  loop.call_repeatedly(self.options.sweep_interval, self.sweep)]
         loop.call_soon(self.sweep)
+        self._unregister_from_loop = unregister
