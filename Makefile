@@ -52,3 +52,9 @@ bench-all: venv
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis
+
+## Chaos harness (issue 6): ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always
+## --transport ours|stock --seed N'. Writes bench-results/chaos-*.json and docs/RELIABILITY.md.
+.PHONY: chaos
+chaos: venv
+	$(BIN)/python -m scripts.chaos $(ARGS)

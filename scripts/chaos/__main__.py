@@ -1,0 +1,132 @@
+"""``python -m scripts.chaos``: one chaos run, its verdict, its scorecard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from scripts.chaos import faults, ledger, report, verdict
+from scripts.chaos.producer import Producer
+from scripts.chaos.profiles import PROFILES, Profile
+from scripts.chaos.workers import ChaosWorker
+
+from celery_redis_lua.servers import Server, server_version
+
+BROKERS = {"redis-aof": ("redis", "everysec"), "redis-aof-always": ("redis", "always"),
+           "valkey": ("valkey", "everysec")}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--broker", choices=sorted(BROKERS), default="valkey")
+    parser.add_argument("--transport", choices=("ours", "stock"), default="ours")
+    parser.add_argument("--load-seconds", type=float, help="override the profile's load phase")
+    parser.add_argument("--no-acks-late", action="store_true")
+    parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
+    return parser.parse_args(argv)
+
+
+def log(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def drain(profile: Profile, ledger_url: str, server: Server, transport: str) -> float:
+    """Wait (bounded) until every submission finished and the broker holds nothing."""
+    began = time.monotonic()
+    while time.monotonic() - began < profile.drain_seconds:
+        records = ledger.read(ledger_url)
+        finished = {entry["id"] for entry in records["finish"]}
+        missing = sum(1 for entry in records["submit"] if entry["id"] not in finished)
+        state = verdict.broker_state(server.client(socket_timeout=10), transport)
+        if not missing and not state["pending"]:
+            break
+        time.sleep(1)  # polling interval of a bounded wait
+    return round(time.monotonic() - began, 1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = PROFILES[args.profile]
+    if args.load_seconds:
+        profile = replace(profile, load_seconds=args.load_seconds)
+    kind, fsync = BROKERS[args.broker]
+    log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
+    options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout}
+    if args.transport == "ours":
+        options["sweep_interval"] = 1
+    card: dict[str, Any] = {"run": {
+        "transport": args.transport, "broker": args.broker, "profile": args.profile,
+        "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
+        "transport_options": options, "profile_settings": profile.as_dict()}}
+    ledger_server = Server("valkey").start()
+    server = Server(kind, args=["--appendonly", "yes", "--appendfsync", fsync]).start()
+    workers: list[ChaosWorker] = []
+    producer: Producer | None = None
+    try:
+        scheme = "redislua" if args.transport == "ours" else "redis"
+        broker_url = f"{scheme}://127.0.0.1:{server.port}/0"
+        card["run"]["server"] = server_version(server.client())
+        env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_server.url,
+               "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
+               "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
+        for i, (pool, concurrency) in enumerate(profile.workers, 1):
+            workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
+            workers[-1].start()
+        log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
+        injector = faults.FaultInjector(server, workers, args.transport, profile,
+                                        ledger_server.url, args.seed)
+        plan = faults.schedule(profile, args.seed)
+        card["run"]["fault_plan"] = plan
+        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
+        began = time.monotonic()
+        producer.start()
+        for at, fault in plan:
+            time.sleep(max(0.0, began + at - time.monotonic()))  # the schedule, not a sync
+            entry = injector.inject(fault)
+            log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
+                f"{ {k: v for k, v in entry.items() if k not in ('kind', 't')} }")
+        time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))
+        producer.stop()
+        log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")
+        for worker in workers:
+            if not worker.alive:
+                worker.reap(5)
+                worker.start()
+        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, server, args.transport)
+        state = verdict.broker_state(server.client(socket_timeout=10), args.transport)
+        records = ledger.read(ledger_server.url)
+        (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
+        card["verdict"] = verdict.compute(records, state, profile, args.transport)
+        card["faults"] = records["fault"]
+    finally:
+        if producer is not None and producer.is_alive():
+            producer.stop()
+        for worker in workers:
+            worker.stop()
+        server.stop()
+        ledger_server.stop()
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    card = run(args)
+    path = report.write(card)
+    if not args.no_doc:
+        report.append_doc(card, path)
+    print(report.summary(card, path))
+    return 0 if card["verdict"]["verdict"] in ("PASS", "REPORT") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

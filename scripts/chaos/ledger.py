@@ -1,0 +1,42 @@
+"""The ledger: a separate Valkey where the producer, the workers and the fault injector
+record what happened, by task id, as JSON list entries under ``chaos:<kind>``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+import redis
+
+KINDS = ("submit", "submit_error", "start", "finish", "fault")
+_client: dict[str, Any] = {"pid": None, "client": None}
+
+
+def client(url: str | None = None) -> redis.Redis:
+    """One client per process (a prefork child builds its own after the fork)."""
+    if _client["pid"] != os.getpid():
+        _client["client"] = redis.Redis.from_url(url or os.environ["CHAOS_LEDGER_URL"])
+        _client["pid"] = os.getpid()
+    return _client["client"]
+
+
+def record(stream: str, url: str | None = None, /, **fields: Any) -> None:
+    client(url).rpush(f"chaos:{stream}", json.dumps(fields))
+
+
+def read(url: str) -> dict[str, list[dict[str, Any]]]:
+    ledger = redis.Redis.from_url(url)
+    try:
+        return {kind: [json.loads(raw) for raw in ledger.lrange(f"chaos:{kind}", 0, -1)]
+                for kind in KINDS}
+    finally:
+        ledger.close()
+
+
+def by_id(entries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for entry in sorted(entries, key=lambda e: e["t"]):
+        grouped[entry["id"]].append(entry)
+    return grouped

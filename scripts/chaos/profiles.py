@@ -1,0 +1,44 @@
+"""Run profiles: how long, how fast, how many workers, which faults how often."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FAULT_KINDS = (
+    "worker_kill", "worker_term", "worker_quit",
+    "broker_restart", "client_kill", "script_flush", "broker_pause",
+)
+WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
+# Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
+STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    load_seconds: float
+    drain_seconds: float
+    rate: float  # submissions per second
+    first_fault: float  # seconds into the load phase
+    fault_gap: tuple[float, float]  # seconds between faults (uniform)
+    pause_seconds: tuple[float, float] = (2.0, 4.0)
+    visibility_timeout: float = 6.0
+    slow_seconds: tuple[float, float] = (8.0, 10.0)  # longer than the visibility timeout
+    countdown_seconds: tuple[float, float] = (1.0, 8.0)
+    # kind -> share of submissions: fast, slow (> visibility), countdown, high priority
+    mix: dict[str, float] = field(default_factory=lambda: {
+        "fast": 0.67, "slow": 0.03, "countdown": 0.15, "priority": 0.15})
+    # (pool, concurrency) per worker
+    workers: tuple[tuple[str, int], ...] = (("prefork", 2), ("prefork", 2), ("threads", 4))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PROFILES = {
+    "smoke": Profile("smoke", load_seconds=120, drain_seconds=75, rate=10,
+                     first_fault=8, fault_gap=(12, 16)),
+    "long": Profile("long", load_seconds=1800, drain_seconds=120, rate=20,
+                    first_fault=10, fault_gap=(15, 30)),
+}

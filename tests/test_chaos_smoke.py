@@ -1,0 +1,41 @@
+"""The chaos harness's smoke profile (issue 6) against our transport: about 3-4 minutes of
+load with every fault kind on a seeded schedule, real Celery workers, a Valkey broker with
+AOF, and a separate ledger. Slow: not part of `make test` / .ci/run; `make test-all` runs it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_redis_lua.servers import ServerUnavailable, server_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smoke_profile_passes_for_our_transport() -> None:
+    try:
+        server_binary("valkey")
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # scripts/ is not a package on the test path
+    chaos = importlib.import_module("scripts.chaos.__main__")
+    kinds = importlib.import_module("scripts.chaos.profiles").FAULT_KINDS
+    card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "1",
+                                  "--no-doc"]))
+    verdict = card["verdict"]
+    detail = {key: verdict[key] for key in ("lost_ids", "broker", "early_examples",
+                                            "unattributable_examples", "faults_applied")}
+    assert verdict["submitted"] > 0 and verdict["executions"] >= verdict["submitted"]
+    assert set(verdict["faults_applied"]) == set(kinds), detail
+    assert verdict["lost"] == 0, detail
+    assert verdict["pending"] == 0, detail
+    assert verdict["early"] == 0, detail
+    assert verdict["unattributable"] == 0, detail
+    assert verdict["broker_clean"], detail
+    assert verdict["verdict"] == "PASS", detail
