@@ -19,7 +19,7 @@ def test_worker_consumes_promptly_after_its_connections_are_killed(
         for round_ in range(4):
             killed = admin.client_kill_filter(_type="normal", skipme=True)
             assert killed > 0
-            wait_for(lambda: worker.log_path.read_bytes().count(b"Connected to") >= round_ + 2,
+            wait_for(lambda r=round_: worker.log_path.read_bytes().count(b"Connected to") >= r + 2,
                      timeout=30, what="the worker reconnected")
             sent = time.time()
             producer.send_task("celery_e2e.app.note", (f"after-kill-{round_}",))
