@@ -1,17 +1,24 @@
-"""QoS for the channel: kombu's prefetch accounting, with ack and reject through the scripts."""
+"""QoS for the channel: kombu's prefetch accounting, with ack and reject through the scripts.
+
+What is unacked when the channel closes is adopted by :mod:`.orphans` rather than handed
+back at once: Celery may still be running it and ack it after reconnecting.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
 
-from . import calls
 from .envelope import split_tag
+from .orphans import ORPHANS, RETRYABLE, Settings
 
 if TYPE_CHECKING:
     from .channel import Channel
+
+logger = logging.getLogger(__name__)
 
 # Delivery tags of fanout entries (read at most once per queue; nothing to ack).
 FANOUT_TAG = "fanout:"
@@ -26,16 +33,39 @@ class QoS(virtual.QoS):
 
     channel: Channel
 
+    @property
+    def settings(self) -> Settings:
+        options = self.channel.options
+        return Settings(visibility_ms=options.visibility_ms, delivery_limit=options.delivery_limit,
+                        dead_letter_maxlen=options.dead_letter_maxlen)
+
     def ack(self, delivery_tag: str) -> None:
+        """Ack through the script. An ack that meets a lost connection is kept and sent again
+        (orphans.py) instead of failing: the task is done, it must not run again."""
         if not is_fanout_tag(delivery_tag):
             queue, message_id = split_tag(delivery_tag)
-            self.channel.lib.ack(queue, [message_id])
+            lib = self.channel.lib
+            try:
+                lib.ack(queue, [message_id])
+            except RETRYABLE as error:
+                logger.warning("celery-redis-lua: ack of %s failed (%s); sending it again once "
+                               "the broker is reachable", delivery_tag, error)
+                ORPHANS.ack_later(lib, self.settings, queue, message_id)
+            else:
+                ORPHANS.settle(lib, queue, message_id)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        """Reject through the script. If the broker is unreachable the message is forgotten
+        here and the sweep restores it after the visibility timeout (counted)."""
         if not is_fanout_tag(delivery_tag):
             queue, message_id = split_tag(delivery_tag)
-            self.channel.reject_ids(queue, [message_id], requeue=requeue)
+            try:
+                self.channel.reject_ids(queue, [message_id], requeue=requeue)
+            except RETRYABLE as error:
+                logger.warning("celery-redis-lua: reject of %s failed (%s); the sweep restores it "
+                               "after the visibility timeout", delivery_tag, error)
+            ORPHANS.settle(self.channel.lib, queue, message_id)
         super().ack(delivery_tag)  # forget it locally; the script already requeued or dropped it
 
     def in_flight(self) -> dict[str, list[str]]:
@@ -50,19 +80,15 @@ class QoS(virtual.QoS):
         return by_queue
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """Hand every unacked message back at once, counted as a redelivery."""
-        errors: list[tuple[BaseException, Any]] = []
-        in_flight = self.in_flight()
-        batch = [
-            calls.reject(self.channel.keys, queue, ids, requeue=True,
-                         delivery_limit=self.channel.options.delivery_limit,
-                         dead_letter_maxlen=self.channel.options.dead_letter_maxlen,
-                         visibility_ms=self.channel.options.visibility_ms)
-            for queue, ids in in_flight.items()
-        ]
-        for (queue, ids), result in zip(in_flight.items(), self.channel.lib.run_many(
-                batch, raise_on_error=False), strict=True):
-            if isinstance(result, BaseException):
-                errors.append((result, (queue, ids)))
+        """The channel closes: its unacked deliveries are adopted (orphans.py). Those whose
+        Message nobody holds any more are handed back at once, counted as a delivery; the
+        others when they are dropped unacked, or at exit."""
+        self._flush()
+        deliveries = [(*split_tag(tag), message) for tag, message in list(self._delivered.items())
+                      if not is_fanout_tag(tag)]
         self._delivered.clear()
-        return errors
+        if deliveries:
+            ORPHANS.adopt(self.channel.lib, self.settings, deliveries)
+            del deliveries  # our own references must not keep the Messages alive
+            ORPHANS.tick()
+        return []

@@ -8,7 +8,8 @@ Fanout queues do the same with their streams and XREAD. In Celery's event
 loop the waits are sockets registered with the hub; without it (plain kombu,
 gevent, eventlet) ``drain_events`` select()s on them. Either way the
 visibility heartbeat runs every ``visibility_timeout / 3`` and the sweep every
-``sweep_interval``.
+``sweep_interval``, and every second the deliveries of closed channels are tended
+(orphans.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kombu.utils.objects import cached_property
 from .blocking import BlockingRead
 from .channel import Channel
 from .options import TransportOptions, parse_options
+from .orphans import ORPHANS, TICK_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Transport(virtual.Transport):
         self.channels_polled: set[Channel] = set()
         self._next_heartbeat = time.monotonic() + self.options.heartbeat_interval
         self._next_sweep = time.monotonic()
+        self._next_orphan_tick = time.monotonic()
 
     def driver_version(self) -> str:
         return redis.__version__
@@ -183,6 +186,9 @@ class Transport(virtual.Transport):
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.sweep()
+        if force or now >= self._next_orphan_tick:
+            self._next_orphan_tick = now + TICK_SECONDS
+            ORPHANS.tick()
 
     def heartbeat(self) -> None:
         for channel in list(self.channels_polled):
@@ -259,6 +265,7 @@ class Transport(virtual.Transport):
 
         loop.on_tick.add(on_tick)
         timers = [loop.call_repeatedly(self.options.heartbeat_interval, self.heartbeat),
-                  loop.call_repeatedly(self.options.sweep_interval, self.sweep)]
+                  loop.call_repeatedly(self.options.sweep_interval, self.sweep),
+                  loop.call_repeatedly(TICK_SECONDS, ORPHANS.tick)]
         loop.call_soon(self.sweep)
         self._unregister_from_loop = unregister

@@ -1,0 +1,210 @@
+"""Deliveries that outlive their channel, and acks that could not reach the broker.
+
+When a connection drops, kombu closes the channel and asks QoS to restore what is unacked.
+Celery (5.7) keeps running the tasks it already gave its pool (on the threads pool, also
+those still queued in the executor) and acks them through their old Message once it has
+reconnected. Handing those back at close would run them twice. So at close the channel's
+deliveries are *adopted* here instead:
+
+- while something still holds a delivery's Message, its deadline keeps being pushed
+  forward (as the channel's heartbeat did), and its ack or reject through the old Message
+  reaches the scripts as usual;
+- a Message dropped unacked (Celery discards what it had only prefetched) is handed back,
+  counted as a delivery, on the next tick;
+- an ack that met a lost connection is kept and sent again on the next ticks (acking is
+  idempotent, and it also cancels a copy the sweep restored meanwhile), so a task that
+  finished while the broker was unreachable does not run again;
+- whatever is still adopted when the process exits is handed back then.
+
+One registry per process (:data:`ORPHANS`): Celery opens a new kombu Connection, hence a new
+Transport, after a reconnect, and every live transport tends the registry on its timer.
+Redis calls are made outside the lock; acks arrive from pool threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from . import calls
+from .library import ScriptLibrary
+
+logger = logging.getLogger(__name__)
+
+# How often a transport tends the registry (a length check when it is empty).
+TICK_SECONDS = 1.0
+# A Message dropped in a reference cycle is only freed by the cycle collector; run it at
+# most this often, and only while deliveries are adopted.
+GC_EVERY_SECONDS = 2.0
+
+# What counts as "the broker is unreachable right now": try again on the next tick.
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+# An ack or hand-back that still fails after this long is given up (logged). That loses
+# nothing: the message stays in the broker and the sweep restores it once its deadline
+# lapses; it only bounds what a process keeps retrying against a broker that is gone.
+GIVE_UP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the closed channel would have used to extend or hand back its deliveries."""
+
+    visibility_ms: int
+    delivery_limit: int | None
+    dead_letter_maxlen: int
+
+
+@dataclass(eq=False)
+class Delivery:
+    lib: ScriptLibrary  # the closed channel's: its client reconnects when used
+    settings: Settings
+    queue: str
+    id: str
+    message: Callable[[], Any] | None  # a weak reference; None for a pending ack
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Orphans:
+    """The process-wide registry of adopted deliveries and pending acks."""
+
+    _adopted: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
+    _acks: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _next_extend: float = 0.0
+    _last_gc: float = 0.0
+    _pid: int = field(default_factory=os.getpid)
+
+    def __len__(self) -> int:
+        return len(self._adopted) + len(self._acks)
+
+    # -- filled by the channels' QoS ----------------------------------------------------------
+
+    def adopt(self, lib: ScriptLibrary, settings: Settings,
+              messages: Iterable[tuple[str, str, Any]]) -> int:
+        """Take over (queue, id, Message) deliveries of a closing channel."""
+        taken = 0
+        with self._lock:
+            for queue, message_id, message in messages:
+                self._adopted[(id(lib), queue, message_id)] = Delivery(
+                    lib, settings, queue, message_id, weakref.ref(message))
+                taken += 1
+            self._next_extend = time.monotonic()  # extend on the next tick
+        return taken
+
+    def settle(self, lib: ScriptLibrary, queue: str, message_id: str) -> None:
+        """The delivery was acked or rejected through its old Message: no longer ours."""
+        with self._lock:
+            self._adopted.pop((id(lib), queue, message_id), None)
+
+    def ack_later(self, lib: ScriptLibrary, settings: Settings, queue: str, message_id: str) -> None:
+        """An ack met a lost connection: send it again on the next ticks."""
+        with self._lock:
+            key = (id(lib), queue, message_id)
+            self._adopted.pop(key, None)
+            self._acks[key] = Delivery(lib, settings, queue, message_id, None)
+
+    # -- tended by every live transport -------------------------------------------------------
+
+    def tick(self) -> None:
+        """Send pending acks, hand back dropped deliveries, extend the held ones when due."""
+        if not len(self) or os.getpid() != self._pid:
+            return  # a forked pool child inherits a copy: only the owner tends it
+        self._collect_garbage()
+        with self._lock:
+            acks = list(self._acks.items())
+            dropped = [(k, d) for k, d in self._adopted.items() if d.message and d.message() is None]
+        self._run("ack", acks, self._acks)
+        self._run("hand back", dropped, self._adopted)
+        now = time.monotonic()
+        if now >= self._next_extend:
+            with self._lock:
+                held = list(self._adopted.values())
+            if held:
+                self._next_extend = now + min(d.settings.visibility_ms for d in held) / 3000
+                self._extend(held)
+
+    def release_all(self) -> None:
+        """At exit: send the pending acks, hand back everything still adopted."""
+        if not len(self) or os.getpid() != self._pid:
+            return
+        with self._lock:
+            acks, adopted = list(self._acks.items()), list(self._adopted.items())
+        self._run("ack", acks, self._acks)
+        self._run("hand back", adopted, self._adopted)
+
+    # -- the script calls ---------------------------------------------------------------------
+
+    def _collect_garbage(self) -> None:
+        now = time.monotonic()
+        if self._adopted and now - self._last_gc >= GC_EVERY_SECONDS:
+            self._last_gc = now
+            gc.collect()
+
+    def _run(self, what: str, items: list[tuple[tuple[int, str, str], Delivery]],
+             registry: dict[tuple[int, str, str], Delivery]) -> None:
+        """One script call per (library, queue); the entries of calls that succeeded leave
+        ``registry``; the others stay for the next tick."""
+        for (lib, settings, queue), group in _grouped(items).items():
+            ids = [delivery.id for _, delivery in group]
+            if what == "ack":
+                call = calls.ack(lib.keys, queue, ids)
+            else:
+                call = calls.reject(lib.keys, queue, ids, requeue=True,
+                                    delivery_limit=settings.delivery_limit,
+                                    dead_letter_maxlen=settings.dead_letter_maxlen,
+                                    visibility_ms=settings.visibility_ms)
+            try:
+                lib.run(call)
+            except RETRYABLE as error:
+                if time.monotonic() - min(d.since for _, d in group) < GIVE_UP_SECONDS:
+                    logger.warning("celery-redis-lua: could not %s %d message(s) of queue %r "
+                                   "(%s); trying again", what, len(ids), queue, error)
+                    continue
+                logger.error("celery-redis-lua: gave up trying to %s %d message(s) of queue %r "
+                             "(%s); the sweep restores them", what, len(ids), queue, error)
+            with self._lock:
+                for key, delivery in group:
+                    if registry.get(key) is delivery:
+                        del registry[key]
+            if what == "hand back":
+                logger.info("celery-redis-lua: handed back %d message(s) of queue %r that were "
+                            "dropped unacked after their channel closed", len(ids), queue)
+
+    def _extend(self, held: list[Delivery]) -> None:
+        by_lib: dict[int, tuple[ScriptLibrary, list[calls.Call]]] = {}
+        for (lib, settings, queue), group in _grouped((None, d) for d in held).items():
+            ids = [delivery.id for _, delivery in group]
+            entry = by_lib.setdefault(id(lib), (lib, []))
+            entry[1].append(calls.extend(lib.keys, queue, ids, visibility_ms=settings.visibility_ms))
+        for lib, batch in by_lib.values():
+            try:
+                lib.run_many(batch)
+            except RETRYABLE as error:
+                logger.warning("celery-redis-lua: could not extend adopted deliveries (%s)", error)
+
+
+def _grouped(items: Iterable[tuple[Any, Delivery]]
+             ) -> dict[tuple[ScriptLibrary, Settings, str], list[tuple[Any, Delivery]]]:
+    groups: dict[tuple[int, Settings, str], list[tuple[Any, Delivery]]] = defaultdict(list)
+    libs: dict[int, ScriptLibrary] = {}
+    for key, delivery in items:
+        libs[id(delivery.lib)] = delivery.lib
+        groups[(id(delivery.lib), delivery.settings, delivery.queue)].append((key, delivery))
+    return {(libs[lib_id], settings, queue): group
+            for (lib_id, settings, queue), group in groups.items()}
+
+
+ORPHANS = Orphans()
+atexit.register(ORPHANS.release_all)

@@ -1,0 +1,125 @@
+"""Deliveries that outlive their channel (orphans.py), through plain kombu on real servers.
+
+A connection closes while the application still holds a delivered Message (Celery keeps
+running a task across a reconnect): the message stays in flight, its deadline keeps being
+pushed forward, and its late ack lands. A Message dropped unacked is handed back, counted.
+An ack that meets a dead broker is sent again once the broker is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Queue
+from kombu.message import Message
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.orphans import ORPHANS
+from celery_redis_lua.servers import Server
+from conftest import require_kind
+from helpers import wait_until
+
+VISIBILITY = 1.0
+QUEUE = Queue("work", Exchange("work", "direct"), routing_key="work")
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    require_kind(request.param)
+    with Server(request.param, args=["--appendonly", "yes", "--appendfsync", "always"]) as srv:
+        yield srv
+    # The registry is per process: what a failed test left (its server is gone) must not
+    # be retried by the next tests.
+    ORPHANS._adopted.clear()
+    ORPHANS._acks.clear()
+
+
+def connect(server: Server) -> Connection:
+    return Connection(f"redislua://127.0.0.1:{server.port}/0",
+                      transport_options={"visibility_timeout": VISIBILITY, "sweep_interval": 0.2,
+                                         "socket_timeout": 2, "socket_connect_timeout": 1})
+
+
+def stats(server: Server) -> tuple[int, int, int]:
+    [s] = ScriptLibrary(server.client(), Keyspace()).stats(["work"])
+    return s.ready, s.in_flight, s.dead
+
+
+def publish_and_take_one(conn: Connection, body: str) -> Message:
+    conn.Producer().publish(body, exchange=QUEUE.exchange, routing_key="work", declare=[QUEUE])
+    got: list[Message] = []
+    with Consumer(conn, [QUEUE], callbacks=[lambda _, message: got.append(message)]):
+        deadline = time.monotonic() + 10
+        while not got:
+            assert time.monotonic() < deadline, "no delivery"
+            with contextlib.suppress(socket.timeout):
+                conn.drain_events(timeout=1)
+    return got[0]
+
+
+def tend_for(conn: Connection, seconds: float, observe: Any) -> None:
+    """Run another connection's event loop (it tends the orphans) and sample the broker."""
+    deadline = time.monotonic() + seconds
+    with Consumer(conn, [Queue("elsewhere")], callbacks=[]):
+        while time.monotonic() < deadline:
+            with contextlib.suppress(socket.timeout):
+                conn.drain_events(timeout=0.2)
+            observe()
+
+
+def test_a_message_held_across_a_closed_connection_stays_in_flight_and_its_late_ack_lands(
+        server: Server) -> None:
+    with connect(server) as first:
+        message = publish_and_take_one(first, "held")
+    # The connection closed; the application still holds the message (a task still running).
+    assert stats(server) == (0, 1, 0)
+    observed: set[tuple[int, int, int]] = set()
+    with connect(server) as second:
+        # Three visibility timeouts: without the orphans' heartbeat the sweep restores it.
+        tend_for(second, 3 * VISIBILITY, lambda: observed.add(stats(server)))
+        assert observed == {(0, 1, 0)}
+        message.ack()
+        assert stats(server) == (0, 0, 0)
+        assert server.client().keys("message:*") == []
+    assert len(ORPHANS) == 0
+
+
+def test_a_message_dropped_unacked_after_close_is_handed_back_counted(server: Server) -> None:
+    with connect(server) as first:
+        message = publish_and_take_one(first, "dropped")
+        holder = [message]
+        holder.append(holder)  # a reference cycle: only the cycle collector frees it
+        del message
+    assert stats(server) == (0, 1, 0), "still held at close: adopted, not handed back"
+    del holder
+    with connect(server) as second:
+        wait_until(lambda: (gc.collect() or True) and ORPHANS.tick() is None
+                   and stats(server) == (1, 0, 0), timeout=10)
+        again = publish_and_take_one(second, "another")  # takes the handed-back one first
+        assert again.payload == "dropped"
+        assert again.headers["x-delivery-count"] == 1
+        assert again.delivery_info["redelivered"] is True
+        again.ack()
+    assert len(ORPHANS) == 0
+
+
+def test_an_ack_that_meets_a_dead_broker_is_sent_once_it_is_back(server: Server) -> None:
+    with connect(server) as conn:
+        message = publish_and_take_one(conn, "finished-while-down")
+        server.kill()
+        message.ack()  # the task is done: no error to Celery, the ack is kept
+        assert message.acknowledged
+        assert len(ORPHANS) == 1
+        ORPHANS.tick()  # broker still down: kept for the next tick
+        assert len(ORPHANS) == 1
+        server.start()  # same port, same AOF: the message is still in flight there
+        assert stats(server) == (0, 1, 0)
+        wait_until(lambda: ORPHANS.tick() is None and stats(server) == (0, 0, 0), timeout=10)
+    assert len(ORPHANS) == 0
+    assert server.client().keys("message:*") == []
