@@ -44,9 +44,12 @@ logger = logging.getLogger(__name__)
 
 # How often a transport tends the registry (a length check when it is empty).
 TICK_SECONDS = 1.0
-# A Message dropped in a reference cycle is only freed by the cycle collector; run it at
-# most this often, and only while deliveries are adopted.
-GC_EVERY_SECONDS = 2.0
+# A Message dropped in a reference cycle (Celery's requests are in cycles) is only freed
+# by the cycle collector. While deliveries are adopted it runs first after this long, then
+# at doubling intervals up to GC_MAX_SECONDS (a long task must not cost a collection every
+# few seconds for its whole run); a new adoption starts over.
+GC_FIRST_SECONDS = 2.0
+GC_MAX_SECONDS = 60.0
 
 # What counts as "the broker is unreachable right now": try again on the next tick.
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -83,7 +86,8 @@ class Orphans:
     _acks: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _next_extend: float = 0.0
-    _last_gc: float = 0.0
+    _next_gc: float = 0.0
+    _gc_gap: float = GC_FIRST_SECONDS
     _pid: int = field(default_factory=os.getpid)
 
     def __len__(self) -> int:
@@ -101,6 +105,8 @@ class Orphans:
                     lib, settings, queue, message_id, weakref.ref(message))
                 taken += 1
             self._next_extend = time.monotonic()  # extend on the next tick
+            self._gc_gap = GC_FIRST_SECONDS
+            self._next_gc = min(self._next_gc, time.monotonic())
         return taken
 
     def settle(self, lib: ScriptLibrary, queue: str, message_id: str) -> None:
@@ -148,8 +154,9 @@ class Orphans:
 
     def _collect_garbage(self) -> None:
         now = time.monotonic()
-        if self._adopted and now - self._last_gc >= GC_EVERY_SECONDS:
-            self._last_gc = now
+        if self._adopted and now >= self._next_gc:
+            self._next_gc = now + self._gc_gap
+            self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
             gc.collect()
 
     def _run(self, what: str, items: list[tuple[tuple[int, str, str], Delivery]],

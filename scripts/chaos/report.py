@@ -56,7 +56,9 @@ def write(card: dict[str, Any]) -> Path:
 def summary(card: dict[str, Any], path: Path) -> str:
     run, v = card["run"], card["verdict"]
     lat = v["latency_seconds"]
-    by_fault = ", ".join(f"{k} {n}" for k, n in sorted(v["duplicates_by_fault"].items())) or "none"
+    by_fault = ", ".join(
+        f"{k} {n} ({n / v['faults_applied'][k]:.2f} per fault)" if v["faults_applied"].get(k)
+        else f"{k} {n}" for k, n in sorted(v["duplicates_by_fault"].items())) or "none"
     applied = ", ".join(f"{k} {n}" for k, n in sorted(v["faults_applied"].items())) or "none"
     skipped = ", ".join(v["faults_skipped"]) or "none"
     return "\n".join([
