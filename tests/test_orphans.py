@@ -123,3 +123,36 @@ def test_an_ack_that_meets_a_dead_broker_is_sent_once_it_is_back(server: Server)
         wait_until(lambda: ORPHANS.tick() is None and stats(server) == (0, 0, 0), timeout=10)
     assert len(ORPHANS) == 0
     assert server.client().keys("message:*") == []
+
+
+def restore_as_the_sweep_would(server: Server, message: Message) -> None:
+    """What the sweep does to a delivery whose deadline lapsed: back to ready, counted."""
+    lib = ScriptLibrary(server.client(), Keyspace())
+    message_id = message.delivery_tag.split("@")[0]
+    assert lib.reject("work", [message_id], requeue=True).requeued == 1
+
+
+@pytest.mark.parametrize("how", ["reject", "dropped after close"])
+def test_a_stale_hand_back_leaves_the_new_holders_delivery_alone(server: Server, how: str) -> None:
+    """Worker A's deadline lapsed (its loop stalled), the message went to worker B; A's late
+    reject or hand-back must not requeue it under B (the chaos run saw it run three times)."""
+    with connect(server) as a, connect(server) as b:
+        held_by_a = publish_and_take_one(a, "contested")
+        restore_as_the_sweep_would(server, held_by_a)
+        held_by_b = publish_and_take_one(b, "other")
+        assert (held_by_a.headers["x-delivery-count"], held_by_b.headers["x-delivery-count"]) == (0, 1)
+        assert held_by_b.payload == "contested"
+        if how == "reject":
+            held_by_a.reject(requeue=True)
+        else:
+            a.close()
+            del held_by_a
+            gc.collect()
+            ORPHANS.tick()
+            assert len(ORPHANS) == 0, "the hand-back was sent (and found the delivery stale)"
+        # B took both ('other' too, no prefetch limit): nothing went back to ready.
+        assert stats(server) == (0, 2, 0)
+        message_id = held_by_b.delivery_tag.split("@")[0]
+        assert server.client().hget(f"message:{{work}}:{message_id}", "delivery_count") == b"1"
+        held_by_b.ack()
+        assert stats(server) == (0, 1, 0)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.calls import SweepReport
+from celery_redis_lua.calls import Rejected, SweepReport
 from conftest import Target
 from helpers import server_now_ms, wait_for_server_time
 
@@ -102,6 +102,32 @@ def test_ack_after_restore_cancels_the_restored_copy(vlib: ScriptLibrary, target
     assert index_time(vlib, "vis", message_id) is None
     assert client.exists(vlib.keys.message("vis", message_id)) == 0
     assert vlib.consume(["vis"], 5).deliveries == []
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_a_late_reject_of_a_delivery_made_again_since_is_left_alone(
+        vlib: ScriptLibrary, requeue: bool) -> None:
+    """Found by the chaos harness: a worker whose heartbeat had stopped handed back a
+    message that the sweep had meanwhile restored and another worker held, so it was put
+    back in the queue under that worker and ran a third time. Fenced by the count."""
+    message_id = vlib.publish("vis", "contested")
+    [first] = vlib.consume(["vis"], 1).deliveries  # worker A: delivery 0
+    assert sweep_after_index_time(vlib, "vis", message_id).requeued == 1
+    [second] = vlib.consume(["vis"], 1).deliveries  # worker B: delivery 1, in flight
+    assert (first.delivery_count, second.delivery_count) == (0, 1)
+
+    late = vlib.reject("vis", [message_id], requeue=requeue, counts=[first.delivery_count])
+    assert late == Rejected(0, 0, 0, stale=1)
+    [stats] = vlib.stats(["vis"])
+    assert (stats.ready, stats.in_flight, stats.dead) == (0, 1, 0)  # still B's
+    assert vlib.client.hget(vlib.keys.message("vis", message_id), "delivery_count") == b"1"
+
+    # B's own reject (its count) acts as before.
+    assert vlib.reject("vis", [message_id], requeue=True, counts=[1]) == Rejected(1, 0, 0)
+    [third] = vlib.consume(["vis"], 1).deliveries
+    assert third.delivery_count == 2
+    # An unfenced id keeps the old meaning (foreign consumers, the CLI).
+    assert vlib.reject("vis", [message_id], requeue=False) == Rejected(0, 1, 0)
 
 
 def test_claim_after_a_real_zmpop(vlib: ScriptLibrary, target: Target) -> None:

@@ -44,6 +44,7 @@ class Rejected:
     requeued: int
     dead_lettered: int
     deleted: int
+    stale: int = 0  # fenced ids delivered again since (left alone)
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,23 @@ def ack(keys: Keyspace, queue: str, ids: Sequence[str]) -> Call:
     return Call("ack", [keys.queue(queue), keys.index(queue)], [keys.message_prefix, *ids], int)
 
 
+def fenced(ids: Sequence[str], counts: Sequence[int | None] | None) -> list[str]:
+    """``id:delivery_count`` for each id whose count is known: reject then acts only on
+    that delivery, not on one made to another consumer after a restore."""
+    if counts is None:
+        return list(ids)
+    return [i if c is None else f"{i}:{int(c)}" for i, c in zip(ids, counts, strict=True)]
+
+
 def reject(
     keys: Keyspace, queue: str, ids: Sequence[str], *, requeue: bool,
     delivery_limit: int | None, dead_letter_maxlen: int, visibility_ms: int,
+    counts: Sequence[int | None] | None = None,
 ) -> Call:
     return Call(
         "reject", [keys.queue(queue), keys.index(queue), keys.dead(queue)],
         [keys.message_prefix, int(requeue), delivery_limit or 0, dead_letter_maxlen,
-         visibility_ms, *ids],
+         visibility_ms, *fenced(ids, counts)],
         lambda reply: Rejected(*(int(n) for n in reply)),
     )
 

@@ -153,6 +153,7 @@ class Channel(FanoutMixin, virtual.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.watchdog.start()
         self._restart_waits()
         return result
 
@@ -250,7 +251,8 @@ class Channel(FanoutMixin, virtual.Channel):
         if consumed:
             return self._deliver_all(deliveries, no_ack)
         if deliveries:
-            self.reject_ids(queue, [d.id for d in deliveries], requeue=True)
+            self.reject_ids(queue, [d.id for d in deliveries], requeue=True,
+                            counts=[d.delivery_count for d in deliveries])
         return 0
 
     def _queue_of_key(self, key: str) -> str:
@@ -275,13 +277,17 @@ class Channel(FanoutMixin, virtual.Channel):
         except BadEnvelope as error:
             logger.error("celery-redis-lua: rejected a message: %s", error)
             if not no_ack:
-                self.reject_ids(delivery.queue, [delivery.id], requeue=False)
+                self.reject_ids(delivery.queue, [delivery.id], requeue=False,
+                                counts=[delivery.delivery_count])
             return None
 
-    def reject_ids(self, queue: str, ids: list[str], *, requeue: bool) -> None:
+    def reject_ids(self, queue: str, ids: list[str], *, requeue: bool,
+                   counts: list[int | None] | None = None) -> None:
+        """Reject through the script; with ``counts`` (the x-delivery-count each was
+        delivered with) a message delivered again since is left alone."""
         result = self.lib.reject(queue, ids, requeue=requeue,
                                  delivery_limit=self.options.delivery_limit,
-                                 dead_letter_maxlen=self.options.dead_letter_maxlen)
+                                 dead_letter_maxlen=self.options.dead_letter_maxlen, counts=counts)
         if result.dead_lettered and requeue:
             logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s and "
                          "was dead-lettered", ", ".join(ids), queue, self.options.delivery_limit)

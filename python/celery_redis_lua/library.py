@@ -82,11 +82,12 @@ class ScriptLibrary:
         return self.run(calls.ack(self.keys, queue, ids))
 
     def reject(self, queue: str, ids: Sequence[str], *, requeue: bool,
-               delivery_limit: int | None = 20, dead_letter_maxlen: int = 10_000) -> Rejected:
+               delivery_limit: int | None = 20, dead_letter_maxlen: int = 10_000,
+               counts: Sequence[int | None] | None = None) -> Rejected:
         return self.run(calls.reject(self.keys, queue, ids, requeue=requeue,
                                      delivery_limit=delivery_limit,
                                      dead_letter_maxlen=dead_letter_maxlen,
-                                     visibility_ms=self.visibility_ms))
+                                     visibility_ms=self.visibility_ms, counts=counts))
 
     def extend(self, queue: str, ids: Sequence[str]) -> int:
         return self.run(calls.extend(self.keys, queue, ids, visibility_ms=self.visibility_ms))

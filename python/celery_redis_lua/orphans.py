@@ -17,8 +17,9 @@ deliveries are *adopted* here instead:
 - whatever is still adopted when the process exits is handed back then.
 
 One registry per process (:data:`ORPHANS`): Celery opens a new kombu Connection, hence a new
-Transport, after a reconnect, and every live transport tends the registry on its timer.
-Redis calls are made outside the lock; acks arrive from pool threads.
+Transport, after a reconnect, so this cannot belong to a transport. It tends itself from a
+daemon thread that runs while it holds anything (the event loop may be reconnecting or
+gone). Redis calls are made outside the lock; acks arrive from pool threads too.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .library import ScriptLibrary
 
 logger = logging.getLogger(__name__)
 
-# How often a transport tends the registry (a length check when it is empty).
+# How often the registry's thread tends it while it holds anything.
 TICK_SECONDS = 1.0
 # A Message dropped in a reference cycle (Celery's requests are in cycles) is only freed
 # by the cycle collector. While deliveries are adopted it runs first after this long, then
@@ -74,6 +75,7 @@ class Delivery:
     settings: Settings
     queue: str
     id: str
+    delivery_count: int | None  # the delivery's x-delivery-count: a hand-back is fenced by it
     message: Callable[[], Any] | None  # a weak reference; None for a pending ack
     since: float = field(default_factory=time.monotonic)
 
@@ -85,6 +87,8 @@ class Orphans:
     _adopted: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
     _acks: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ticking: threading.Lock = field(default_factory=threading.Lock)  # one tick at a time
+    _thread: threading.Thread | None = None
     _next_extend: float = 0.0
     _next_gc: float = 0.0
     _gc_gap: float = GC_FIRST_SECONDS
@@ -96,17 +100,18 @@ class Orphans:
     # -- filled by the channels' QoS ----------------------------------------------------------
 
     def adopt(self, lib: ScriptLibrary, settings: Settings,
-              messages: Iterable[tuple[str, str, Any]]) -> int:
-        """Take over (queue, id, Message) deliveries of a closing channel."""
+              messages: Iterable[tuple[str, str, int | None, Any]]) -> int:
+        """Take over (queue, id, delivery count, Message) deliveries of a closing channel."""
         taken = 0
         with self._lock:
-            for queue, message_id, message in messages:
+            for queue, message_id, count, message in messages:
                 self._adopted[(id(lib), queue, message_id)] = Delivery(
-                    lib, settings, queue, message_id, weakref.ref(message))
+                    lib, settings, queue, message_id, count, weakref.ref(message))
                 taken += 1
             self._next_extend = time.monotonic()  # extend on the next tick
             self._gc_gap = GC_FIRST_SECONDS
             self._next_gc = min(self._next_gc, time.monotonic())
+            self._tend_in_background()
         return taken
 
     def settle(self, lib: ScriptLibrary, queue: str, message_id: str) -> None:
@@ -119,14 +124,42 @@ class Orphans:
         with self._lock:
             key = (id(lib), queue, message_id)
             self._adopted.pop(key, None)
-            self._acks[key] = Delivery(lib, settings, queue, message_id, None)
+            self._acks[key] = Delivery(lib, settings, queue, message_id, None, None)
+            self._tend_in_background()
 
-    # -- tended by every live transport -------------------------------------------------------
+    def _tend_in_background(self) -> None:
+        """Start the tending thread if it is not running (called with the lock held)."""
+        if self._thread is None and os.getpid() == self._pid:
+            self._thread = threading.Thread(target=self._tend, name="celery-redis-lua-orphans",
+                                            daemon=True)
+            self._thread.start()
+
+    def _tend(self) -> None:
+        while True:
+            time.sleep(TICK_SECONDS)  # the tending period itself, not a synchronisation
+            try:
+                self.tick()
+            except Exception:  # a bug must not end tending silently: log it, go on
+                logger.exception("celery-redis-lua: tending adopted deliveries failed")
+            with self._lock:
+                if not self._adopted and not self._acks:
+                    self._thread = None
+                    return
+
+    # -- tending ------------------------------------------------------------------------------
 
     def tick(self) -> None:
         """Send pending acks, hand back dropped deliveries, extend the held ones when due."""
         if not len(self) or os.getpid() != self._pid:
             return  # a forked pool child inherits a copy: only the owner tends it
+        if not self._ticking.acquire(blocking=False):
+            return  # another thread is ticking; two would hand back the same message twice
+        try:
+            self._tick()
+        finally:
+            self._ticking.release()
+
+    def _tick(self) -> None:
         self._collect_garbage()
         with self._lock:
             acks = list(self._acks.items())
@@ -145,10 +178,15 @@ class Orphans:
         """At exit: send the pending acks, hand back everything still adopted."""
         if not len(self) or os.getpid() != self._pid:
             return
-        with self._lock:
-            acks, adopted = list(self._acks.items()), list(self._adopted.items())
-        self._run("ack", acks, self._acks)
-        self._run("hand back", adopted, self._adopted)
+        if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
+            return
+        try:
+            with self._lock:
+                acks, adopted = list(self._acks.items()), list(self._adopted.items())
+            self._run("ack", acks, self._acks)
+            self._run("hand back", adopted, self._adopted)
+        finally:
+            self._ticking.release()
 
     # -- the script calls ---------------------------------------------------------------------
 
@@ -171,9 +209,11 @@ class Orphans:
                 call = calls.reject(lib.keys, queue, ids, requeue=True,
                                     delivery_limit=settings.delivery_limit,
                                     dead_letter_maxlen=settings.dead_letter_maxlen,
-                                    visibility_ms=settings.visibility_ms)
+                                    visibility_ms=settings.visibility_ms,
+                                    counts=[delivery.delivery_count for _, delivery in group])
+            result = None
             try:
-                lib.run(call)
+                result = lib.run(call)
             except RETRYABLE as error:
                 if time.monotonic() - min(d.since for _, d in group) < GIVE_UP_SECONDS:
                     logger.warning("celery-redis-lua: could not %s %d message(s) of queue %r "
@@ -185,9 +225,10 @@ class Orphans:
                 for key, delivery in group:
                     if registry.get(key) is delivery:
                         del registry[key]
-            if what == "hand back":
+            if what == "hand back" and isinstance(result, calls.Rejected):
                 logger.info("celery-redis-lua: handed back %d message(s) of queue %r that were "
-                            "dropped unacked after their channel closed", len(ids), queue)
+                            "dropped unacked after their channel closed (%d delivered again "
+                            "elsewhere meanwhile, left alone)", len(ids), queue, result.stale)
 
     def _extend(self, held: list[Delivery]) -> None:
         by_lib: dict[int, tuple[ScriptLibrary, list[calls.Call]]] = {}

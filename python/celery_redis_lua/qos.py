@@ -61,12 +61,18 @@ class QoS(virtual.QoS):
         if not is_fanout_tag(delivery_tag):
             queue, message_id = split_tag(delivery_tag)
             try:
-                self.channel.reject_ids(queue, [message_id], requeue=requeue)
+                self.channel.reject_ids(queue, [message_id], requeue=requeue,
+                                        counts=[self.delivery_count(delivery_tag)])
             except RETRYABLE as error:
                 logger.warning("celery-redis-lua: reject of %s failed (%s); the sweep restores it "
                                "after the visibility timeout", delivery_tag, error)
             ORPHANS.settle(self.channel.lib, queue, message_id)
         super().ack(delivery_tag)  # forget it locally; the script already requeued or dropped it
+
+    def delivery_count(self, delivery_tag: str) -> int | None:
+        """The x-delivery-count this channel's delivery carried (its fencing token)."""
+        message = self._delivered.get(delivery_tag)
+        return None if message is None else _count_of(message)
 
     def in_flight(self) -> dict[str, list[str]]:
         """Unacked message ids by queue (prefetched or running)."""
@@ -84,11 +90,16 @@ class QoS(virtual.QoS):
         Message nobody holds any more are handed back at once, counted as a delivery; the
         others when they are dropped unacked, or at exit."""
         self._flush()
-        deliveries = [(*split_tag(tag), message) for tag, message in list(self._delivered.items())
-                      if not is_fanout_tag(tag)]
+        deliveries = [(*split_tag(tag), _count_of(message), message)
+                      for tag, message in list(self._delivered.items()) if not is_fanout_tag(tag)]
         self._delivered.clear()
         if deliveries:
             ORPHANS.adopt(self.channel.lib, self.settings, deliveries)
             del deliveries  # our own references must not keep the Messages alive
             ORPHANS.tick()
         return []
+
+
+def _count_of(message: Any) -> int | None:
+    count = (getattr(message, "headers", None) or {}).get("x-delivery-count")
+    return count if isinstance(count, int) and not isinstance(count, bool) else None

@@ -8,8 +8,9 @@ Fanout queues do the same with their streams and XREAD. In Celery's event
 loop the waits are sockets registered with the hub; without it (plain kombu,
 gevent, eventlet) ``drain_events`` select()s on them. Either way the
 visibility heartbeat runs every ``visibility_timeout / 3`` and the sweep every
-``sweep_interval``, and every second the deliveries of closed channels are tended
-(orphans.py).
+``sweep_interval``; while the loop stands still (a warm shutdown draining the pool,
+a reconnect, a task on the solo pool) a watchdog thread extends in its place
+(watchdog.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kombu.utils.objects import cached_property
 from .blocking import BlockingRead
 from .channel import Channel
 from .options import TransportOptions, parse_options
-from .orphans import ORPHANS, TICK_SECONDS
+from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class Transport(virtual.Transport):
         self.channels_polled: set[Channel] = set()
         self._next_heartbeat = time.monotonic() + self.options.heartbeat_interval
         self._next_sweep = time.monotonic()
-        self._next_orphan_tick = time.monotonic()
+        # Extends in-flight deadlines from a thread while the event loop stands still.
+        self.watchdog = Watchdog(self.options.heartbeat_interval, self.extend_in_flight)
 
     def driver_version(self) -> str:
         return redis.__version__
@@ -142,6 +144,7 @@ class Transport(virtual.Transport):
         return redis.Redis(connection_pool=self.pool)
 
     def close_connection(self, connection: Any) -> None:
+        self.watchdog.stop()
         self._unregister_from_loop()
         super().close_connection(connection)
         if "pool" in self.__dict__:
@@ -186,11 +189,13 @@ class Transport(virtual.Transport):
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.sweep()
-        if force or now >= self._next_orphan_tick:
-            self._next_orphan_tick = now + TICK_SECONDS
-            ORPHANS.tick()
 
     def heartbeat(self) -> None:
+        """The event loop's beat: extend what is in flight, tell the watchdog it ran."""
+        self.watchdog.loop_beat()
+        self.extend_in_flight()
+
+    def extend_in_flight(self) -> None:
         for channel in list(self.channels_polled):
             channel.heartbeat()
 
@@ -265,7 +270,6 @@ class Transport(virtual.Transport):
 
         loop.on_tick.add(on_tick)
         timers = [loop.call_repeatedly(self.options.heartbeat_interval, self.heartbeat),
-                  loop.call_repeatedly(self.options.sweep_interval, self.sweep),
-                  loop.call_repeatedly(TICK_SECONDS, ORPHANS.tick)]
+                  loop.call_repeatedly(self.options.sweep_interval, self.sweep)]
         loop.call_soon(self.sweep)
         self._unregister_from_loop = unregister

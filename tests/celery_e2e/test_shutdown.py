@@ -118,3 +118,30 @@ def test_idle_worker_stops_soon_after_sigterm(
     assert code == 0
     # The 10 s poll was not waited out (the issue aims for about 1 s).
     assert exit_seconds < 5, f"idle {pool} worker took {exit_seconds:.2f}s to stop"
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_warm_shutdown_keeps_running_tasks_in_flight_until_they_finish(
+        broker: Broker, producer: Celery, servers: tuple[Server, Server], log_dir: Path,
+        pool: str) -> None:
+    """Found by the chaos harness: during a warm shutdown the event loop no longer turns, so
+    the heartbeat stopped, and tasks running longer than the visibility timeout were
+    restored by another worker's sweep and ran twice. The watchdog thread extends them."""
+    visibility, runtime = 2, 6.0  # the task outlives three visibility timeouts after SIGTERM
+    broker.transport_options = {"visibility_timeout": visibility, "sweep_interval": 0.5}
+    env = {"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "1"}
+    stopping = Worker(broker, name="stopping", pool=pool, concurrency=1, env=env, log_dir=log_dir)
+    sweeper = Worker(broker, name="sweeper", pool=pool, concurrency=1, env=env, log_dir=log_dir)
+    lib = ScriptLibrary(broker_client(servers), Keyspace(), visibility_ms=visibility * 1000)
+    with running(stopping):
+        producer.send_task("celery_e2e.app.slow", ("long", runtime))
+        wait_for(lambda: broker.entries("started"), timeout=30, what="'long' started")
+        with running(sweeper):  # idle, sweeping every 0.5 s: it would take a restored copy
+            stopping.signal(signal.SIGTERM)
+            assert stopping.wait(60) == 0
+            wait_for(lambda: lib.stats([QUEUE])[0].in_flight == 0, timeout=10, what="the ack")
+    started = broker.entries("started")
+    assert [(s["label"], s["delivery_count"]) for s in started] == [("long", 0)], started
+    assert [f["label"] for f in broker.entries("finished")] == ["long"]
+    final = lib.stats([QUEUE])[0]
+    assert (final.ready, final.in_flight, final.delayed, final.dead) == (0, 0, 0, 0)
