@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,32 +34,30 @@ def require_kind(kind: str) -> None:
         pytest.skip(f"{kind} not available here: {error}")
 
 
+def _session_servers(make: Callable[[str], Any], kind: str) -> Iterator[Any]:
+    require_kind(kind)
+    with make(kind) as started:
+        yield started
+
+
 @pytest.fixture(scope="session")
 def valkey_server() -> Iterator[Server]:
-    require_kind("valkey")
-    with Server("valkey") as server:
-        yield server
+    yield from _session_servers(Server, "valkey")
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Server]:
-    require_kind("redis")
-    with Server("redis") as server:
-        yield server
+    yield from _session_servers(Server, "redis")
 
 
 @pytest.fixture(scope="session")
 def valkey_cluster() -> Iterator[Cluster]:
-    require_kind("valkey")
-    with Cluster("valkey") as cluster:
-        yield cluster
+    yield from _session_servers(Cluster, "valkey")
 
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[Cluster]:
-    require_kind("redis")
-    with Cluster("redis") as cluster:
-        yield cluster
+    yield from _session_servers(Cluster, "redis")
 
 
 @dataclass

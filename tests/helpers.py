@@ -21,7 +21,8 @@ def server_now_ms(client: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01) -> T:
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
+               what: str = "condition") -> T:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -29,7 +30,7 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
+            raise AssertionError(f"{what} not met within {timeout}s (last value {value!r})")
         time.sleep(interval)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import redis
 
+from helpers import wait_until
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -142,11 +144,5 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
 
 
 def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s (last: {value!r})")
-        time.sleep(interval)
+    """helpers.wait_until with the pace of process-level tests."""
+    return wait_until(predicate, timeout, interval, what)
