@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     card = run(args)
     path = report.write(card)
     if not args.no_doc:
+        path = report.keep(path)
         report.append_doc(card, path)
     print(report.summary(card, path))
     return 0 if card["verdict"]["verdict"] in ("PASS", "REPORT") else 1

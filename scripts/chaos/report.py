@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
+KEPT = ROOT / "docs" / "chaos"  # the scorecards docs/RELIABILITY.md cites are committed
 DOC = ROOT / "docs" / "RELIABILITY.md"
 INTRO = """# Reliability: the chaos harness
 
@@ -40,7 +42,8 @@ What each line means:
 
 Our transport gets PASS or FAIL; kombu's stock Redis transport is run the same way as a
 report-only baseline (faults that make no sense for it, such as SCRIPT FLUSH, are skipped
-and listed). JSON scorecards are in `bench-results/chaos-*.json`.
+and listed). JSON scorecards are written to `bench-results/chaos-*.json`; those of the runs
+summarised below are kept in `docs/chaos/`, with examples of every duplicate kind.
 """
 
 
@@ -51,6 +54,14 @@ def write(card: dict[str, Any]) -> Path:
     path = RESULTS / f"chaos-{run['transport']}-{run['broker']}-{run['profile']}-s{run['seed']}-{stamp}.json"
     path.write_text(json.dumps(card, indent=2, default=str))
     return path
+
+
+def keep(path: Path) -> Path:
+    """Copy a scorecard next to the document that cites it."""
+    KEPT.mkdir(parents=True, exist_ok=True)
+    target = KEPT / path.name
+    shutil.copyfile(path, target)
+    return target
 
 
 def summary(card: dict[str, Any], path: Path) -> str:
