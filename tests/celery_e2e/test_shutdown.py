@@ -145,3 +145,28 @@ def test_warm_shutdown_keeps_running_tasks_in_flight_until_they_finish(
     assert [f["label"] for f in broker.entries("finished")] == ["long"]
     final = lib.stats([QUEUE])[0]
     assert (final.ready, final.in_flight, final.delayed, final.dead) == (0, 0, 0, 0)
+
+
+# Prefork only: Celery 5.7's threads pool cannot interrupt a running task (its cold
+# shutdown raises NotImplementedError from terminate_job and lets the task run to its end).
+@pytest.mark.parametrize("pool", ["prefork"])
+def test_cold_shutdown_hands_the_interrupted_task_back_at_once(
+        broker: Broker, producer: Celery, servers: tuple[Server, Server], log_dir: Path,
+        pool: str) -> None:
+    """SIGQUIT stops the worker without letting its task finish: the message is handed
+    back, counted, when the process exits (orphans.py's exit hook, or the close), not
+    after the visibility timeout (set long here)."""
+    broker.transport_options = {**broker.transport_options, "visibility_timeout": VISIBILITY_S}
+    client = broker_client(servers)
+    lib = ScriptLibrary(client, Keyspace(), visibility_ms=VISIBILITY_S * 1000)
+    worker = Worker(broker, name="cold", pool=pool, concurrency=1, log_dir=log_dir,
+                    env={"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "1"})
+    with running(worker):
+        producer.send_task("celery_e2e.app.slow", ("interrupted", 30.0))
+        wait_for(lambda: broker.entries("started"), timeout=30, what="the task started")
+        worker.signal(signal.SIGQUIT)
+        worker.wait(30)
+    assert broker.entries("finished") == []
+    stats = lib.stats([QUEUE])[0]
+    assert (stats.ready, stats.in_flight, stats.dead) == (1, 0, 0)
+    assert list(ready_delivery_counts(client, Keyspace()).values()) == [1]
