@@ -1,6 +1,6 @@
 #!lua
 -- name: claim
--- version: 1
+-- version: 2
 -- summary: Index and fetch messages that a blocking BZMPOP/ZMPOP already popped from one queue.
 -- KEYS: 2
 --   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
@@ -11,8 +11,8 @@
 --   3   message_key_prefix  string        P message: ; the hash is prefix .. '{Q}:' .. id
 --   4.. id                  string        the members BZMPOP returned, in order (at most 1000)
 -- returns: array {-1, then 4 items per delivered message: 1, id, delivery_count, payload}
---   (the same shape as consume's reply, for one queue; the wake marker and expired
---   messages are skipped)
+--   (the same shape as consume's reply, for one queue; the wake marker, expired
+--   messages and messages another consumer holds are skipped)
 -- errors:
 --   ERR celery-redis-lua: claim: expected 2 keys (queue, index), got N
 --   ERR celery-redis-lua: claim: expected at least 4 arguments, got N
@@ -23,7 +23,9 @@
 -- why: publish indexed the message already, so a consumer that dies between BZMPOP and
 --   claim loses nothing: the sweep finds the index entry and puts the message back.
 --   If that happened while this consumer was merely slow, the restored copy is removed
---   from the queue again here so that it is not delivered twice.
+--   from the queue again here so that it is not delivered twice; and if another consumer
+--   already took that copy (state 'unacked'), this claim skips it, so two consumers never
+--   hold the same delivery (its delivery_count is the fence reject relies on).
 
 local rcall = redis.call
 local WAKE_MEMBER = '~wake'
@@ -60,9 +62,11 @@ rcall('ZREM', queue_key, unpack(ids)) -- a sweep may have restored them while we
 local reply, deadlines, gone = {-1}, {}, {}
 for _, id in ipairs(ids) do
   local message_key = message_prefix .. id
-  local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
+  local message = rcall('HMGET', message_key, 'payload', 'delivery_count', 'state')
   if not message[1] then
     gone[#gone + 1] = id -- expired (message TTL)
+  elseif message[3] == 'unacked' then
+    -- restored while we were on our way and delivered to another consumer: theirs now
   else
     if no_ack then
       rcall('DEL', message_key)

@@ -132,7 +132,7 @@ def restore_as_the_sweep_would(server: Server, message: Message) -> None:
     assert lib.reject("work", [message_id], requeue=True).requeued == 1
 
 
-@pytest.mark.parametrize("how", ["reject", "dropped after close"])
+@pytest.mark.parametrize("how", ["reject", "reject after close", "dropped after close"])
 def test_a_stale_hand_back_leaves_the_new_holders_delivery_alone(server: Server, how: str) -> None:
     """Worker A's deadline lapsed (its loop stalled), the message went to worker B; A's late
     reject or hand-back must not requeue it under B (the chaos run saw it run three times)."""
@@ -144,6 +144,10 @@ def test_a_stale_hand_back_leaves_the_new_holders_delivery_alone(server: Server,
         assert held_by_b.payload == "contested"
         if how == "reject":
             held_by_a.reject(requeue=True)
+        elif how == "reject after close":  # Celery rejecting a failed task after a reconnect
+            a.close()
+            held_by_a.reject(requeue=True)
+            assert len(ORPHANS) == 0
         else:
             a.close()
             del held_by_a
@@ -156,3 +160,16 @@ def test_a_stale_hand_back_leaves_the_new_holders_delivery_alone(server: Server,
         assert server.client().hget(f"message:{{work}}:{message_id}", "delivery_count") == b"1"
         held_by_b.ack()
         assert stats(server) == (0, 1, 0)
+
+
+def test_basic_recover_hands_back_what_the_caller_still_holds(server: Server) -> None:
+    """basic_recover(requeue=True) means "redeliver now", not "adopt" (that is for close)."""
+    with connect(server) as conn:
+        message = publish_and_take_one(conn, "recover me")
+        assert stats(server) == (0, 1, 0)
+        message.channel.basic_recover(requeue=True)
+        assert stats(server) == (1, 0, 0)
+        again = publish_and_take_one(conn, "second")
+        assert (again.payload, again.headers["x-delivery-count"]) == ("recover me", 1)
+        again.ack()
+    assert len(ORPHANS) == 0

@@ -171,6 +171,25 @@ def test_slow_claim_after_restore_is_not_delivered_twice(vlib: ScriptLibrary, ta
     assert vlib.consume(["pop"], 5).deliveries == []
 
 
+def test_a_slow_claim_skips_a_copy_another_consumer_already_holds(
+        vlib: ScriptLibrary, target: Target) -> None:
+    """Consumer A popped the message and is slow to claim; the sweep restored it (not
+    counted) and consumer B took it. A's claim must not deliver it too: both would hold
+    delivery 0, and the count could no longer tell their rejects apart."""
+    message_id = vlib.publish("pop", "contested claim")
+    assert zmpop(target.client, vlib.keys.queue("pop"), 1) == [message_id]  # A pops
+    assert sweep_after_index_time(vlib, "pop", message_id).unclaimed == 1
+    [taken_by_b] = vlib.consume(["pop"], 1).deliveries
+    assert (taken_by_b.id, taken_by_b.delivery_count) == (message_id, 0)
+    deadline_of_b = index_time(vlib, "pop", message_id)
+
+    assert vlib.claim("pop", [message_id]) == []  # A's late claim
+    assert index_time(vlib, "pop", message_id) == deadline_of_b
+    [stats] = vlib.stats(["pop"])
+    assert (stats.ready, stats.in_flight) == (0, 1)
+    assert vlib.ack("pop", [message_id]) == 1
+
+
 def test_backlog_is_rescheduled_not_counted(vlib: ScriptLibrary, target: Target) -> None:
     message_id = vlib.publish("backlog", "waiting")
     for _ in range(2):

@@ -175,6 +175,12 @@ class Channel(FanoutMixin, virtual.Channel):
             self._claim_popped(popped, deliver=True)
         self.stream_wait.cancel(self.client)
 
+    def basic_recover(self, requeue: bool = False) -> None:
+        """Redeliver every unacked message now (a closing channel adopts them instead)."""
+        if not requeue:
+            raise NotImplementedError("celery-redis-lua does not support recover(requeue=False)")
+        self.qos.hand_back_all()
+
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         for delivery in self.lib.consume([queue], 1, no_ack=no_ack).deliveries:
             payload = self._decode_or_reject(delivery, no_ack)
@@ -294,9 +300,10 @@ class Channel(FanoutMixin, virtual.Channel):
 
     # -- periodic work ----------------------------------------------------------------------
 
-    def heartbeat(self) -> None:
-        """Push the deadlines of everything in flight forward; refresh queue expiry."""
-        in_flight = self.qos.in_flight()
+    def heartbeat(self, *, from_loop: bool = True) -> None:
+        """Push the deadlines of everything in flight forward; refresh queue expiry.
+        From another thread than the loop's (the watchdog) kombu's QoS is only read."""
+        in_flight = self.qos.in_flight(flush=from_loop)
         queues = set(in_flight) | {q for q in self.queues_polled if self._queue_expires.get(q)}
         if not queues:
             return

@@ -58,6 +58,9 @@ RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 # nothing: the message stays in the broker and the sweep restores it once its deadline
 # lapses; it only bounds what a process keeps retrying against a broker that is gone.
 GIVE_UP_SECONDS = 3600.0
+# At exit, stop trying after this long: an unreachable broker must not hang the shutdown
+# (what is left comes back through the sweep).
+EXIT_BUDGET_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class Delivery:
     id: str
     delivery_count: int | None  # the delivery's x-delivery-count: a hand-back is fenced by it
     message: Callable[[], Any] | None  # a weak reference; None for a pending ack
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=time.monotonic)  # adopted, or found dropped
+    dropped: bool = False
 
 
 @dataclass
@@ -86,7 +90,9 @@ class Orphans:
 
     _adopted: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
     _acks: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Re-entrant: kombu closes a channel from a weakref finalizer, which the cycle collector
+    # may run in this very thread while it holds the lock.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
     _ticking: threading.Lock = field(default_factory=threading.Lock)  # one tick at a time
     _thread: threading.Thread | None = None
     _next_extend: float = 0.0
@@ -114,10 +120,20 @@ class Orphans:
             self._tend_in_background()
         return taken
 
-    def settle(self, lib: ScriptLibrary, queue: str, message_id: str) -> None:
-        """The delivery was acked or rejected through its old Message: no longer ours."""
+    def settle(self, lib: ScriptLibrary, queue: str, message_id: str) -> Delivery | None:
+        """The delivery was acked or rejected through its old Message: no longer ours.
+        Returns what was adopted (its delivery count fences a reject)."""
+        if not self._adopted:
+            return None  # the common case, without taking the lock on every ack
         with self._lock:
-            self._adopted.pop((id(lib), queue, message_id), None)
+            return self._adopted.pop((id(lib), queue, message_id), None)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child starts with an empty registry of its own (fresh locks, no
+        thread): the parent's deliveries are the parent's to tend."""
+        self._adopted, self._acks = {}, {}
+        self._lock, self._ticking = threading.RLock(), threading.Lock()
+        self._thread, self._pid = None, os.getpid()
 
     def ack_later(self, lib: ScriptLibrary, settings: Settings, queue: str, message_id: str) -> None:
         """An ack met a lost connection: send it again on the next ticks."""
@@ -161,9 +177,13 @@ class Orphans:
 
     def _tick(self) -> None:
         self._collect_garbage()
+        now = time.monotonic()
         with self._lock:
             acks = list(self._acks.items())
             dropped = [(k, d) for k, d in self._adopted.items() if d.message and d.message() is None]
+            for _, delivery in dropped:
+                if not delivery.dropped:  # the give-up clock starts when it is dropped
+                    delivery.dropped, delivery.since = True, now
         self._run("ack", acks, self._acks)
         self._run("hand back", dropped, self._adopted)
         now = time.monotonic()
@@ -183,8 +203,9 @@ class Orphans:
         try:
             with self._lock:
                 acks, adopted = list(self._acks.items()), list(self._adopted.items())
-            self._run("ack", acks, self._acks)
-            self._run("hand back", adopted, self._adopted)
+            deadline = time.monotonic() + EXIT_BUDGET_SECONDS
+            self._run("ack", acks, self._acks, deadline=deadline)
+            self._run("hand back", adopted, self._adopted, deadline=deadline)
         finally:
             self._ticking.release()
 
@@ -198,10 +219,15 @@ class Orphans:
             gc.collect()
 
     def _run(self, what: str, items: list[tuple[tuple[int, str, str], Delivery]],
-             registry: dict[tuple[int, str, str], Delivery]) -> None:
+             registry: dict[tuple[int, str, str], Delivery], deadline: float | None = None) -> None:
         """One script call per (library, queue); the entries of calls that succeeded leave
-        ``registry``; the others stay for the next tick."""
+        ``registry``; the others stay for the next tick (until GIVE_UP_SECONDS). Any error
+        is kept to its group: one queue's trouble does not stall the others."""
         for (lib, settings, queue), group in _grouped(items).items():
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error("celery-redis-lua: out of time at exit; the sweep restores what "
+                             "was not handed back")
+                return
             ids = [delivery.id for _, delivery in group]
             if what == "ack":
                 call = calls.ack(lib.keys, queue, ids)
@@ -214,7 +240,7 @@ class Orphans:
             result = None
             try:
                 result = lib.run(call)
-            except RETRYABLE as error:
+            except Exception as error:  # connection trouble, or a refusal (READONLY, OOM)
                 if time.monotonic() - min(d.since for _, d in group) < GIVE_UP_SECONDS:
                     logger.warning("celery-redis-lua: could not %s %d message(s) of queue %r "
                                    "(%s); trying again", what, len(ids), queue, error)
@@ -239,7 +265,7 @@ class Orphans:
         for lib, batch in by_lib.values():
             try:
                 lib.run_many(batch)
-            except RETRYABLE as error:
+            except Exception as error:  # the next tick tries again
                 logger.warning("celery-redis-lua: could not extend adopted deliveries (%s)", error)
 
 
@@ -256,3 +282,4 @@ def _grouped(items: Iterable[tuple[Any, Delivery]]
 
 ORPHANS = Orphans()
 atexit.register(ORPHANS.release_all)
+os.register_at_fork(after_in_child=ORPHANS.after_fork_in_child)

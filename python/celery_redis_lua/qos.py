@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
 
-from .envelope import split_tag
+from .envelope import delivery_tag, split_tag
 from .orphans import ORPHANS, RETRYABLE, Settings
 
 if TYPE_CHECKING:
@@ -60,13 +60,16 @@ class QoS(virtual.QoS):
         here and the sweep restores it after the visibility timeout (counted)."""
         if not is_fanout_tag(delivery_tag):
             queue, message_id = split_tag(delivery_tag)
+            # Fenced by the count this delivery carried (adopted ones: the count at close).
+            adopted = ORPHANS.settle(self.channel.lib, queue, message_id)
+            count = self.delivery_count(delivery_tag)
+            if count is None and adopted is not None:
+                count = adopted.delivery_count
             try:
-                self.channel.reject_ids(queue, [message_id], requeue=requeue,
-                                        counts=[self.delivery_count(delivery_tag)])
+                self.channel.reject_ids(queue, [message_id], requeue=requeue, counts=[count])
             except RETRYABLE as error:
                 logger.warning("celery-redis-lua: reject of %s failed (%s); the sweep restores it "
                                "after the visibility timeout", delivery_tag, error)
-            ORPHANS.settle(self.channel.lib, queue, message_id)
         super().ack(delivery_tag)  # forget it locally; the script already requeued or dropped it
 
     def delivery_count(self, delivery_tag: str) -> int | None:
@@ -74,16 +77,28 @@ class QoS(virtual.QoS):
         message = self._delivered.get(delivery_tag)
         return None if message is None else _count_of(message)
 
-    def in_flight(self) -> dict[str, list[str]]:
-        """Unacked message ids by queue (prefetched or running)."""
-        self._flush()
+    def in_flight(self, *, flush: bool = True) -> dict[str, list[str]]:
+        """Unacked message ids by queue (prefetched or running). ``flush=False`` reads a
+        snapshot without touching kombu's bookkeeping (for the watchdog's thread: only the
+        consuming thread may change it)."""
+        if flush:
+            self._flush()
+        acked = set(self._dirty)
         by_queue: dict[str, list[str]] = defaultdict(list)
         for tag in list(self._delivered):
-            if is_fanout_tag(tag):
+            if is_fanout_tag(tag) or tag in acked:
                 continue
             queue, message_id = split_tag(tag)
             by_queue[queue].append(message_id)
         return by_queue
+
+    def hand_back_all(self) -> None:
+        """basic_recover(requeue=True): every unacked delivery goes back now, counted."""
+        for queue, ids in self.in_flight().items():
+            messages = [self._delivered.get(delivery_tag(queue, i)) for i in ids]
+            self.channel.reject_ids(queue, ids, requeue=True,
+                                    counts=[m and _count_of(m) for m in messages])
+        self._delivered.clear()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """The channel closes: its unacked deliveries are adopted (orphans.py). Those whose

@@ -79,7 +79,7 @@ class Transport(virtual.Transport):
         self._next_heartbeat = time.monotonic() + self.options.heartbeat_interval
         self._next_sweep = time.monotonic()
         # Extends in-flight deadlines from a thread while the event loop stands still.
-        self.watchdog = Watchdog(self.options.heartbeat_interval, self.extend_in_flight)
+        self.watchdog = Watchdog(self.options.heartbeat_interval, self.extend_from_watchdog)
 
     def driver_version(self) -> str:
         return redis.__version__
@@ -198,6 +198,10 @@ class Transport(virtual.Transport):
     def extend_in_flight(self) -> None:
         for channel in list(self.channels_polled):
             channel.heartbeat()
+
+    def extend_from_watchdog(self) -> None:
+        for channel in list(self.channels_polled):
+            channel.heartbeat(from_loop=False)
 
     def sweep(self) -> None:
         for channel in list(self.channels_polled):

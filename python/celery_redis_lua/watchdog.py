@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ class Watchdog:
     forward at most ``2 * interval`` after the last beat, loop or not."""
 
     def __init__(self, interval: float, beat: Callable[[], None]) -> None:
-        self.interval, self.beat = interval, beat
+        # A weak reference: a transport dropped without close() must not be kept alive (and
+        # its deliveries extended) by its own watchdog; the thread ends when it is gone.
+        self.interval, self._beat = interval, weakref.WeakMethod(beat)  # type: ignore[arg-type]
         self.last_beat = time.monotonic()
         self.fired = 0  # how often the watchdog stood in for the loop (for tests and logs)
         self._stopped = threading.Event()
@@ -54,9 +57,14 @@ class Watchdog:
         while not self._stopped.wait(self.interval / 2):
             if time.monotonic() - self.last_beat <= 1.5 * self.interval:
                 continue
+            beat = self._beat()
+            if beat is None:
+                return
             self.fired += 1
             try:
-                self.beat()
+                beat()
                 self.last_beat = time.monotonic()
             except Exception as error:  # the broker may be down: the next round tries again
                 logger.warning("celery-redis-lua: watchdog heartbeat failed: %s", error)
+            finally:
+                del beat  # hold the transport only while beating
