@@ -63,11 +63,10 @@ local reply, deadlines, gone = {-1}, {}, {}
 for _, id in ipairs(ids) do
   local message_key = message_prefix .. id
   local message = rcall('HMGET', message_key, 'payload', 'delivery_count', 'state')
+  -- 'unacked': restored while we were on our way and delivered to another consumer: theirs
   if not message[1] then
     gone[#gone + 1] = id -- expired (message TTL)
-  elseif message[3] == 'unacked' then
-    -- restored while we were on our way and delivered to another consumer: theirs now
-  else
+  elseif message[3] ~= 'unacked' then
     if no_ack then
       rcall('DEL', message_key)
       gone[#gone + 1] = id
