@@ -84,12 +84,15 @@ class Delivery:
     dropped: bool = False
 
 
+Key = tuple[ScriptLibrary, str, str]  # (the library it came through, queue, message id)
+
+
 @dataclass
 class Orphans:
     """The process-wide registry of adopted deliveries and pending acks."""
 
-    _adopted: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
-    _acks: dict[tuple[int, str, str], Delivery] = field(default_factory=dict)
+    _adopted: dict[Key, Delivery] = field(default_factory=dict)
+    _acks: dict[Key, Delivery] = field(default_factory=dict)
     # Re-entrant: kombu closes a channel from a weakref finalizer, which the cycle collector
     # may run in this very thread while it holds the lock.
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -111,7 +114,7 @@ class Orphans:
         taken = 0
         with self._lock:
             for queue, message_id, count, message in messages:
-                self._adopted[(id(lib), queue, message_id)] = Delivery(
+                self._adopted[(lib, queue, message_id)] = Delivery(
                     lib, settings, queue, message_id, count, weakref.ref(message))
                 taken += 1
             self._next_extend = time.monotonic()  # extend on the next tick
@@ -126,7 +129,7 @@ class Orphans:
         if not self._adopted:
             return None  # the common case, without taking the lock on every ack
         with self._lock:
-            return self._adopted.pop((id(lib), queue, message_id), None)
+            return self._adopted.pop((lib, queue, message_id), None)
 
     def after_fork_in_child(self) -> None:
         """A forked child starts with an empty registry of its own (fresh locks, no
@@ -138,7 +141,7 @@ class Orphans:
     def ack_later(self, lib: ScriptLibrary, settings: Settings, queue: str, message_id: str) -> None:
         """An ack met a lost connection: send it again on the next ticks."""
         with self._lock:
-            key = (id(lib), queue, message_id)
+            key = (lib, queue, message_id)
             self._adopted.pop(key, None)
             self._acks[key] = Delivery(lib, settings, queue, message_id, None, None)
             self._tend_in_background()
@@ -218,8 +221,8 @@ class Orphans:
             self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
             gc.collect()
 
-    def _run(self, what: str, items: list[tuple[tuple[int, str, str], Delivery]],
-             registry: dict[tuple[int, str, str], Delivery], deadline: float | None = None) -> None:
+    def _run(self, what: str, items: list[tuple[Key, Delivery]],
+             registry: dict[Key, Delivery], deadline: float | None = None) -> None:
         """One script call per (library, queue); the entries of calls that succeeded leave
         ``registry``; the others stay for the next tick (until GIVE_UP_SECONDS). Any error
         is kept to its group: one queue's trouble does not stall the others."""
@@ -257,12 +260,11 @@ class Orphans:
                             "elsewhere meanwhile, left alone)", len(ids), queue, result.stale)
 
     def _extend(self, held: list[Delivery]) -> None:
-        by_lib: dict[int, tuple[ScriptLibrary, list[calls.Call]]] = {}
+        by_lib: dict[ScriptLibrary, list[calls.Call]] = defaultdict(list)
         for (lib, settings, queue), group in _grouped((None, d) for d in held).items():
             ids = [delivery.id for _, delivery in group]
-            entry = by_lib.setdefault(id(lib), (lib, []))
-            entry[1].append(calls.extend(lib.keys, queue, ids, visibility_ms=settings.visibility_ms))
-        for lib, batch in by_lib.values():
+            by_lib[lib].append(calls.extend(lib.keys, queue, ids, visibility_ms=settings.visibility_ms))
+        for lib, batch in by_lib.items():
             try:
                 lib.run_many(batch)
             except Exception as error:  # the next tick tries again
@@ -271,13 +273,11 @@ class Orphans:
 
 def _grouped(items: Iterable[tuple[Any, Delivery]]
              ) -> dict[tuple[ScriptLibrary, Settings, str], list[tuple[Any, Delivery]]]:
-    groups: dict[tuple[int, Settings, str], list[tuple[Any, Delivery]]] = defaultdict(list)
-    libs: dict[int, ScriptLibrary] = {}
+    """By (library, settings, queue): one script call each (libraries hash by identity)."""
+    groups: dict[tuple[ScriptLibrary, Settings, str], list[tuple[Any, Delivery]]] = defaultdict(list)
     for key, delivery in items:
-        libs[id(delivery.lib)] = delivery.lib
-        groups[(id(delivery.lib), delivery.settings, delivery.queue)].append((key, delivery))
-    return {(libs[lib_id], settings, queue): group
-            for (lib_id, settings, queue), group in groups.items()}
+        groups[(delivery.lib, delivery.settings, delivery.queue)].append((key, delivery))
+    return groups
 
 
 ORPHANS = Orphans()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.transport import virtual
 
-from .envelope import delivery_tag, split_tag
+from .envelope import split_tag
 from .orphans import ORPHANS, RETRYABLE, Settings
 
 if TYPE_CHECKING:
@@ -92,22 +92,28 @@ class QoS(virtual.QoS):
             by_queue[queue].append(message_id)
         return by_queue
 
+    def _take_unacked(self) -> list[tuple[str, str, int | None, Any]]:
+        """(queue, id, delivery count, Message) of every unacked delivery; forgets them here."""
+        self._flush()
+        unacked = [(*split_tag(tag), _count_of(message), message)
+                   for tag, message in list(self._delivered.items()) if not is_fanout_tag(tag)]
+        self._delivered.clear()
+        return unacked
+
     def hand_back_all(self) -> None:
         """basic_recover(requeue=True): every unacked delivery goes back now, counted."""
-        for queue, ids in self.in_flight().items():
-            messages = [self._delivered.get(delivery_tag(queue, i)) for i in ids]
-            self.channel.reject_ids(queue, ids, requeue=True,
-                                    counts=[m and _count_of(m) for m in messages])
-        self._delivered.clear()
+        by_queue: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
+        for queue, message_id, count, _ in self._take_unacked():
+            by_queue[queue].append((message_id, count))
+        for queue, entries in by_queue.items():
+            ids, counts = zip(*entries, strict=True)
+            self.channel.reject_ids(queue, list(ids), requeue=True, counts=list(counts))
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """The channel closes: its unacked deliveries are adopted (orphans.py). Those whose
         Message nobody holds any more are handed back at once, counted as a delivery; the
         others when they are dropped unacked, or at exit."""
-        self._flush()
-        deliveries = [(*split_tag(tag), _count_of(message), message)
-                      for tag, message in list(self._delivered.items()) if not is_fanout_tag(tag)]
-        self._delivered.clear()
+        deliveries = self._take_unacked()
         if deliveries:
             ORPHANS.adopt(self.channel.lib, self.settings, deliveries)
             del deliveries  # our own references must not keep the Messages alive

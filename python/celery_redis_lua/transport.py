@@ -195,13 +195,12 @@ class Transport(virtual.Transport):
         self.watchdog.loop_beat()
         self.extend_in_flight()
 
-    def extend_in_flight(self) -> None:
+    def extend_in_flight(self, *, from_loop: bool = True) -> None:
         for channel in list(self.channels_polled):
-            channel.heartbeat()
+            channel.heartbeat(from_loop=from_loop)
 
     def extend_from_watchdog(self) -> None:
-        for channel in list(self.channels_polled):
-            channel.heartbeat(from_loop=False)
+        self.extend_in_flight(from_loop=False)
 
     def sweep(self) -> None:
         for channel in list(self.channels_polled):
