@@ -1,11 +1,11 @@
 #!lua
 -- name: bind
--- version: 1
+-- version: 2
 -- summary: Add or refresh bindings in an exchange's binding table, scored with the unix time at which each goes stale.
 -- KEYS: 1
 --   table    ZSET    P _kombu.binding.<exchange>   member routing_key SEP pattern SEP queue -> stale-at unix ms (+inf: never)
 -- ARGV:
---   1   lifetime_ms  integer > 0 or ''   how long the binding lives without a refresh; '' means forever (+inf); floor 300000
+--   1   lifetime_ms  integer > 0 or ''   how long the binding lives without a refresh; '' means forever (+inf)
 --   2.. member       string              routing_key .. sep .. pattern .. sep .. queue, as kombu encodes it
 -- returns: integer, how many members were new
 -- errors:
@@ -13,12 +13,13 @@
 --   ERR celery-redis-lua: bind: expected a lifetime and at least one member
 --   ERR celery-redis-lua: bind: lifetime_ms must be a positive integer or empty, got 'V'
 -- why: bindings of queues that expire must expire too, or producers would keep routing to
---   a queue nobody consumes. A binding outlives its queue's expiry by a floor of five
---   minutes so that a slow refresh never drops a live route. The table key itself gets
---   a TTL at its stalest member's time, unless some member lives forever.
+--   a queue nobody consumes. A consumer of the queue refreshes its bindings well within
+--   their lifetime; the caller chooses the lifetime (the transport gives an expiring
+--   queue's bindings max(x-expires, binding_lifetime_floor), 300 s by default, so a slow
+--   refresh never drops a live route). The table key itself gets a TTL at its stalest
+--   member's time, unless some member lives forever.
 
 local rcall = redis.call
-local MIN_LIFETIME_MS = 300000
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: bind: ' .. message)
@@ -35,7 +36,7 @@ local score = '+inf'
 if lifetime then
   local time = rcall('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  score = string.format('%d', now + math.max(lifetime, MIN_LIFETIME_MS))
+  score = string.format('%d', now + lifetime)
 end
 
 local added = 0

@@ -1,36 +1,45 @@
 #!lua
 -- name: consume
--- version: 1
+-- version: 2
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
--- KEYS: 3 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+-- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
+--   message  HASH    P message:{Q}         id -> payload
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
 --   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
 --   3  no_ack              0 or 1             1: delete each message as it is delivered (nothing is left behind)
---   4  message_key_prefix  string             P message: ; the hash is prefix .. '{Q}:' .. id
--- returns: array {wake_in_ms, then 4 items per delivered message: queue_position, id, delivery_count, payload}
+--   4  dead_letter_maxlen  integer >= 0       approximate cap of the dead-letter stream; 0 deletes expired messages outright
+-- returns: array {wake_in_ms, expired, then 4 items per delivered message: queue_position, id, delivery_count, payload}
 --   wake_in_ms is -1 when none of the queues holds a delayed message, else the ms until
---   the earliest ETA (0 when one is due); queue_position is 1-based in the order of KEYS.
+--   the earliest ETA (0 when one is due); expired counts messages whose TTL had passed,
+--   dead-lettered (reason 'expired') instead of delivered; queue_position is 1-based in
+--   the order of KEYS.
 -- errors:
---   ERR celery-redis-lua: consume: expected 3 keys per queue, got N
+--   ERR celery-redis-lua: consume: expected 7 keys per queue, got N
 --   ERR celery-redis-lua: consume: expected 4 arguments, got N
 --   ERR celery-redis-lua: consume: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: consume: count must be an integer in 1..10000, got 'V'
 --   ERR celery-redis-lua: consume: visibility_ms must be a positive integer, got 'V'
 --   ERR celery-redis-lua: consume: no_ack must be 0 or 1, got 'V'
+--   ERR celery-redis-lua: consume: dead_letter_maxlen must be an integer >= 0, got 'V'
 -- why: due delayed messages are promoted here (not only by the periodic sweep) so that
---   they become consumable at their ETA. A message whose hash has expired (message TTL)
---   is skipped and its index entry removed, and replaced by the next message; at most
---   4 * count + 100 are skipped per call, so one call never runs for long. Writes are variadic (one ZADD
---   and one ZREM per queue and call), which keeps the server's cost per message low.
+--   they become consumable at their ETA. A message whose TTL passed while it waited is
+--   dead-lettered with reason 'expired' and replaced by the next message; at most
+--   4 * count + 100 are skipped per call, so one call never runs for long. Consuming is
+--   consumer activity: it refreshes the expiry of a queue with x-expires. Writes are
+--   variadic where they can be, which keeps the server's cost per message low.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
 local WAKE_MEMBER = '~wake'
-local READY_MAX = '(' .. string.format('%d', 256 * PRIORITY_FACTOR)
+local READY_MAX = '(' .. string.format('%d', 256 * PRIORITY_FACTOR) -- below the wake marker's score
+local QUEUE_KEYS = 7
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: consume: ' .. message)
@@ -48,7 +57,14 @@ local function integer(value)
   return tonumber(value)
 end
 
-if #KEYS == 0 or #KEYS % 3 ~= 0 then return fail('expected 3 keys per queue, got ' .. #KEYS) end
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; a malformed value reads as a fresh ready message.
+local function parse_state(value)
+  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+end
+
+if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
 if #ARGV ~= 4 then return fail('expected 4 arguments, got ' .. #ARGV) end
 local count = integer(ARGV[1])
 if not count or count < 1 or count > 10000 then
@@ -60,20 +76,32 @@ if not visibility or visibility <= 0 then
 end
 if ARGV[3] ~= '0' and ARGV[3] ~= '1' then return fail("no_ack must be 0 or 1, got '" .. ARGV[3] .. "'") end
 local no_ack = ARGV[3] == '1'
-local prefix = ARGV[4]
+local dead_maxlen = integer(ARGV[4])
+if not dead_maxlen or dead_maxlen < 0 then
+  return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[4] .. "'")
+end
 
 local queues = {}
-for q = 1, #KEYS / 3 do
-  local queue_key = KEYS[3 * q - 2]
-  local brace = string.find(queue_key, '{', 1, true)
-  if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
-  queues[q] = {queue = queue_key, delayed = KEYS[3 * q - 1], index = KEYS[3 * q],
-               message_prefix = prefix .. string.sub(queue_key, brace) .. ':'}
+for q = 1, #KEYS / QUEUE_KEYS do
+  local base = QUEUE_KEYS * (q - 1)
+  local queue_key = KEYS[base + 1]
+  local open = string.find(queue_key, '{', 1, true)
+  local close = open and string.find(queue_key, '}', open + 1, true)
+  if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
+  queues[q] = {queue = queue_key, delayed = KEYS[base + 2], index = KEYS[base + 3], meta = KEYS[base + 4],
+               dead = KEYS[base + 5], message = KEYS[base + 6], state = KEYS[base + 7], base = base}
 end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local deadline = string.format('%d', now + visibility)
+local deadline = now + visibility
+
+-- The sweep looks at a ready message again at `deadline`, or when its TTL runs out if sooner.
+local function look_at(expires_at)
+  local at = tonumber(expires_at)
+  if at and at < deadline then return string.format('%d', at) end
+  return string.format('%d', deadline)
+end
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.
 --    The common case (nothing due) costs one ZRANGE per queue.
@@ -85,12 +113,12 @@ for _, q in ipairs(queues) do
     local promoted = {}
     for i = 1, #due, 2 do
       local id, eta = due[i], tonumber(due[i + 1])
-      local message_key = q.message_prefix .. id
-      local priority = tonumber(rcall('HGET', message_key, 'priority'))
-      if priority then -- else the message expired while it waited
-        rcall('ZADD', q.queue, string.format('%d', (255 - priority) * PRIORITY_FACTOR + eta), id)
-        rcall('ZADD', q.index, deadline, id)
-        rcall('HSET', message_key, 'state', 'ready')
+      local raw = rcall('HGET', q.state, id)
+      if raw then -- else an orphan: nothing left to deliver
+        local s = parse_state(raw)
+        rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + eta), id)
+        rcall('ZADD', q.index, look_at(s.expires_at), id)
+        rcall('HSET', q.state, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
       end
       promoted[#promoted + 1] = id
     end
@@ -140,43 +168,69 @@ local function take(need)
   return taken, #taken < need
 end
 
--- 3. Deliver what was taken: fetch, stamp the deadline (or delete, without ack).
---    An id whose hash expired (message TTL) is skipped and its index entry removed;
---    skipped ids are replaced by more from the queues, a bounded number of times.
-local reply = {wake_in}
-local delivered = 0
+local function dead_letter_expired(q, id, s, payload)
+  if dead_maxlen > 0 then
+    rcall('XADD', q.dead, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', 'expired',
+          'delivery_count', s.count, 'priority', s.priority, 'payload', payload)
+  end
+end
+
+-- 3. Deliver what was taken: stamp the deadline (or delete, without ack). An id whose TTL
+--    passed is dead-lettered, one without a message is an orphan; both are replaced by
+--    more from the queues, a bounded number of times.
+local reply = {wake_in, 0}
+local delivered, expired = 0, 0
 local skips_left = 4 * count + 100
 while skips_left > 0 do
   local taken, exhausted = take(count - delivered)
   local deadlines, gone = {}, {}
   for _, item in ipairs(taken) do
     local q, id = queues[item[1]], item[2]
-    local message_key = q.message_prefix .. id
-    local message = rcall('HMGET', message_key, 'payload', 'delivery_count')
-    if not message[1] then
+    local found = rcall('HGET', q.message, id)
+    local raw = rcall('HGET', q.state, id)
+    local s = raw and parse_state(raw)
+    local at = s and tonumber(s.expires_at)
+    if not found or not s or (at and at <= now) then
+      if found and s then
+        dead_letter_expired(q, id, s, found)
+        expired = expired + 1
+      end
+      rcall('HDEL', q.message, id)
+      rcall('HDEL', q.state, id)
       gone[q] = gone[q] or {}
       table.insert(gone[q], id)
       skips_left = skips_left - 1
     else
       if no_ack then
-        rcall('DEL', message_key)
+        rcall('HDEL', q.message, id)
+        rcall('HDEL', q.state, id)
         gone[q] = gone[q] or {}
         table.insert(gone[q], id)
       else
-        rcall('HSET', message_key, 'state', 'unacked')
+        rcall('HSET', q.state, id, 'unacked ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
         deadlines[q] = deadlines[q] or {}
-        table.insert(deadlines[q], deadline)
+        table.insert(deadlines[q], string.format('%d', deadline))
         table.insert(deadlines[q], id)
       end
       reply[#reply + 1] = item[1]
       reply[#reply + 1] = id
-      reply[#reply + 1] = tonumber(message[2]) or 0
-      reply[#reply + 1] = message[1]
+      reply[#reply + 1] = s.count
+      reply[#reply + 1] = found
       delivered = delivered + 1
     end
   end
   for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
   for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
   if exhausted or delivered >= count then break end
+end
+reply[2] = expired
+
+-- 4. Consuming keeps a queue with x-expires alive, all seven keys at once.
+for _, q in ipairs(queues) do
+  local expires = tonumber(rcall('HGET', q.meta, 'expires'))
+  if expires then
+    local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+    for i = 1, QUEUE_KEYS do rcall('PEXPIREAT', KEYS[q.base + i], at) end
+  end
 end
 return reply

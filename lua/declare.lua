@@ -1,29 +1,40 @@
 #!lua
 -- name: declare
--- version: 1
--- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) and refresh its expiry.
--- KEYS: 4
+-- version: 2
+-- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, and refresh its expiry.
+-- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments and the id sequence; it is what makes a queue exist
+--   meta     HASH    P meta:{Q}            queue arguments and last_id; it is what makes a queue exist
+--   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
+--   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT' (expiry refresh only)
 -- ARGV:
---   1  expires_ms      integer > 0 or ''      the queue's keys expire after this long without a publish, declare or extend; floor 10000
---   2  message_ttl_ms  integer > 0 or ''      messages expire after this long in the queue (per-message TTLs can only shorten it)
---   3  max_priority    integer 0..255 or ''   priorities above it are delivered as it
--- returns: array {ready, delayed, in_flight} message counts (in_flight is approximate: index entries minus ready)
+--   1  expires_ms      integer > 0 or ''      x-expires: the queue's keys expire after this long without a publish, declare or consumer; floor 10000
+--   2  message_ttl_ms  integer > 0 or ''      x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)
+--   3  max_priority    integer 0..255 or ''   x-max-priority: priorities above it are delivered as it
+-- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority}: message
+--   counts (in_flight is approximate: index entries minus ready) and the arguments now in
+--   force (-1 where not set)
 -- errors:
---   ERR celery-redis-lua: declare: expected 4 keys (queue, delayed, index, meta), got N
+--   ERR celery-redis-lua: declare: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
 --   ERR celery-redis-lua: declare: expected 3 arguments, got N
 --   ERR celery-redis-lua: declare: expires_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: message_ttl_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: max_priority must be an integer in 0..255 or empty, got 'V'
+--   ERR celery-redis-lua: declare: queue 'Q' was declared with other arguments: x-expires stored 10000, declared 20000; ... (delete the queue to change them)
 -- why: arguments live in the broker, as with RabbitMQ, so that producers in any language
---   get the same TTL and priority cap without knowing them. An argument given as '' is
---   removed: the last declaration wins. Without expires the queue's keys are persisted.
+--   get the same TTL and priority cap without knowing them. As with RabbitMQ, a queue's
+--   arguments do not change once set: a declaration with other arguments is refused with
+--   the difference named, and one without arguments (a producer's) keeps the stored ones.
+--   A queue whose arguments were never set (created by a publish) takes the first ones
+--   declared.
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
+local NAMES = {'expires', 'message_ttl', 'max_priority'}
+local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority'}
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: declare: ' .. message)
@@ -38,7 +49,9 @@ local function optional(value, name, low, high, what)
   return n
 end
 
-if #KEYS ~= 4 then return fail('expected 4 keys (queue, delayed, index, meta), got ' .. #KEYS) end
+if #KEYS ~= 7 then
+  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+end
 if #ARGV ~= 3 then return fail('expected 3 arguments, got ' .. #ARGV) end
 local expires, err1 = optional(ARGV[1], 'expires_ms', 1, nil, 'a positive integer')
 if expires == nil then return fail(err1) end
@@ -48,19 +61,41 @@ local max_priority, err3 = optional(ARGV[3], 'max_priority', 0, 255, 'an integer
 if max_priority == nil then return fail(err3) end
 
 local meta_key = KEYS[4]
-rcall('HINCRBY', meta_key, 'seq', 0) -- the queue exists from now on, even while empty
-local fields = {expires = expires and math.max(expires, MIN_EXPIRES_MS), message_ttl = ttl,
-                max_priority = max_priority}
-for _, name in ipairs({'expires', 'message_ttl', 'max_priority'}) do
-  if fields[name] then
-    rcall('HSET', meta_key, name, fields[name])
-  else
-    rcall('HDEL', meta_key, name)
+local declared = {expires = expires and math.max(expires, MIN_EXPIRES_MS), message_ttl = ttl,
+                  max_priority = max_priority}
+local raw = rcall('HMGET', meta_key, 'expires', 'message_ttl', 'max_priority')
+local stored = {expires = tonumber(raw[1]), message_ttl = tonumber(raw[2]), max_priority = tonumber(raw[3])}
+local any_declared = declared.expires or declared.message_ttl or declared.max_priority
+local any_stored = stored.expires or stored.message_ttl or stored.max_priority
+
+if any_declared and any_stored then
+  local differences = {}
+  for _, name in ipairs(NAMES) do
+    if (declared[name] or nil) ~= stored[name] then
+      differences[#differences + 1] = AMQP_NAMES[name] .. ' stored ' .. tostring(stored[name] or 'none') ..
+        ', declared ' .. tostring(declared[name] or 'none')
+    end
   end
+  if #differences > 0 then
+    local queue = string.match(KEYS[1], '{(.-)}') or KEYS[1]
+    return fail("queue '" .. queue .. "' was declared with other arguments: " .. table.concat(differences, '; ') ..
+                ' (delete the queue to change them)')
+  end
+elseif any_declared then
+  for _, name in ipairs(NAMES) do
+    if declared[name] then rcall('HSET', meta_key, name, declared[name]) end
+  end
+  stored = declared
 end
-for i = 1, 4 do
-  if fields.expires then rcall('PEXPIRE', KEYS[i], fields.expires) else rcall('PERSIST', KEYS[i]) end
+rcall('HSETNX', meta_key, 'last_id', '0000000000000000') -- ids follow the clock from here -- the queue exists from now on, even while empty
+
+if stored.expires then
+  local time = rcall('TIME')
+  local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local at = string.format('%d', now + stored.expires) -- one absolute time: the keys expire together
+  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 
 local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], '2560000000000000', '+inf')
-return {ready, rcall('ZCARD', KEYS[2]), math.max(0, rcall('ZCARD', KEYS[3]) - ready)}
+return {ready, rcall('ZCARD', KEYS[2]), math.max(0, rcall('ZCARD', KEYS[3]) - ready),
+        stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1}

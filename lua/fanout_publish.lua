@@ -1,23 +1,25 @@
 #!lua
 -- name: fanout_publish
--- version: 1
+-- version: 2
 -- summary: Append a message to a fanout exchange's stream, trimmed to about maxlen entries.
--- KEYS: 1
---   stream   STREAM  P /<db>.<exchange>   fanout messages; entry fields 'payload', 'routing_key'
+-- KEYS: 2
+--   stream   STREAM  P /<db>.<exchange>            fanout messages; entry fields 'payload', 'routing_key'
+--   groups   HASH    {P /<db>.<exchange>}:groups   bound queue -> 'ACTIVE_AT EXPIRES TTL' (expiry refresh only)
 -- ARGV:
 --   1  payload     string, non-empty     the kombu envelope, stored unchanged
 --   2  maxlen      integer >= 1          approximate cap (XADD MAXLEN ~)
---   3  expires_ms  integer > 0 or ''     the stream expires after this long without a publish; '' means never
+--   3  expires_ms  integer > 0 or ''     the stream expires after this long without a publish, bind or read; '' means never
 --   4  routing_key string                the routing key it was published with (may be empty)
 -- returns: bulk string, the stream entry id
 -- errors:
---   ERR celery-redis-lua: fanout_publish: expected 1 key (stream), got N
+--   ERR celery-redis-lua: fanout_publish: expected 2 keys (stream, groups), got N
 --   ERR celery-redis-lua: fanout_publish: expected 4 arguments, got N
 --   ERR celery-redis-lua: fanout_publish: payload is missing or empty
 --   ERR celery-redis-lua: fanout_publish: maxlen must be a positive integer, got 'V'
 --   ERR celery-redis-lua: fanout_publish: expires_ms must be a positive integer or empty, got 'V'
 -- why: '~' lets the server trim whole radix-tree nodes, which is far cheaper than an
---   exact cap; the stream may hold slightly more than maxlen entries.
+--   exact cap; the stream may hold slightly more than maxlen entries. The entry id's
+--   first part is the server's unix ms: consumers measure a message's age by it.
 
 local rcall = redis.call
 
@@ -25,7 +27,7 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: fanout_publish: ' .. message)
 end
 
-if #KEYS ~= 1 then return fail('expected 1 key (stream), got ' .. #KEYS) end
+if #KEYS ~= 2 then return fail('expected 2 keys (stream, groups), got ' .. #KEYS) end
 if #ARGV ~= 4 then return fail('expected 4 arguments, got ' .. #ARGV) end
 if ARGV[1] == '' then return fail('payload is missing or empty') end
 local maxlen = string.match(ARGV[2], '^%d+$') and tonumber(ARGV[2])
@@ -36,5 +38,10 @@ if ARGV[3] ~= '' and (not expires or expires == 0) then
 end
 
 local id = rcall('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 'payload', ARGV[1], 'routing_key', ARGV[4])
-if expires then rcall('PEXPIRE', KEYS[1], expires) end
+if expires then
+  local time = rcall('TIME')
+  local at = string.format('%d', tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + expires)
+  rcall('PEXPIREAT', KEYS[1], at) -- one absolute time: the stream and its groups expire together
+  rcall('PEXPIREAT', KEYS[2], at)
+end
 return id

@@ -1,23 +1,25 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 2
+-- version: 3
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
--- KEYS: 3
+-- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
+--   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
+--   message  HASH    P message:{Q}         id -> payload
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
 -- ARGV:
---   1   message_key_prefix  string           P message: ; the hash is prefix .. '{Q}:' .. id
---   2   requeue             0 or 1           1: back to the queue as a redelivery; 0: drop
---   3   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
---   4   dead_letter_maxlen  integer >= 0     approximate cap of the dead-letter stream; 0 deletes dropped messages outright
---   5   visibility_ms       integer > 0      how long a requeued message may sit popped but unclaimed
---   6.. id                  string           message ids to reject, each optionally as id:delivery_count
+--   1   requeue             0 or 1           1: back to the queue as a redelivery; 0: drop
+--   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
+--   3   dead_letter_maxlen  integer >= 0     approximate cap of the dead-letter stream; 0 deletes dropped messages outright
+--   4   visibility_ms       integer > 0      how long a requeued message may sit popped but unclaimed
+--   5.. id                  string           message ids to reject, each optionally as id:delivery_count
 -- returns: array {requeued, dead_lettered, deleted, stale} counts
 -- errors:
---   ERR celery-redis-lua: reject: expected 3 keys (queue, index, dead), got N
---   ERR celery-redis-lua: reject: expected at least 6 arguments, got N
---   ERR celery-redis-lua: reject: key 'K' has no {hash tag}
+--   ERR celery-redis-lua: reject: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: reject: expected at least 5 arguments, got N
 --   ERR celery-redis-lua: reject: requeue must be 0 or 1, got 'V'
 --   ERR celery-redis-lua: reject: delivery_limit must be an integer >= 0, got 'V'
 --   ERR celery-redis-lua: reject: dead_letter_maxlen must be an integer >= 0, got 'V'
@@ -31,9 +33,11 @@
 --   id:delivery_count rejects only that delivery: a message whose count has moved on
 --   (the sweep restored it and another consumer holds it now) is left alone and
 --   counted stale, so a late hand-back cannot requeue or drop someone else's delivery.
+--   A requeued message keeps its TTL deadline (as in RabbitMQ); if it has passed, the
+--   next consume or sweep dead-letters it with reason 'expired'.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: reject: ' .. message)
@@ -44,29 +48,32 @@ local function natural(value)
   return tonumber(value)
 end
 
-if #KEYS ~= 3 then return fail('expected 3 keys (queue, index, dead), got ' .. #KEYS) end
-if #ARGV < 6 then return fail('expected at least 6 arguments, got ' .. #ARGV) end
-local queue_key, index_key, dead_key = KEYS[1], KEYS[2], KEYS[3]
-local brace = string.find(queue_key, '{', 1, true)
-if not brace then return fail("key '" .. queue_key .. "' has no {hash tag}") end
-if ARGV[2] ~= '0' and ARGV[2] ~= '1' then return fail("requeue must be 0 or 1, got '" .. ARGV[2] .. "'") end
-local requeue = ARGV[2] == '1'
-local limit = natural(ARGV[3])
-if not limit then return fail("delivery_limit must be an integer >= 0, got '" .. ARGV[3] .. "'") end
-local dead_maxlen = natural(ARGV[4])
-if not dead_maxlen then return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[4] .. "'") end
-local visibility = natural(ARGV[5])
-if not visibility or visibility == 0 then
-  return fail("visibility_ms must be a positive integer, got '" .. ARGV[5] .. "'")
+local function parse_state(value)
+  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
 end
-local message_prefix = ARGV[1] .. string.sub(queue_key, brace) .. ':'
 
-local time = rcall('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+if #KEYS ~= 7 then
+  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+end
+if #ARGV < 5 then return fail('expected at least 5 arguments, got ' .. #ARGV) end
+local queue_key, index_key, meta_key, dead_key, message_key, state_key = KEYS[1], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6], KEYS[7]
+if ARGV[1] ~= '0' and ARGV[1] ~= '1' then return fail("requeue must be 0 or 1, got '" .. ARGV[1] .. "'") end
+local requeue = ARGV[1] == '1'
+local limit = natural(ARGV[2])
+if not limit then return fail("delivery_limit must be an integer >= 0, got '" .. ARGV[2] .. "'") end
+local dead_maxlen = natural(ARGV[3])
+if not dead_maxlen then return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[3] .. "'") end
+local visibility = natural(ARGV[4])
+if not visibility or visibility == 0 then
+  return fail("visibility_ms must be a positive integer, got '" .. ARGV[4] .. "'")
+end
 
 -- Validate every id before changing anything: a bad one must not leave a half-done batch.
 local ids, expected = {}, {}
-for i = 6, #ARGV do
+for i = 5, #ARGV do
   local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
   if not id then
     if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then
@@ -78,36 +85,51 @@ for i = 6, #ARGV do
   expected[#ids] = count and tonumber(count)
 end
 
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+
 local requeued, dead_lettered, deleted, stale = 0, 0, 0, 0
 for i, id in ipairs(ids) do
-  local message_key = message_prefix .. id
-  local message = rcall('HMGET', message_key, 'payload', 'priority', 'delivery_count')
-  if message[1] and expected[i] and expected[i] ~= (tonumber(message[3]) or 0) then
+  local payload = rcall('HGET', message_key, id)
+  local raw = rcall('HGET', state_key, id)
+  local s = raw and parse_state(raw)
+  if payload and s and expected[i] and expected[i] ~= s.count then
     stale = stale + 1 -- delivered again since: not this consumer's to reject
-  elseif message[1] then
-    local priority = tonumber(message[2]) or 0
-    local attempts = (tonumber(message[3]) or 0) + 1
+  elseif payload and s then
+    local attempts = s.count + 1
     if requeue and (limit == 0 or attempts < limit) then
-      rcall('HSET', message_key, 'delivery_count', attempts, 'state', 'ready')
-      rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
-      rcall('ZADD', index_key, string.format('%d', now + visibility), id)
+      rcall('HSET', state_key, id, 'ready ' .. attempts .. ' ' .. s.priority .. ' ' .. s.expires_at)
+      rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
+      local look_at = now + visibility
+      local at = tonumber(s.expires_at)
+      if at and at < look_at then look_at = at end
+      rcall('ZADD', index_key, string.format('%d', look_at), id)
       requeued = requeued + 1
     else
       if dead_maxlen > 0 then
         rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id,
               'reason', requeue and 'delivery-limit' or 'rejected',
-              'delivery_count', requeue and attempts or attempts - 1,
-              'priority', priority, 'payload', message[1])
+              'delivery_count', requeue and attempts or s.count,
+              'priority', s.priority, 'payload', payload)
         dead_lettered = dead_lettered + 1
       else
         deleted = deleted + 1
       end
-      rcall('DEL', message_key)
+      rcall('HDEL', message_key, id)
+      rcall('HDEL', state_key, id)
       rcall('ZREM', queue_key, id)
       rcall('ZREM', index_key, id)
     end
   else
-    rcall('ZREM', index_key, id) -- already gone (acked elsewhere or expired)
+    rcall('ZREM', index_key, id) -- already gone (acked elsewhere, expired, or its queue deleted)
+    rcall('HDEL', message_key, id)
+    rcall('HDEL', state_key, id)
   end
+end
+
+local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+if expires then
+  local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return {requeued, dead_lettered, deleted, stale}

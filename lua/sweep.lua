@@ -1,39 +1,46 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 1
--- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit, drop orphans.
--- KEYS: 4 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+-- version: 2
+-- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
+-- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
+--   message  HASH    P message:{Q}         id -> payload
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
 -- ARGV:
---   1  message_key_prefix  string         P message: ; the hash is prefix .. '{Q}:' .. id
---   2  visibility_ms       integer > 0    deadline given to restored and rescheduled entries
---   3  delivery_limit      integer >= 0   delivery attempts before a message is dead-lettered; 0 means no limit
---   4  dead_letter_maxlen  integer >= 0   approximate cap of the dead-letter stream; 0 deletes dropped messages outright
---   5  batch               integer 1..10000  most entries looked at per queue and per kind in this call
---   6  report_limit        integer >= 0   most dropped messages returned with their payload
--- returns: array {promoted, requeued, unclaimed, backlog, dead_lettered, orphans, more,
---   then 4 items per reported dropped message: queue_position, id, delivery_count, payload}
+--   1  visibility_ms       integer > 0       deadline given to restored and rescheduled entries
+--   2  delivery_limit      integer >= 0      delivery attempts before a message is dead-lettered; 0 means no limit
+--   3  dead_letter_maxlen  integer >= 0      approximate cap of the dead-letter stream; 0 deletes dropped messages outright
+--   4  batch               integer 1..10000  most entries looked at per queue and per kind in this call
+--   5  report_limit        integer >= 0      most dropped messages returned with their payload
+-- returns: array {promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more,
+--   then 5 items per reported dropped message: queue_position, id, delivery_count, reason, payload}
 --   promoted: delayed messages made ready; requeued: timed-out deliveries put back (count + 1);
 --   unclaimed: messages popped by BZMPOP but never claimed, put back (not counted);
 --   backlog: ready messages still queued whose index entry was pushed forward (not counted);
---   more: 1 when a batch was full, so the caller should sweep again.
+--   dead_lettered: deliveries that reached the delivery limit; expired: messages whose TTL
+--   passed while they waited (both go to the dead-letter stream, or are deleted when
+--   dead_letter_maxlen is 0); more: 1 when a batch was full, so the caller should sweep again.
 -- errors:
---   ERR celery-redis-lua: sweep: expected 4 keys per queue, got N
---   ERR celery-redis-lua: sweep: expected 6 arguments, got N
+--   ERR celery-redis-lua: sweep: expected 7 keys per queue, got N
+--   ERR celery-redis-lua: sweep: expected 5 arguments, got N
 --   ERR celery-redis-lua: sweep: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: sweep: NAME must be ... , got 'V'
--- why: an index entry that falls due means one of four things, told apart by the hash's
---   state and the queue: the message still waits in the queue (backlog: reschedule the
---   check, backing off with its age so a large backlog costs little), it was popped but
---   never claimed (restore, not a delivery), it was delivered and not acked in time
---   (restore with delivery_count + 1, or dead-letter at the limit), or its hash is gone
---   (orphan: remove the entry). allow-oom, because the sweep mostly frees memory.
+-- why: an index entry that falls due means one of five things, told apart by the message's
+--   state and the queue: its TTL passed (dead-letter it, reason 'expired'), the message
+--   still waits in the queue (backlog: reschedule the check, backing off with its age so a
+--   large backlog costs little, but never past its TTL), it was popped but never claimed
+--   (restore, not a delivery), it was delivered and not acked in time (restore with
+--   delivery_count + 1, or dead-letter at the limit), or the message is gone (orphan:
+--   remove the entry). allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
+local WAKE_MEMBER = '~wake'
+local QUEUE_KEYS = 7
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: sweep: ' .. message)
@@ -44,112 +51,144 @@ local function natural(value)
   return tonumber(value)
 end
 
-if #KEYS == 0 or #KEYS % 4 ~= 0 then return fail('expected 4 keys per queue, got ' .. #KEYS) end
-if #ARGV ~= 6 then return fail('expected 6 arguments, got ' .. #ARGV) end
-local visibility = natural(ARGV[2])
+local function parse_state(value)
+  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+end
+
+if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
+if #ARGV ~= 5 then return fail('expected 5 arguments, got ' .. #ARGV) end
+local visibility = natural(ARGV[1])
 if not visibility or visibility == 0 then
-  return fail("visibility_ms must be a positive integer, got '" .. ARGV[2] .. "'")
+  return fail("visibility_ms must be a positive integer, got '" .. ARGV[1] .. "'")
 end
-local limit = natural(ARGV[3])
-if not limit then return fail("delivery_limit must be an integer >= 0, got '" .. ARGV[3] .. "'") end
-local dead_maxlen = natural(ARGV[4])
-if not dead_maxlen then return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[4] .. "'") end
-local batch = natural(ARGV[5])
+local limit = natural(ARGV[2])
+if not limit then return fail("delivery_limit must be an integer >= 0, got '" .. ARGV[2] .. "'") end
+local dead_maxlen = natural(ARGV[3])
+if not dead_maxlen then return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[3] .. "'") end
+local batch = natural(ARGV[4])
 if not batch or batch < 1 or batch > 10000 then
-  return fail("batch must be an integer in 1..10000, got '" .. ARGV[5] .. "'")
+  return fail("batch must be an integer in 1..10000, got '" .. ARGV[4] .. "'")
 end
-local report_limit = natural(ARGV[6])
-if not report_limit then return fail("report_limit must be an integer >= 0, got '" .. ARGV[6] .. "'") end
+local report_limit = natural(ARGV[5])
+if not report_limit then return fail("report_limit must be an integer >= 0, got '" .. ARGV[5] .. "'") end
+
+-- Validate every queue key before the first write, so bad input changes nothing.
+for q = 1, #KEYS / QUEUE_KEYS do
+  local queue_key = KEYS[QUEUE_KEYS * (q - 1) + 1]
+  local open = string.find(queue_key, '{', 1, true)
+  local close = open and string.find(queue_key, '}', open + 1, true)
+  if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
+end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local deadline = string.format('%d', now + visibility)
 
 local function ready_score(priority, ready_at)
   return string.format('%d', (255 - priority) * PRIORITY_FACTOR + ready_at)
 end
 
--- Validate every queue key before the first write, so bad input changes nothing.
-local message_prefixes = {}
-for q = 1, #KEYS / 4 do
-  local brace = string.find(KEYS[4 * q - 3], '{', 1, true)
-  if not brace then return fail("key '" .. KEYS[4 * q - 3] .. "' has no {hash tag}") end
-  message_prefixes[q] = ARGV[1] .. string.sub(KEYS[4 * q - 3], brace) .. ':'
+-- When the sweep looks at a ready message again: `at`, or its TTL deadline if sooner.
+local function look_at(at, expires_at)
+  local ttl_at = tonumber(expires_at)
+  if ttl_at and ttl_at < at then at = ttl_at end
+  return string.format('%d', at)
 end
 
-local promoted, requeued, unclaimed, backlog, dead_lettered, orphans, more = 0, 0, 0, 0, 0, 0, 0
+local promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more = 0, 0, 0, 0, 0, 0, 0, 0
 local reported = {}
 
-for q = 1, #KEYS / 4 do
-  local queue_key, delayed_key, index_key, dead_key = KEYS[4 * q - 3], KEYS[4 * q - 2], KEYS[4 * q - 1], KEYS[4 * q]
-  local message_prefix = message_prefixes[q]
+for q = 1, #KEYS / QUEUE_KEYS do
+  local base = QUEUE_KEYS * (q - 1)
+  local queue_key, delayed_key, index_key, meta_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
+  local dead_key, message_key, state_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
+
+  local function drop(id, s, payload, reason, count)
+    if dead_maxlen > 0 then
+      rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', reason,
+            'delivery_count', count, 'priority', s.priority, 'payload', payload)
+    end
+    rcall('HDEL', message_key, id)
+    rcall('HDEL', state_key, id)
+    rcall('ZREM', queue_key, id)
+    rcall('ZREM', index_key, id)
+    if #reported < 5 * report_limit then
+      for _, item in ipairs({q, id, count, reason, payload}) do reported[#reported + 1] = item end
+    end
+  end
 
   local due = rcall('ZRANGE', delayed_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch, 'WITHSCORES')
   for i = 1, #due, 2 do
     local id, eta = due[i], tonumber(due[i + 1])
-    local message_key = message_prefix .. id
-    local priority = tonumber(rcall('HGET', message_key, 'priority'))
-    if priority then
-      rcall('ZADD', queue_key, ready_score(priority, eta), id)
-      rcall('ZADD', index_key, deadline, id)
-      rcall('HSET', message_key, 'state', 'ready')
+    local raw = rcall('HGET', state_key, id)
+    if raw then
+      local s = parse_state(raw)
+      rcall('ZADD', queue_key, ready_score(s.priority, eta), id)
+      rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
+      rcall('HSET', state_key, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
       promoted = promoted + 1
     else
+      rcall('HDEL', message_key, id)
       orphans = orphans + 1
     end
     rcall('ZREM', delayed_key, id)
   end
   if #due == 2 * batch then more = 1 end
   if #due > 0 and rcall('ZCARD', delayed_key) == 0 then
-    rcall('ZREM', queue_key, '~wake') -- the wake marker lives only while something is delayed
+    rcall('ZREM', queue_key, WAKE_MEMBER) -- the wake marker lives only while something is delayed
   end
 
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
   for _, id in ipairs(entries) do
-    local message_key = message_prefix .. id
-    local message = rcall('HMGET', message_key, 'payload', 'priority', 'delivery_count', 'state')
+    local payload = rcall('HGET', message_key, id)
+    local raw = rcall('HGET', state_key, id)
     local queued_score = rcall('ZSCORE', queue_key, id)
-    if not message[1] then
+    local s = raw and parse_state(raw)
+    local ttl_at = s and tonumber(s.expires_at)
+    if not payload or not s then
       rcall('ZREM', index_key, id)
       rcall('ZREM', queue_key, id)
+      rcall('HDEL', message_key, id)
+      rcall('HDEL', state_key, id)
       orphans = orphans + 1
+    elseif s.state ~= 'unacked' and ttl_at and ttl_at <= now then
+      drop(id, s, payload, 'expired', s.count)
+      expired = expired + 1
     elseif queued_score then
       local waited = now - (tonumber(queued_score) % PRIORITY_FACTOR)
-      rcall('ZADD', index_key, string.format('%d', now + math.max(visibility, waited)), id)
+      rcall('ZADD', index_key, look_at(now + math.max(visibility, waited), s.expires_at), id)
       backlog = backlog + 1
-    elseif message[4] ~= 'unacked' then
-      rcall('ZADD', queue_key, ready_score(tonumber(message[2]) or 0, now), id)
-      rcall('ZADD', index_key, deadline, id)
-      rcall('HSET', message_key, 'state', 'ready')
+    elseif s.state ~= 'unacked' then
+      rcall('ZADD', queue_key, ready_score(s.priority, now), id)
+      rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
+      rcall('HSET', state_key, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
       unclaimed = unclaimed + 1
     else
-      local priority = tonumber(message[2]) or 0
-      local attempts = (tonumber(message[3]) or 0) + 1
-      if limit == 0 or attempts < limit then
-        rcall('HSET', message_key, 'delivery_count', attempts, 'state', 'ready')
-        rcall('ZADD', queue_key, ready_score(priority, now), id)
-        rcall('ZADD', index_key, deadline, id)
+      local attempts = s.count + 1
+      if ttl_at and ttl_at <= now then
+        drop(id, s, payload, 'expired', attempts) -- timed out, and its TTL passed meanwhile
+        expired = expired + 1
+      elseif limit == 0 or attempts < limit then
+        rcall('HSET', state_key, id, 'ready ' .. attempts .. ' ' .. s.priority .. ' ' .. s.expires_at)
+        rcall('ZADD', queue_key, ready_score(s.priority, now), id)
+        rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
         requeued = requeued + 1
       else
-        if dead_maxlen > 0 then
-          rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', 'delivery-limit',
-                'delivery_count', attempts, 'priority', priority, 'payload', message[1])
-        end
-        rcall('DEL', message_key)
-        rcall('ZREM', index_key, id)
+        drop(id, s, payload, 'delivery-limit', attempts)
         dead_lettered = dead_lettered + 1
-        if #reported < 4 * report_limit then
-          reported[#reported + 1] = q
-          reported[#reported + 1] = id
-          reported[#reported + 1] = attempts
-          reported[#reported + 1] = message[1]
-        end
       end
     end
   end
   if #entries == batch then more = 1 end
+
+  local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+  if expires then
+    local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+    for i = 1, QUEUE_KEYS do rcall('PEXPIREAT', KEYS[base + i], at) end
+  end
 end
 
-local reply = {promoted, requeued, unclaimed, backlog, dead_lettered, orphans, more}
+local reply = {promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more}
 for _, item in ipairs(reported) do reply[#reply + 1] = item end
 return reply

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import redis
+from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.servers import Cluster, Server, ServerUnavailable, server_binary
+from kombu_support import Broker
 
 TARGETS = ("valkey", "redis", "valkey-cluster", "redis-cluster")
 PREFIXES = ("", "app:")
@@ -137,3 +139,31 @@ def scratch_server(request: pytest.FixtureRequest) -> Iterator[Server]:
     require_kind(request.param)
     with Server(request.param) as server:
         yield server
+
+
+@pytest.fixture(params=[(kind, prefix) for prefix in ("", "app:") for kind in ("valkey", "redis")],
+                ids=lambda p: f"{p[0]}-{'prefix' if p[1] else 'noprefix'}")
+def broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    """The transport under test through kombu: each server kind, with and without a prefix."""
+    kind, prefix = request.param
+    server = request.getfixturevalue(f"{kind}_server")
+    client = server.client(socket_timeout=10)
+    client.flushall()
+    yield Broker(server, prefix, client)
+    client.close()
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def kind_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    """Each server kind once, with a prefix: for kombu-level tests that take seconds."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    client = server.client(socket_timeout=10)
+    client.flushall()
+    yield Broker(server, "app:", client)
+    client.close()
+
+
+@pytest.fixture
+def conn(broker: Broker) -> Iterator[Connection]:
+    with broker.connection() as connection:
+        yield connection

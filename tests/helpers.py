@@ -1,10 +1,17 @@
-"""Small helpers shared by the tests: server time, polling, slot-aware queue names."""
+"""Small helpers shared by the tests: server time, polling, slot-aware queue names, and a
+bash session for replaying documented shell sessions."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import select
+import subprocess
 import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
@@ -12,6 +19,7 @@ from redis.crc import key_slot
 from celery_redis_lua import Keyspace
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def server_now_ms(client: Any) -> int:
@@ -62,3 +70,72 @@ def names_on_each_node(client: Any, keys: Keyspace, stem: str = "node") -> list[
         if len(found) == len(primaries):
             return list(found.values())
     raise AssertionError("unreachable")
+
+
+def message_state(client: Any, keys: Keyspace, queue: str,
+                  message_id: str) -> tuple[str, int, int, str] | None:
+    """(state, delivery_count, priority, expires_at) of one message, from ``state:{Q}``."""
+    raw = client.hget(keys.state(queue), message_id)
+    if raw is None:
+        return None
+    state, count, priority, expires_at = raw.decode().split(" ")
+    return state, int(count), int(priority), expires_at
+
+
+def message_exists(client: Any, keys: Keyspace, queue: str, message_id: str) -> bool:
+    """Whether the queue still holds the message's payload or state."""
+    return bool(client.hexists(keys.message(queue), message_id)
+                or client.hexists(keys.state(queue), message_id))
+
+
+# In documented expected output: an integer (a time, a score, a count of ms), a message
+# id (16 hex digits: 11 of server ms, 5 of a counter) and a stream entry id.
+PLACEHOLDERS = {"<ms>": r"\d+", "<id>": r"[0-9a-f]{16}", "<stream-id>": r"\d+-\d+"}
+
+
+def matches(expected: str, actual: str) -> bool:
+    """Whether an output line is the documented one, placeholders standing for their kind."""
+    pattern = "".join(PLACEHOLDERS.get(part, re.escape(part))
+                      for part in re.split(r"(<ms>|<id>|<stream-id>)", expected))
+    return re.fullmatch(pattern, actual) is not None
+
+
+class Shell:
+    """One bash for a whole documented session, run from the repository root, so shell
+    variables carry from command to command; ``redis-cli`` is the one on PATH pointed at
+    ``port``."""
+
+    def __init__(self, port: int) -> None:
+        self.process = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"], cwd=ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "LC_ALL": "C"})
+        self.run(f'redis-cli() {{ command redis-cli -p {port} "$@"; }}')
+
+    def run(self, command: str, timeout: float = 30) -> tuple[list[str], int]:
+        """Run one command line; return its output lines (stdout and stderr) and status."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        marker = f"@@{uuid.uuid4().hex}@@"
+        self.process.stdin.write(f"{{ {command}\n}} </dev/null\nprintf '\\n{marker} %d\\n' $?\n".encode())
+        self.process.stdin.flush()
+        output, deadline = b"", time.monotonic() + timeout
+        end = re.compile(rb"\n" + marker.encode() + rb" (\d+)\n$")
+        while not (found := end.search(output)):
+            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.process.stdout.fileno(), 65536) if ready else b""
+            if not chunk:
+                raise AssertionError(f"no end of output of {command!r} (so far: {output!r})")
+            output += chunk
+        text = output[:found.start()].decode()
+        return (text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")) if text else [], \
+            int(found[1])
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(10)
+
+    def __enter__(self) -> Shell:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

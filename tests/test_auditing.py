@@ -15,12 +15,7 @@ in parentheses; the keyword must appear in those lines of that script.
 
 from __future__ import annotations
 
-import os
 import re
-import select
-import subprocess
-import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +24,13 @@ import pytest
 
 from celery_redis_lua.servers import Server
 from conftest import require_kind
-from helpers import server_now_ms, wait_for_server_time
+from helpers import Shell, matches, server_now_ms, wait_for_server_time
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "auditing.md"
 GUARANTEES = ("SIGKILL", "delivery limit", "Priority order", "Delayed delivery")
 REFERENCE = re.compile(r"`lua/(\w+\.lua):L(\d+)-L(\d+)` \(`([^`]+)`\)")
 ANY_REFERENCE = re.compile(r"lua/\w+\.lua:L\d+")
-PLACEHOLDERS = {"<ms>": r"\d+", "<id>": r"[0-9a-f]{16}", "<stream-id>": r"\d+-\d+"}
 MAX_RANGE = 40  # a reference names a few lines, not a whole script
 
 
@@ -83,51 +77,9 @@ def sessions(text: str) -> list[Session]:
     return found
 
 
-def matches(expected: str, actual: str) -> bool:
-    pattern = "".join(PLACEHOLDERS.get(part, re.escape(part))
-                      for part in re.split(r"(<ms>|<id>|<stream-id>)", expected))
-    return re.fullmatch(pattern, actual) is not None
-
-
-class Shell:
-    """One bash for a whole session, so shell variables carry from command to command."""
-
-    def __init__(self, port: int) -> None:
-        self.process = subprocess.Popen(
-            ["bash", "--noprofile", "--norc"], cwd=ROOT, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "LC_ALL": "C"})
-        self.run(f'redis-cli() {{ command redis-cli -p {port} "$@"; }}')
-
-    def run(self, command: str, timeout: float = 30) -> tuple[list[str], int]:
-        """Run one command line; return its output lines (stdout and stderr) and status."""
-        assert self.process.stdin is not None and self.process.stdout is not None
-        marker = f"@@{uuid.uuid4().hex}@@"
-        self.process.stdin.write(f"{{ {command}\n}} </dev/null\nprintf '\\n{marker} %d\\n' $?\n".encode())
-        self.process.stdin.flush()
-        output, deadline = b"", time.monotonic() + timeout
-        end = re.compile(rb"\n" + marker.encode() + rb" (\d+)\n$")
-        while not (found := end.search(output)):
-            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(self.process.stdout.fileno(), 65536) if ready else b""
-            if not chunk:
-                raise AssertionError(f"no end of output of {command!r} (so far: {output!r})")
-            output += chunk
-        text = output[:found.start()].decode()
-        return (text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")) if text else [], \
-            int(found[1])
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(10)
-
-
 @pytest.fixture(scope="module")
 def doc() -> str:
     return DOC.read_text()
-
-
-
 
 
 @pytest.fixture(params=["valkey", "redis"])

@@ -2,7 +2,8 @@
 
 A binding table is ``P _kombu.binding.<exchange>``, a ZSET of
 ``routing_key SEP pattern SEP queue`` scored with the unix ms at which the binding goes
-stale (``+inf`` for queues without expiry, floor of five minutes otherwise). The table key
+stale (``+inf`` for queues without expiry, else now + the lifetime the caller gives: the
+script takes it as it is, and the transport is the one that floors it). The table key
 expires with its stalest member, or never when some member lives forever.
 """
 
@@ -12,10 +13,9 @@ import math
 
 from celery_redis_lua import ScriptLibrary
 from celery_redis_lua.calls import binding_member
-from helpers import server_now_ms
+from helpers import server_now_ms, wait_for_server_time
 
 SEP = "\x06\x16"
-MIN_LIFETIME_MS = 300_000
 
 
 def member(routing_key: str, pattern: str, queue: str, sep: str = SEP) -> str:
@@ -32,8 +32,19 @@ def test_bind_with_lifetime_scores_stale_at_by_server_time(lib: ScriptLibrary) -
     long_score = client.zscore(table, member("rk", "", "long"))
     short_score = client.zscore(table, member("rk", "", "short"))
     assert before + 400_000 <= long_score <= after + 400_000
-    # Lifetimes below five minutes are raised to five minutes.
-    assert before + MIN_LIFETIME_MS <= short_score <= after + MIN_LIFETIME_MS
+    # Short lifetimes are kept as given: bind has no floor of its own (the caller has one).
+    assert before + 1_000 <= short_score <= after + 1_000
+    assert client.pexpiretime(table) == int(long_score)
+
+
+def test_a_short_lifetime_goes_stale_when_it_says(lib: ScriptLibrary) -> None:
+    client, table = lib.client, lib.keys.binding("brief")
+    assert lib.bind("brief", [member("rk", "", "q")], lifetime_ms=200) == 1
+    stale_at = int(client.zscore(table, member("rk", "", "q")))
+    assert lib.lookup("brief") == [("rk", "", "q")]
+    wait_for_server_time(client, stale_at + 1)
+    assert lib.lookup("brief") == []
+    assert client.exists(table) == 0
 
 
 def test_rebinding_refreshes_the_score_and_counts_nothing_new(lib: ScriptLibrary) -> None:
@@ -58,7 +69,7 @@ def test_bind_without_lifetime_is_forever_and_table_has_no_ttl(lib: ScriptLibrar
 def test_table_ttl_follows_the_stalest_member(lib: ScriptLibrary) -> None:
     client, table = lib.client, lib.keys.binding("ttl")
     lib.bind("ttl", [member("rk", "", "a")], lifetime_ms=400_000)
-    lib.bind("ttl", [member("rk", "", "b")], lifetime_ms=1_000)  # 300 s, earlier than a's
+    lib.bind("ttl", [member("rk", "", "b")], lifetime_ms=1_000)  # stale long before a
     a_score = client.zscore(table, member("rk", "", "a"))
     assert client.pexpiretime(table) == int(a_score)
 

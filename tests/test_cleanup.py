@@ -1,10 +1,12 @@
 """Nothing left behind: once every message is gone, only the keys that define queues remain.
 
-A queue is defined by its ``meta:{Q}`` hash (queue arguments and the id sequence); an
+A queue is defined by its ``meta:{Q}`` hash (queue arguments and ``last_id``); an
 exchange by its binding table. After publish, consume and ack of every message (ready,
 delayed then due, with and without priorities, several queues), after reject without
-requeue with dead-lettering off, after purge, the exact key set is those and nothing else.
-delete removes meta and the dead-letter stream too.
+requeue with dead-lettering off, after messages expired (TTL) with dead-lettering off,
+after purge, the exact key set is those and nothing else: the payload and state hashes
+(``message:{Q}``, ``state:{Q}``) go with their last field. delete removes meta and the
+dead-letter stream too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 from celery_redis_lua import Delivery, Keyspace, ScriptLibrary
 from celery_redis_lua.calls import binding_member
 from conftest import Target
-from helpers import server_now_ms, wait_for_server_time, wait_until
+from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 
 QUEUES = ("alpha", "beta", "gamma")
 EXCHANGE = "tasks"
@@ -138,12 +140,44 @@ def test_ack_after_visibility_restore_leaves_nothing_behind(target: Target, keys
     assert target.keys() == defining_keys(keyspace, ("slow",))
 
 
-def test_expired_messages_leave_nothing_behind(target: Target, lib: ScriptLibrary) -> None:
-    ids = [lib.publish("short", f"m{i}", ttl_ms=100) for i in range(3)]
-    for message_id in ids:
-        wait_until(lambda m=message_id: lib.client.exists(lib.keys.message("short", m)) == 0)
-    assert lib.consume(["short"], 10).deliveries == []
+def publish_expiring(lib: ScriptLibrary, queue: str, count: int, ttl_ms: int = 100) -> list[str]:
+    """``count`` messages with a TTL; waits until the server's clock is past every deadline."""
+    before = server_now_ms(lib.client)
+    ids = [lib.publish(queue, f"m{i}", ttl_ms=ttl_ms) for i in range(count)]
+    after = server_now_ms(lib.client)
+    deadlines = []
+    for message_id in ids:  # the TTL is a deadline in the message's state, not a key TTL
+        state, delivery_count, priority, expires_at = message_state(lib.client, lib.keys, queue, message_id)
+        assert (state, delivery_count, priority) == ("ready", 0, 0)
+        assert before + ttl_ms <= int(expires_at) <= after + ttl_ms
+        deadlines.append(int(expires_at))
+    assert lib.client.pttl(lib.keys.message(queue)) == -1
+    wait_for_server_time(lib.client, max(deadlines) + 1)
+    return ids
+
+
+@pytest.mark.parametrize("by", ["consume", "sweep"])
+def test_expired_messages_leave_nothing_behind(target: Target, keyspace: Keyspace, by: str) -> None:
+    """With dead-lettering off (maxlen 0), whoever finds an expired message deletes it."""
+    lib = ScriptLibrary(target.client, keyspace, visibility_ms=60_000, dead_letter_maxlen=0)
+    publish_expiring(lib, "short", 3)
+    if by == "consume":
+        consumed = lib.consume(["short"], 10)
+        assert (consumed.deliveries, consumed.expired) == ([], 3)
+    else:
+        report = lib.sweep(["short"], dead_letter_maxlen=0)
+        assert (report.expired, report.dead_lettered, report.backlog) == (3, 0, 0)
+        assert {d.reason for d in report.dropped_messages} == {"expired"}
     assert target.keys() == defining_keys(lib.keys, ("short",))
+
+
+def test_expired_messages_dead_lettered_leave_only_their_dead_letters(
+        target: Target, lib: ScriptLibrary) -> None:
+    ids = publish_expiring(lib, "short", 3)
+    assert lib.sweep(["short"]).expired == 3
+    letters = lib.dead_list("short")
+    assert [(d.id, d.reason) for d in letters] == [(i, "expired") for i in ids]
+    assert target.keys() == defining_keys(lib.keys, ("short",)) | {lib.keys.dead("short").encode()}
 
 
 def test_replayed_dead_letters_leave_nothing_behind(target: Target, lib: ScriptLibrary) -> None:
@@ -178,5 +212,5 @@ def test_delete_removes_meta_and_dead_letters_too(target: Target, lib: ScriptLib
     assert lib.client.xlen(lib.keys.dead(dead.queue)) == 1
 
     deleted = sum(lib.delete(queue) for queue in QUEUES)
-    assert deleted == len(published) - 1  # every hash but the dead-lettered one's
+    assert deleted == len(published) - 1  # every message but the dead-lettered one
     assert target.keys() == (defining_keys(lib.keys, (), bound=bound))

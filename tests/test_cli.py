@@ -18,7 +18,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.cli import main, mask, redis_url
 from celery_redis_lua.producer import decode_body
 from celery_redis_lua.servers import Server, free_port
-from helpers import server_now_ms
+from helpers import message_state, server_now_ms
 
 SECRET = "s3cret-Pw"
 
@@ -70,7 +70,8 @@ def test_publish_stores_a_celery_envelope_and_status_shows_it_ready(
     assert envelope["properties"]["priority"] == 7
     assert envelope["properties"]["delivery_info"]["routing_key"] == "cliq"
     assert decode_body(envelope)[:2] == [[2, 3], {"z": 1}]
-    assert standalone.hget(Keyspace().message("cliq", delivery.id), "priority") == b"7"
+    # The script stored the priority in the message's state: (state, count, priority, expires_at).
+    assert message_state(standalone, Keyspace(), "cliq", delivery.id) == ("unacked", 0, 7, "-")
 
 
 def test_countdown_is_an_eta_by_the_servers_clock(url: str, standalone: redis.Redis) -> None:
@@ -81,8 +82,9 @@ def test_countdown_is_an_eta_by_the_servers_clock(url: str, standalone: redis.Re
     keys = Keyspace("app:")
     [(member, eta)] = standalone.zrange(keys.delayed("celery"), 0, -1, withscores=True)
     assert before + 30_000 <= eta <= after + 30_000
-    payload = json.loads(standalone.hget(keys.message("celery", member.decode()), "payload"))
+    payload = json.loads(standalone.hget(keys.message("celery"), member))
     assert payload["headers"]["id"] == result.stdout.strip()
+    assert message_state(standalone, keys, "celery", member.decode()) == ("delayed", 0, 0, "-")
     assert status_rows(invoke("status", "--prefix", "app:", "--url", url)) == {"celery": [0, 1, 0, 0]}
     # The prefix matters: without it there is no queue.
     assert invoke("status", "--url", url).stdout.startswith("no queues")

@@ -64,9 +64,11 @@ def test_queues_on_every_node_run_every_operation(cluster: Target, keyspace: Key
 
     for q in queues:  # each node holds its own queue's keys, and only those
         held = node_keys(client, keyspace.queue(q))
-        assert {keyspace.queue(q).encode(), keyspace.meta(q).encode(),
-                keyspace.index(q).encode(), keyspace.delayed(q).encode()} <= held
+        assert {keyspace.queue(q).encode(), keyspace.meta(q).encode(), keyspace.index(q).encode(),
+                keyspace.delayed(q).encode(), keyspace.message(q).encode(),
+                keyspace.state(q).encode()} <= held
         assert all(b"{" + q.encode() + b"}" in key for key in held)
+        assert len({client.keyslot(key) for key in held}) == 1  # one slot per queue
         assert node_client(client, keyspace.queue(q)).dbsize() > 0
 
     for q in queues:
@@ -80,7 +82,8 @@ def test_queues_on_every_node_run_every_operation(cluster: Target, keyspace: Key
     last_deadline = max(int(client.zscore(keyspace.index(q), by_queue[q][3].id)) for q in queues)
     wait_for_server_time(client, max(eta, last_deadline) + 1)
     report = lib.sweep(queues)
-    assert (report.promoted, report.requeued, report.dropped, report.orphans) == (3, 3, 0, 0)
+    assert (report.promoted, report.requeued, report.dead_lettered, report.expired,
+            report.orphans) == (3, 3, 0, 0, 0)
     assert lib.stats(queues) == [QueueStats(q, 3, 0, 1, 0) for q in queues]
 
     for q in queues:
@@ -107,9 +110,27 @@ def test_blocking_pop_and_claim_on_every_node(cluster: Target, keyspace: Keyspac
         ids = [member.decode() for member, _ in popped[1]]
         assert ids == [message_id]
         claimed = lib.claim(q, ids)
-        assert [(d.id, d.payload) for d in claimed] == [(message_id, f"{q}-payload".encode())]
+        assert [(d.id, d.payload) for d in claimed.deliveries] == [(message_id, f"{q}-payload".encode())]
+        assert (claimed.wake_in_ms, claimed.expired) == (None, 0)
         assert lib.ack(q, ids) == 1
-        assert node_keys(client, keyspace.queue(q)) >= {keyspace.meta(q).encode()}
+        assert node_keys(client, keyspace.queue(q)) == {keyspace.meta(q).encode()}
+
+
+def test_blocking_pop_then_unpop_on_every_node(cluster: Target, keyspace: Keyspace) -> None:
+    """A consumer that stops right after its BZMPOP puts the messages back on their node."""
+    client = cluster.client
+    lib = ScriptLibrary(client, keyspace, visibility_ms=60_000)
+    for q in names_on_each_node(client, keyspace, stem="unpop"):
+        message_id = lib.publish(q, f"{q}-payload")
+        score = client.zscore(keyspace.queue(q), message_id)
+        popped = node_client(client, keyspace.queue(q)).bzmpop(1, 1, [keyspace.queue(q)], min=True)
+        assert popped is not None
+        pairs = [(member.decode(), raw.decode()) for member, raw in popped[1]]  # as BZMPOP says
+        assert [(member, float(raw)) for member, raw in pairs] == [(message_id, score)]
+        assert lib.unpop(q, pairs) == 1
+        assert client.zscore(keyspace.queue(q), message_id) == score
+        [delivery] = lib.consume([q], 10).deliveries
+        assert (delivery.id, delivery.delivery_count) == (message_id, 0)
 
 
 def test_pipelined_calls_work_on_a_cluster(cluster: Target, keyspace: Keyspace) -> None:
@@ -119,7 +140,11 @@ def test_pipelined_calls_work_on_a_cluster(cluster: Target, keyspace: Keyspace) 
     queues = names_on_each_node(cluster.client, keyspace, stem="pipe")
     ids = lib.run_many([calls.publish(keyspace, q, f"{q}-{i}", visibility_ms=60_000)
                         for q in queues for i in range(2)])
-    assert ids == [f"{n:016x}" for n in (1, 2)] * 3  # each queue has its own id sequence
+    assert len(ids) == 6 and all(len(i) == 16 for i in ids)
+    for n, q in enumerate(queues):  # each queue has its own id sequence, on its own node
+        first, second = ids[2 * n:2 * n + 2]
+        assert first < second
+        assert cluster.client.hget(keyspace.meta(q), "last_id") == second.encode()
     assert [s.ready for s in lib.stats(queues)] == [2, 2, 2]
 
 
@@ -141,9 +166,10 @@ def test_declared_keys_of_two_slots_are_refused(cluster: Target, keyspace: Keysp
     node = node_client(client, keyspace.queue(a))
     publish = load_scripts()["publish"]
     node.script_load(publish.source)
+    mixed = [keyspace.queue(a), keyspace.delayed(b), keyspace.index(a), keyspace.meta(b),
+             keyspace.dead(a), keyspace.message(b), keyspace.state(a)]
     with pytest.raises(redis.exceptions.ResponseError, match=r"CROSSSLOT|same slot"):
-        node.evalsha(publish.sha1, 4, keyspace.queue(a), keyspace.delayed(b), keyspace.index(a),
-                     keyspace.meta(b), keyspace.message_prefix, "payload", 0, "", "", 60_000)
+        node.evalsha(publish.sha1, 7, *mixed, "payload", 0, "", "", 60_000)
     assert node.dbsize() == 0  # refused before anything was written
 
 

@@ -22,9 +22,17 @@ from celery_redis_lua.scripts import Call, Contract, parse_contract
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(ROOT.glob("lua/*.lua"))
 NAMES = [p.stem for p in SCRIPTS]
+ARGV_CHECKED = NAMES
 REDIS_TYPES = {"ZSET", "HASH", "STREAM", "STRING", "LIST", "SET"}
-FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge"}
+FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge",
+                "fanout_unbind", "fanout_leave"}
 READ_ONLY = {"size", "stats", "dead_list", "exists"}
+# Every script that works on a queue's messages takes the same seven keys per queue.
+QUEUE_SCRIPTS = {"publish", "consume", "claim", "unpop", "ack", "reject", "extend", "sweep",
+                 "declare", "purge", "delete", "stats", "dead_replay"}
+QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state"]
+QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
+                      "P dead:{Q}", "P message:{Q}", "P state:{Q}"]
 
 
 def contract(name: str) -> Contract:
@@ -51,7 +59,8 @@ def test_there_are_scripts_for_every_operation() -> None:
     assert set(NAMES) >= {
         "publish", "consume", "claim", "ack", "reject", "extend", "sweep", "bind", "unbind",
         "lookup", "fanout_publish", "purge", "delete", "size", "stats", "dead_list",
-        "dead_replay", "dead_purge", "fanout_bind", "fanout_consume", "exists",
+        "dead_replay", "dead_purge", "fanout_bind", "fanout_consume", "exists", "unpop",
+        "fanout_unbind", "fanout_leave",
     }
 
 
@@ -77,6 +86,14 @@ def test_every_listed_error_line_is_an_error_reply(name: str) -> None:
     assert raw and raw == list(contract(name).errors)
 
 
+@pytest.mark.parametrize("name", ARGV_CHECKED)
+def test_every_argv_line_is_parsed(name: str) -> None:
+    """Each 'N  name  type  meaning' line under 'ARGV:' is one ArgSpec: a line the parser
+    skips would vanish from the contract (and from docs/scripts.md)."""
+    raw = [line for line in header_section(name, "ARGV") if re.match(r"^\d+(\.\.)?\s", line)]
+    assert [a.position for a in contract(name).argv] == [int(re.match(r"\d+", line)[0]) for line in raw], raw
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_shebang_and_flags(name: str) -> None:
     first = (ROOT / "lua" / f"{name}.lua").read_text().splitlines()[0]
@@ -88,6 +105,21 @@ def test_shebang_and_flags(name: str) -> None:
         assert flags == {"no-writes"}
     else:
         assert flags == set(), f"{name} must carry no flags (writes, refused when out of memory)"
+
+
+@pytest.mark.parametrize("name", sorted(QUEUE_SCRIPTS))
+def test_queue_scripts_take_the_same_seven_keys(name: str) -> None:
+    c = contract(name)
+    assert [k.name for k in c.keys] == QUEUE_KEY_NAMES
+    assert [k.pattern for k in c.keys] == QUEUE_KEY_PATTERNS
+    assert [k.type for k in c.keys] == ["ZSET", "ZSET", "ZSET", "HASH", "STREAM", "HASH", "HASH"]
+    assert c.keys_per_queue == (name in {"consume", "sweep", "stats"})
+
+
+def test_no_script_takes_a_message_key_prefix_any_more() -> None:
+    """Messages live in the queue's own hashes: no script builds a key from an ARGV."""
+    for name in NAMES:
+        assert "message_key_prefix" not in [a.name for a in contract(name).argv], name
 
 
 # --- the typed wrappers -------------------------------------------------------------------------
@@ -104,6 +136,7 @@ def sample_calls() -> dict[str, tuple[Call, int]]:
         (calls.publish(KS, "wq1", "payload", priority=3, visibility_ms=vis), 1),
         (calls.consume(KS, QUEUES, count=2, visibility_ms=vis), 2),
         (calls.claim(KS, "wq1", IDS, visibility_ms=vis), 1),
+        (calls.unpop(KS, "wq1", [(IDS[0], "2550000000000001"), (IDS[1], 2550000000000002.0)]), 1),
         (calls.ack(KS, "wq1", IDS), 1),
         (calls.reject(KS, "wq1", IDS, requeue=True, delivery_limit=3, dead_letter_maxlen=10,
                       visibility_ms=vis), 1),
@@ -113,9 +146,11 @@ def sample_calls() -> dict[str, tuple[Call, int]]:
         (calls.bind(KS, "ex", ["rk\x06\x16\x06\x16wq1", "rk2\x06\x16\x06\x16wq2"], lifetime_ms=None), 1),
         (calls.unbind(KS, "ex", ["rk2\x06\x16\x06\x16wq2"]), 1),
         (calls.lookup(KS, "ex", "\x06\x16"), 1),
-        (calls.fanout_publish(KS.fanout("ex", "/0."), "payload", maxlen=100, routing_key="rk"), 1),
-        (calls.fanout_bind(KS.fanout("ex", "/0."), "wq1", expires_ms=60_000), 1),
-        (calls.fanout_consume(KS.fanout("ex", "/0."), "wq1", "worker-1", count=10), 1),
+        (calls.fanout_publish(KS, KS.fanout("ex", "/0."), "payload", maxlen=100, routing_key="rk"), 1),
+        (calls.fanout_bind(KS, KS.fanout("ex", "/0."), "wq1", expires_ms=60_000), 1),
+        (calls.fanout_consume(KS, KS.fanout("ex", "/0."), "wq1", "worker-1", count=10), 1),
+        (calls.fanout_leave(KS, KS.fanout("ex", "/0."), "wq1", "worker-1"), 1),
+        (calls.fanout_unbind(KS, KS.fanout("ex", "/0."), "wq1"), 1),
         (calls.exists(KS, "wq1"), 1),
         (calls.purge(KS, "wq2"), 1),
         (calls.delete(KS, "wq2"), 1),
@@ -132,7 +167,7 @@ def test_every_script_has_a_wrapper() -> None:
     assert set(sample_calls()) == set(NAMES)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ARGV_CHECKED)
 def test_wrapper_passes_the_declared_keys_and_argv(name: str) -> None:
     c = contract(name)
     call, queues = sample_calls()[name]
@@ -144,7 +179,11 @@ def test_wrapper_passes_the_declared_keys_and_argv(name: str) -> None:
         assert len(call.args) >= c.fixed_argc
     else:
         assert len(call.args) == c.fixed_argc, f"{name}: {call.args!r}"
-    assert all(isinstance(a, str | int | bytes) for a in call.args)
+    assert all(isinstance(a, str | int | float | bytes) for a in call.args)
+    if name in QUEUE_SCRIPTS:
+        names = [KS.queue_of(call.keys[i]) for i in range(0, len(call.keys), 7)]
+        assert len(names) == queues
+        assert list(call.keys) == [k for q in names for k in KS.queue_keys(q)]
 
 
 def test_every_wrapper_call_is_accepted_by_the_server(standalone: redis.Redis) -> None:
@@ -158,5 +197,10 @@ def test_every_wrapper_call_is_accepted_by_the_server(standalone: redis.Redis) -
     assert not failed, failed
     assert re.fullmatch(r"[0-9a-f]{16}", results["publish"])
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
+    assert results["claim"] == calls.Consumed([], None, 0)  # unknown ids: nothing to claim
+    assert results["unpop"] == 0  # nor to put back
     assert results["lookup"] == [("rk", "", "wq1")]
+    assert results["fanout_leave"] is True  # fanout_consume made the consumer 'worker-1'
+    assert results["fanout_unbind"] is True
     assert [s.queue for s in results["stats"]] == QUEUES
+    assert results["delete"] == 0

@@ -1,6 +1,9 @@
 """Delayed delivery: a message with an ETA (absolute unix ms, server clock) is not
 consumable before it and is consumable at it; the sweep promotes due ones too; a
-delayed publish leaves a wake marker that wakes a blocked BZMPOP but is never delivered."""
+delayed publish leaves a wake marker that wakes a blocked BZMPOP but is never delivered.
+What a BZMPOP popped but nobody will claim goes back in line with unpop: same score,
+delivery count unchanged, nothing put back that another consumer holds or that is gone,
+and the wake marker only while something is still delayed."""
 
 from __future__ import annotations
 
@@ -10,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua import Consumed, Keyspace, ScriptLibrary
 from celery_redis_lua.servers import Server
 from conftest import Target
-from helpers import server_now_ms, wait_for_server_time, wait_until
+from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 
 WAKE = b"~wake"
 WAKE_SCORE = 256 * 10**13
@@ -28,7 +31,7 @@ def test_not_consumable_before_eta_and_consumable_at_it(lib: ScriptLibrary, targ
     assert early.deliveries == []
     assert early.wake_in_ms is not None and 0 < early.wake_in_ms <= DELAY_MS
     assert target.client.zscore(lib.keys.delayed("later"), message_id) == eta
-    assert target.client.hget(lib.keys.message("later", message_id), "state") == b"delayed"
+    assert message_state(target.client, lib.keys, "later", message_id) == ("delayed", 0, 0, "-")
 
     wait_for_server_time(target.client, eta)
     due = lib.consume(["later"], 10)
@@ -63,7 +66,7 @@ def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target)
     assert lib.sweep(["swept"]).promoted == 0
     wait_for_server_time(target.client, eta)
     report = lib.sweep(["swept"])
-    assert (report.promoted, report.requeued, report.dropped) == (2, 0, 0)
+    assert (report.promoted, report.requeued, report.dead_lettered, report.expired) == (2, 0, 0, 0)
 
     client = target.client
     assert [m.decode() for m in client.zrange(lib.keys.delayed("swept"), 0, -1)] == [far]
@@ -71,7 +74,7 @@ def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target)
         # Ready as of its ETA, at its priority; indexed so that a lost pop comes back.
         assert client.zscore(lib.keys.queue("swept"), message_id) == (255 - priority) * 10**13 + eta
         assert client.zscore(lib.keys.index("swept"), message_id) is not None
-        assert client.hget(lib.keys.message("swept", message_id), "state") == b"ready"
+        assert message_state(client, lib.keys, "swept", message_id) == ("ready", 0, priority, "-")
     assert lib.size("swept") == 2
     assert [d.id for d in lib.consume(["swept"], 10).deliveries] == due_ids[::-1]
 
@@ -147,8 +150,105 @@ def test_delayed_publish_wakes_a_blocked_bzmpop(server: Server) -> None:
     assert key == queue_key.encode()
     assert [member for member, _ in members] == [WAKE]
     # The woken consumer claims what it popped: the marker is no delivery.
-    assert lib.claim("blocked", ["~wake"]) == []
+    assert lib.claim("blocked", ["~wake"]) == Consumed([], None, 0)
     assert client.zscore(lib.keys.index("blocked"), WAKE) is None
     assert client.zscore(lib.keys.delayed("blocked"), delayed) == eta
     assert client.zcard(queue_key) == 0
     client.close()
+
+
+# --- unpop: what a BZMPOP popped goes back when nobody will claim it -----------------------------
+
+
+def zmpop(lib: ScriptLibrary, queue: str, count: int) -> list[tuple[str, str]]:
+    """Pop like a consumer's BZMPOP (ZMPOP: its non-blocking twin); (member, score) pairs as
+    the server sends them, which is what a channel hands to unpop."""
+    reply = lib.client.execute_command("ZMPOP", 1, lib.keys.queue(queue), "MIN", "COUNT", count)
+    assert reply is not None
+    return [(member.decode(), score.decode()) for member, score in reply[1]]
+
+
+def test_unpop_puts_messages_back_with_their_old_scores_uncounted(lib: ScriptLibrary) -> None:
+    client, keys = lib.client, lib.keys
+    ids = [lib.publish("up", f"m{i}", priority=p) for i, p in enumerate((0, 9, 5))]
+    scores = {member.decode(): score for member, score in client.zrange(keys.queue("up"), 0, -1,
+                                                                       withscores=True)}
+    index = {member.decode(): score for member, score in client.zrange(keys.index("up"), 0, -1,
+                                                                       withscores=True)}
+    popped = zmpop(lib, "up", 2)
+    assert [member for member, _ in popped] == [ids[1], ids[2]]
+    assert lib.size("up") == 1
+
+    assert lib.unpop("up", popped) == 2
+
+    # Same place in line, and nothing else moved: no delivery was made.
+    assert {member.decode(): score for member, score in client.zrange(keys.queue("up"), 0, -1,
+                                                                     withscores=True)} == scores
+    assert {member.decode(): score for member, score in client.zrange(keys.index("up"), 0, -1,
+                                                                     withscores=True)} == index
+    for message_id, priority in zip(ids, (0, 9, 5), strict=True):
+        assert message_state(client, keys, "up", message_id) == ("ready", 0, priority, "-")
+    got = lib.consume(["up"], 10).deliveries
+    assert [(d.id, d.delivery_count) for d in got] == [(ids[1], 0), (ids[2], 0), (ids[0], 0)]
+
+
+def test_unpop_leaves_alone_what_another_consumer_holds_or_what_is_gone(
+        target: Target, keyspace: Keyspace) -> None:
+    lib = ScriptLibrary(target.client, keyspace, visibility_ms=200)
+    client, keys = target.client, keyspace
+    held, acked, waiting = (lib.publish("up", name) for name in ("held", "acked", "waiting"))
+    popped = zmpop(lib, "up", 3)
+    assert [member for member, _ in popped] == [held, acked, waiting]
+
+    # The popping consumer stalls: the sweep restores all three (not a delivery), another
+    # consumer takes two of them, acks one of those, and the third waits in the queue again.
+    wait_for_server_time(client, int(max(client.zrange(keys.index("up"), 0, -1, withscores=True),
+                                         key=lambda pair: pair[1])[1]) + 1)
+    assert lib.sweep(["up"]).unclaimed == 3
+    other = lib.consume(["up"], 2).deliveries
+    assert [d.id for d in other] == [held, acked]
+    assert lib.ack("up", [acked]) == 1
+    requeued_score = client.zscore(keys.queue("up"), waiting)
+
+    assert lib.unpop("up", [*popped, ("ffffffffffffffff", "2550000000000000")]) == 0
+
+    assert client.zscore(keys.queue("up"), held) is None  # not queued twice while held
+    assert message_state(client, keys, "up", held) == ("unacked", 0, 0, "-")
+    assert client.zscore(keys.queue("up"), acked) is None  # acked: stays gone
+    assert client.zscore(keys.queue("up"), waiting) == requeued_score  # already back: kept
+    assert client.zscore(keys.queue("up"), "ffffffffffffffff") is None  # never existed
+    assert lib.size("up") == 1
+
+
+def test_unpop_puts_the_wake_marker_back_only_while_something_is_delayed(
+        lib: ScriptLibrary, target: Target) -> None:
+    client, queue_key = target.client, lib.keys.queue("wake")
+    eta = server_now_ms(client) + DELAY_MS
+    delayed = lib.publish("wake", "later", eta_ms=eta)
+    popped = zmpop(lib, "wake", 1)
+    assert popped == [(WAKE.decode(), str(WAKE_SCORE))]
+
+    assert lib.unpop("wake", popped) == 0  # back, but it is no message
+    assert client.zscore(queue_key, WAKE) == WAKE_SCORE
+
+    assert zmpop(lib, "wake", 1) == popped
+    wait_for_server_time(client, eta)
+    assert [d.id for d in lib.consume(["wake"], 10).deliveries] == [delayed]  # nothing delayed now
+    assert lib.unpop("wake", popped) == 0
+    assert client.exists(queue_key) == 0  # a marker with nothing to wake for would wake in vain
+
+
+def test_unpop_keeps_an_expiring_queues_keys_expiring_together(lib: ScriptLibrary) -> None:
+    """A queue with x-expires has all seven keys expire together. The pop took the last
+    member, so the server deleted queue:{Q}; the ZADD that puts it back makes a new key,
+    which must expire with the rest, or it stays behind, holding an id whose message is gone."""
+    client, keys = lib.client, lib.keys
+    lib.declare("fleeting", expires_ms=60_000)
+    lib.publish("fleeting", "m")
+    popped = zmpop(lib, "fleeting", 1)
+    assert client.exists(keys.queue("fleeting")) == 0
+
+    assert lib.unpop("fleeting", popped) == 1
+
+    assert 0 < client.pttl(keys.meta("fleeting")) <= 60_000
+    assert 0 < client.pttl(keys.queue("fleeting")) <= 60_000

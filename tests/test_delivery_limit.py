@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.calls import Delivery, Rejected, SweepReport
+from celery_redis_lua.calls import Delivery, Dropped, Rejected, SweepReport
 from conftest import Target
-from helpers import wait_for_server_time
+from helpers import message_exists, wait_for_server_time
 
 VISIBILITY_MS = 200
 
@@ -40,7 +40,7 @@ def assert_gone(lib: ScriptLibrary, queue: str, message_id: str) -> None:
     client = lib.client
     assert client.zscore(lib.keys.queue(queue), message_id) is None
     assert client.zscore(lib.keys.index(queue), message_id) is None
-    assert client.exists(lib.keys.message(queue, message_id)) == 0
+    assert not message_exists(client, lib.keys, queue, message_id)
     assert lib.consume([queue], 5).deliveries == []
 
 
@@ -51,16 +51,16 @@ def test_limit_3_is_a_first_delivery_plus_two_redeliveries(vlib: ScriptLibrary) 
         delivery = consume_one(vlib, "lim")
         seen.append(delivery.delivery_count)
         report = time_out(vlib, "lim", message_id, delivery_limit=3)
-        assert (report.requeued, report.dropped) == (expected_requeued, 0)
+        assert (report.requeued, report.dead_lettered) == (expected_requeued, 0)
     delivery = consume_one(vlib, "lim")
     seen.append(delivery.delivery_count)
     assert seen == [0, 1, 2]
     assert vlib.dead_list("lim") == []
 
     report = time_out(vlib, "lim", message_id, delivery_limit=3)
-    assert (report.requeued, report.dropped) == (0, 1)
+    assert (report.requeued, report.dead_lettered) == (0, 1)
     # The sweep reports what it dropped, payload included.
-    assert report.dropped_messages == [Delivery("lim", message_id, 3, b"poison")]
+    assert report.dropped_messages == [Dropped("lim", message_id, 3, "delivery-limit", b"poison")]
 
     [dead] = vlib.dead_list("lim")
     assert (dead.id, dead.reason, dead.delivery_count, dead.priority, dead.payload) == (
@@ -90,7 +90,7 @@ def test_timeouts_and_rejects_share_one_counter(vlib: ScriptLibrary) -> None:
     assert vlib.reject("both", [message_id], requeue=True, delivery_limit=3).requeued == 1
     assert consume_one(vlib, "both").delivery_count == 2
     report = time_out(vlib, "both", message_id, delivery_limit=3)
-    assert report.dropped == 1 and report.requeued == 0
+    assert report.dead_lettered == 1 and report.requeued == 0
     assert [(d.reason, d.delivery_count) for d in vlib.dead_list("both")] == [("delivery-limit", 3)]
 
 
@@ -114,8 +114,8 @@ def test_dead_letter_maxlen_0_deletes_outright(vlib: ScriptLibrary, target: Targ
     consume_one(vlib, "gone")
     # Limit 1: no redelivery at all, and nowhere to keep the letter.
     report = time_out(vlib, "gone", timed_out, delivery_limit=1, dead_letter_maxlen=0)
-    assert (report.requeued, report.dropped) == (0, 1)
-    assert report.dropped_messages == [Delivery("gone", timed_out, 1, b"time me out")]
+    assert (report.requeued, report.dead_lettered) == (0, 1)
+    assert report.dropped_messages == [Dropped("gone", timed_out, 1, "delivery-limit", b"time me out")]
 
     assert target.client.exists(vlib.keys.dead("gone")) == 0
     assert vlib.dead_list("gone") == []

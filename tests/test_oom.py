@@ -1,11 +1,12 @@
 """A full server (maxmemory, noeviction) refuses publish before it writes, and still drains.
 
 publish carries no shebang flags, so the server refuses it when used memory is
-above maxmemory, before the script runs: nothing is written, not even the id
-sequence. ack, purge and sweep carry allow-oom, so they run on a full server and
-free memory. Each test starts its own small server (1mb is below Valkey 9's
-baseline of about 1.1 MB, so the limit here is 4mb) and fills it with raw
-strings until the server answers OOM.
+above maxmemory, before the script runs: nothing is written, not even meta's
+``last_id``. ack, purge and sweep carry allow-oom, so they run on a full server and
+free memory: they delete fields of the queue's payload and state hashes (``message:{Q}``,
+``state:{Q}``), which hold every message of the queue. Each test starts its own small
+server (1mb is below Valkey 9's baseline of about 1.1 MB, so the limit here is 4mb) and
+fills it with raw strings until the server answers OOM.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ FILL_CHUNK = b"x" * 16_384
 class Full:
     client: redis.Redis
     lib: ScriptLibrary
+    published: list[str]
     in_flight: list[str]
     delivered_at_ms: int
     filled: Iterator[int]
@@ -50,16 +52,21 @@ class Full:
         return int(self.client.info("memory")["used_memory"])
 
     def assert_publish_refused(self) -> None:
-        """publish is refused with OOM and writes nothing (DBSIZE, id sequence, queue keys)."""
+        """publish is refused with OOM and writes nothing (DBSIZE, last_id, any queue key)."""
         keys = self.lib.keys
-        watched = [keys.queue("q"), keys.index("q"), keys.meta("q"), keys.delayed("q")]
-        before = (self.client.dbsize(), self.client.hget(keys.meta("q"), "seq"),
+        watched = list(keys.queue_keys("q"))
+        before = (self.client.dbsize(), self.client.hget(keys.meta("q"), "last_id"),
                   [self.client.dump(k) for k in watched])
         with pytest.raises(OutOfMemoryError, match="maxmemory"):
             self.lib.publish("q", "refused")
-        after = (self.client.dbsize(), self.client.hget(keys.meta("q"), "seq"),
+        after = (self.client.dbsize(), self.client.hget(keys.meta("q"), "last_id"),
                  [self.client.dump(k) for k in watched])
         assert after == before
+
+    def messages(self) -> tuple[int, int]:
+        """How many messages the queue holds: fields of its payload and state hashes."""
+        keys = self.lib.keys
+        return self.client.hlen(keys.message("q")), self.client.hlen(keys.state("q"))
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -69,27 +76,23 @@ def full(request: pytest.FixtureRequest) -> Iterator[Full]:
     with Server(request.param, args=["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]) as server:
         client = server.client(socket_timeout=10)
         lib = ScriptLibrary(client, Keyspace(), visibility_ms=VISIBILITY_MS)
-        for i in range(10):
-            lib.publish("q", f"{i}:{PAYLOAD}")
+        published = [lib.publish("q", f"{i}:{PAYLOAD}") for i in range(10)]
         in_flight = [d.id for d in lib.consume(["q"], 5).deliveries]
         delivered_at = server_now_ms(client)
-        assert len(in_flight) == 5
-        yield Full(client, lib, in_flight, delivered_at, itertools.count())
+        assert in_flight == published[:5]
+        yield Full(client, lib, published, in_flight, delivered_at, itertools.count())
         client.close()
 
 
-def message_keys(full: Full) -> int:
-    return len(full.client.keys(full.lib.keys.message("q", "*")))
-
-
 def test_publish_is_refused_before_writing_anything(full: Full) -> None:
-    seq = full.client.hget(full.lib.keys.meta("q"), "seq")
-    assert seq is not None and int(seq) == 10
+    last_id = full.published[-1].encode()
+    assert full.client.hget(full.lib.keys.meta("q"), "last_id") == last_id
     full.fill_until_oom()
     full.assert_publish_refused()
     full.client.script_flush()  # the NOSCRIPT path (load, retry) is refused the same way
     full.assert_publish_refused()
-    assert int(full.client.hget(full.lib.keys.meta("q"), "seq") or 0) == 10
+    assert full.client.hget(full.lib.keys.meta("q"), "last_id") == last_id
+    assert full.messages() == (10, 10)
 
 
 def test_ack_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
@@ -99,8 +102,9 @@ def test_ack_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
 
     assert full.lib.ack("q", full.in_flight) == 5
 
-    assert full.client.dbsize() == dbsize - 5
-    assert message_keys(full) == 5
+    assert full.client.dbsize() == dbsize  # fields went; the hashes still hold the other five
+    assert full.messages() == (5, 5)
+    assert not any(full.client.hexists(full.lib.keys.message("q"), i) for i in full.in_flight)
     assert memory - full.used_memory() >= FREED
     assert full.client.zscore(full.lib.keys.index("q"), full.in_flight[0]) is None
 
@@ -113,8 +117,9 @@ def test_purge_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
 
     assert full.lib.purge("q") == 5  # the ready ones; in-flight messages are left alone
 
-    assert full.client.dbsize() == dbsize - 6  # five hashes, and the emptied queue ZSET
-    assert message_keys(full) == 5
+    assert full.client.dbsize() == dbsize - 1  # the emptied queue ZSET
+    assert full.messages() == (5, 5)
+    assert sorted(full.client.hkeys(full.lib.keys.message("q"))) == [i.encode() for i in full.in_flight]
     assert memory - full.used_memory() >= FREED
     assert full.client.exists(full.lib.keys.queue("q")) == 0
 
@@ -128,8 +133,11 @@ def test_sweep_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
     # Limit 1: the timed-out deliveries may not start a second attempt; maxlen 0 deletes them.
     report = full.lib.sweep(["q"], delivery_limit=1, dead_letter_maxlen=0)
 
-    assert report.dropped == 5
+    assert (report.dead_lettered, report.expired) == (5, 0)
     assert sorted(d.id for d in report.dropped_messages) == sorted(full.in_flight)
-    assert full.client.dbsize() == dbsize - 5
-    assert message_keys(full) == 5
+    assert {d.reason for d in report.dropped_messages} == {"delivery-limit"}
+    assert full.client.dbsize() == dbsize  # no dead-letter stream (maxlen 0); the hashes stay
+    assert full.messages() == (5, 5)
+    assert sorted(full.client.hkeys(full.lib.keys.message("q"))) == [
+        i.encode() for i in full.published[5:]]
     assert memory - full.used_memory() >= FREED

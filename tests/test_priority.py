@@ -9,7 +9,7 @@ from collections import Counter
 
 from celery_redis_lua import ScriptLibrary, calls
 from conftest import Target
-from helpers import same_slot_names
+from helpers import message_state, same_slot_names
 
 PRIORITY_FACTOR = 10**13
 
@@ -95,8 +95,10 @@ def test_priority_above_max_priority_is_capped(lib: ScriptLibrary, target: Targe
     low = lib.publish(queue, "c", priority=4)  # still below the capped one
     also_capped = lib.publish(queue, "d", priority=6)
 
-    message = target.client.hget(lib.keys.message(queue, capped), "priority")
-    assert int(message) == 5
+    # Stored as 5 in its state (what reject and the sweep requeue it with) and queued as 5.
+    assert message_state(target.client, lib.keys, queue, capped) == ("ready", 0, 5, "-")
+    assert message_state(target.client, lib.keys, queue, also_capped) == ("ready", 0, 5, "-")
+    assert target.client.zscore(lib.keys.queue(queue), capped) // PRIORITY_FACTOR == 255 - 5
     got = lib.consume([queue], 4).deliveries
     assert [d.id for d in got] == [first, capped, also_capped, low]
 

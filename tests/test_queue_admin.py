@@ -1,9 +1,10 @@
 """Queue administration: purge, delete, size, stats, declare counts, dead letters.
 
 purge drops ready and delayed messages (not in-flight ones) in bounded batches; delete
-drops everything of a queue, in-flight hashes and dead letters included; stats count per
-queue across cluster slots; dead letters can be listed page by page, replayed as fresh
-messages (new ids, delivery count 0) and purged.
+drops everything of a queue in one call (it unlinks the queue's seven keys: in-flight
+messages, arguments and dead letters included) and says how many messages it held; stats
+count per queue across cluster slots; dead letters can be listed page by page, replayed as
+fresh messages (new ids, delivery count 0) and purged.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ from collections.abc import Sequence
 
 from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, calls
 from conftest import Target
-from helpers import names_on_each_node, server_now_ms
+from helpers import message_exists, names_on_each_node, server_now_ms, wait_for_server_time
 
 LATER = 3_600_000  # an ETA an hour away: delayed for the whole test
 
 
 def exists(lib: ScriptLibrary, queue: str, ids: Sequence[str]) -> list[bool]:
-    return [bool(lib.client.exists(lib.keys.message(queue, i))) for i in ids]
+    return [message_exists(lib.client, lib.keys, queue, i) for i in ids]
+
+
+def keys_of(target: Target, queue: str) -> set[bytes]:
+    """Every key on the server that belongs to ``queue`` (carries its hash tag)."""
+    every_key = target.keys()
+    return {key for key in every_key if b"{" + queue.encode() + b"}" in key}
 
 
 def later(lib: ScriptLibrary) -> int:
@@ -71,22 +78,58 @@ def test_delete_removes_everything_of_the_queue_only(target: Target, lib: Script
 
     assert lib.delete("doomed") == 6  # 3 ready + 1 delayed + 2 in flight
     assert exists(lib, "doomed", [*ready, delayed]) == [False] * 7
+    assert keys_of(target, "doomed") == set()  # meta and the dead letters went too
     assert lib.ack("doomed", in_flight) == 0
-    other = {keys.meta("other"), keys.queue("other"), keys.index("other"), keys.message("other", survivor)}
+    assert lib.exists("doomed") is False
+    other = {keys.meta("other"), keys.queue("other"), keys.index("other"), keys.message("other"),
+             keys.state("other")}
     assert target.keys() == {k.encode() for k in other}
+    assert message_exists(lib.client, keys, "other", survivor)
     assert [d.payload for d in lib.consume(["other"], 5).deliveries] == [b"keep me"]
 
 
-def test_delete_in_batches_keeps_meta_until_the_end(target: Target, lib: ScriptLibrary) -> None:
-    for i in range(5):
-        lib.publish("slow", f"m{i}")
-    lib.consume(["slow"], 2)
-    deleted, remaining = lib.run(calls.delete(lib.keys, "slow", batch=2))
-    assert deleted == 2
-    assert remaining > 0  # entries left to look at (index entries of deleted ones count too)
-    assert lib.client.exists(lib.keys.meta("slow")) == 1  # the id sequence survives meanwhile
-    assert lib.delete("slow", batch=2) == 3
+def test_delete_is_one_call_that_unlinks_every_key_of_the_queue(target: Target, lib: ScriptLibrary) -> None:
+    """No batches any more: the messages live in the queue's own two hashes, so one call
+    unlinks all seven keys (the server frees big ones in the background)."""
+    lib.declare("gone", expires_ms=600_000, max_priority=3)
+    ids = [lib.publish("gone", f"m{i}") for i in range(5)]
+    ids.append(lib.publish("gone", "later", eta_ms=later(lib)))
+    taken = lib.consume(["gone"], 2).deliveries
+    assert lib.reject("gone", [taken[0].id], requeue=False).dead_lettered == 1
+    assert {k.decode() for k in keys_of(target, "gone")} == set(lib.keys.queue_keys("gone"))
+
+    assert lib.run(calls.delete(lib.keys, "gone")) == 5  # 3 ready, 1 delayed, 1 in flight
     assert target.keys() == set()
+    assert lib.run(calls.delete(lib.keys, "gone")) == 0  # nothing left; and nothing created
+    assert target.keys() == set()
+
+    # Declared again under the same name, the queue starts empty and without its old arguments,
+    # and (in a later server ms: see the next test for the same one) its ids stay above the
+    # old ones, so a late ack of an old delivery touches nothing.
+    wait_for_server_time(lib.client, int(max(ids)[:11], 16) + 1)
+    declared = lib.declare("gone")
+    assert declared == calls.Declared(0, 0, 0, None, None, None)
+    reborn = lib.publish("gone", "reborn")
+    assert reborn > max(ids)
+    assert lib.ack("gone", [d.id for d in taken]) == 0
+    assert [d.payload for d in lib.consume(["gone"], 10).deliveries] == [b"reborn"]
+
+
+def test_ids_are_not_reused_by_a_publish_right_after_delete(lib: ScriptLibrary) -> None:
+    """publish.lua and delete.lua promise ids that are never used twice for one queue name,
+    even after the queue was deleted. Publish, delete and publish again in one pipeline (the
+    server runs them back to back, within one ms): the second id must differ, or a late
+    ack of the first delivery deletes the second message."""
+    vis = lib.visibility_ms
+    for _ in range(50):
+        first, held, second = lib.run_many([calls.publish(lib.keys, "again", "old", visibility_ms=vis),
+                                            calls.delete(lib.keys, "again"),
+                                            calls.publish(lib.keys, "again", "new", visibility_ms=vis)])
+        assert held == 1
+        assert second > first
+        assert lib.ack("again", [first]) == 0
+        assert lib.size("again") == 1
+        lib.delete("again")
 
 
 def test_size_counts_ready_messages_only(lib: ScriptLibrary) -> None:

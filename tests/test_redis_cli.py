@@ -7,21 +7,17 @@ line per array item, error replies as their bare text.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 from celery_redis_lua import Keyspace
 from celery_redis_lua.servers import Server
+from helpers import server_now_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = Keyspace("cli:")
 QUEUE = "cli-q"
-
-
-
-
-
-
 
 
 def cli_eval(redis_cli: str, server: Server, script: str, keys: list[str], args: list[str]) -> str:
@@ -36,8 +32,9 @@ def cli_eval(redis_cli: str, server: Server, script: str, keys: list[str], args:
     return result.stdout
 
 
-def publish_keys() -> list[str]:
-    return [KS.queue(QUEUE), KS.delayed(QUEUE), KS.index(QUEUE), KS.meta(QUEUE)]
+def queue_keys() -> list[str]:
+    """The seven keys every queue script takes, in order."""
+    return list(KS.queue_keys(QUEUE))
 
 
 def assert_no_error(output: str) -> None:
@@ -45,26 +42,32 @@ def assert_no_error(output: str) -> None:
 
 
 def test_publish_then_consume_with_redis_cli(redis_cli: str, scratch_server: Server) -> None:
-    published = cli_eval(redis_cli, scratch_server, "publish", publish_keys(),
-                         [KS.message_prefix, "hello from redis-cli", "7", "", "", "60000"])
+    client = scratch_server.client()
+    before = server_now_ms(client)
+    published = cli_eval(redis_cli, scratch_server, "publish", queue_keys(),
+                         ["hello from redis-cli", "7", "", "", "60000"])
     assert_no_error(published)
     message_id = published.strip()
-    assert len(message_id) == 16 and int(message_id, 16) == 1
+    # 14 hex digits of the server's unix microseconds, then 2 of a counter (0: the queue's first id)
+    assert re.fullmatch(r"[0-9a-f]{16}", message_id), message_id
+    assert before * 1000 <= int(message_id[:14], 16) <= (server_now_ms(client) + 1) * 1000
+    assert message_id[14:] == "00"
 
-    client = scratch_server.client()
-    stored = client.hgetall(KS.message(QUEUE, message_id))
-    assert stored[b"payload"] == b"hello from redis-cli"
-    assert stored[b"priority"] == b"7"
+    assert client.hget(KS.message(QUEUE), message_id) == b"hello from redis-cli"
+    assert client.hget(KS.state(QUEUE), message_id) == b"ready 0 7 -"
 
-    consumed = cli_eval(redis_cli, scratch_server, "consume",
-                        [KS.queue(QUEUE), KS.delayed(QUEUE), KS.index(QUEUE)],
-                        ["10", "60000", "0", KS.message_prefix])
+    consumed = cli_eval(redis_cli, scratch_server, "consume", queue_keys(), ["10", "60000", "0", "10000"])
     assert_no_error(consumed)
-    # wake_in_ms (-1: nothing delayed), then queue position, id, delivery count, payload
-    assert consumed.splitlines() == ["-1", "1", message_id, "0", "hello from redis-cli"]
+    # wake_in_ms (-1: nothing delayed), expired, then queue position, id, delivery count, payload
+    assert consumed.splitlines() == ["-1", "0", "1", message_id, "0", "hello from redis-cli"]
 
     assert client.zcard(KS.queue(QUEUE)) == 0  # delivered: no longer ready
     assert client.zscore(KS.index(QUEUE), message_id) is not None  # in flight
+    assert client.hget(KS.state(QUEUE), message_id) == b"unacked 0 7 -"
+
+    acked = cli_eval(redis_cli, scratch_server, "ack", queue_keys(), [message_id])
+    assert acked.splitlines() == ["1"]
+    assert client.keys() == [KS.meta(QUEUE).encode()]  # every trace gone; the queue stays declared
     client.close()
 
 
@@ -72,9 +75,21 @@ def test_bad_priority_prints_the_error_and_writes_nothing(redis_cli: str, scratc
     client = scratch_server.client()
     assert client.dbsize() == 0
 
-    output = cli_eval(redis_cli, scratch_server, "publish", publish_keys(),
-                      [KS.message_prefix, "payload", "high", "", "", "60000"])
+    output = cli_eval(redis_cli, scratch_server, "publish", queue_keys(),
+                      ["payload", "high", "", "", "60000"])
 
     assert "ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'high'" in output
+    assert client.dbsize() == 0
+    client.close()
+
+
+def test_a_call_with_the_old_four_keys_is_refused_by_name(redis_cli: str, scratch_server: Server) -> None:
+    """A producer written against the old contract (4 keys, message key prefix) gets a clear error."""
+    client = scratch_server.client()
+    output = cli_eval(redis_cli, scratch_server, "publish", queue_keys()[:4],
+                      ["cli:message:", "payload", "0", "", "", "60000"])
+
+    assert ("ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, "
+            "message, state), got 4") in output
     assert client.dbsize() == 0
     client.close()

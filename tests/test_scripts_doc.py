@@ -1,21 +1,21 @@
 """docs/scripts.md: current with the script headers, complete, and its worked example runs.
 
 The worked example is replayed command by command with the real redis-cli against a
-throwaway server, from the root of the checkout (the commands read lua/), and each
-command's output must be exactly the `# ` lines the page shows under it.
+throwaway server, in one bash (ids are kept in shell variables) from the root of the
+checkout (the commands read lua/), and each command's output must be the `# ` lines the
+page shows under it, `<id>` standing for a message id (ids follow the server's clock).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
-import subprocess
 from pathlib import Path
 
 from celery_redis_lua import docgen, producer
 from celery_redis_lua.scripts import load_scripts, read_manifest
 from celery_redis_lua.servers import Server
+from helpers import Shell, matches
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "scripts.md"
@@ -27,17 +27,25 @@ def doc_text() -> str:
 
 
 def example_commands(text: str) -> list[tuple[str, list[str]]]:
-    """(command, expected output lines) for every redis-cli line of the worked example."""
+    """(command, expected output lines) for every command of the worked example, in order."""
     start, end = text.index(docgen.EXAMPLE_START), text.index(docgen.EXAMPLE_END)
     commands: list[tuple[str, list[str]]] = []
     for block in re.findall(r"```sh\n(.*?)```", text[start:end], flags=re.S):
         for line in block.splitlines():
-            if line.startswith("redis-cli "):
-                commands.append((line, []))
-            elif line.startswith("#"):
+            if line.startswith("# "):
                 assert commands, f"output line before any command: {line!r}"
                 commands[-1][1].append(line[2:])
+            else:
+                assert "redis-cli " in line, f"not a redis-cli command: {line!r}"
+                commands.append((line, []))
     return commands
+
+
+def delivered(consume_output: list[str]) -> list[list[str]]:
+    """consume's reply without wake_in_ms and expired: [queue position, id, count, payload] each."""
+    items = consume_output[2:]
+    assert len(items) % 4 == 0, consume_output
+    return [items[i:i + 4] for i in range(0, len(items), 4)]
 
 
 def test_doc_is_what_the_generator_produces_now() -> None:
@@ -81,24 +89,34 @@ def test_the_example_pins_the_manifest_sha1_and_shows_priority_order() -> None:
     assert len(commands) >= 9
     load, expected = commands[0]
     assert "SCRIPT LOAD" in load and expected == [read_manifest()["publish"]["sha1"]]
+    publishes = [cmd for cmd, _ in commands if "EVALSHA" in cmd]
+    assert [cmd.split("=", 1)[0] for cmd in publishes] == ["low", "high", "later"]  # ids kept in order
     consume = next(out for cmd, out in commands if "lua/consume.lua" in cmd)
-    assert consume[:4] == ["-1", "1", "0000000000000002", "0"]  # priority 9, published second
-    assert json.loads(consume[4])["properties"]["priority"] == 9
-
-
-
-
-
-
+    assert consume[:2] == ["-1", "0"]  # nothing delayed, nothing expired
+    messages = delivered(consume)
+    assert [m[:3] for m in messages] == [["1", "<id>", "0"]] * 2
+    # priority 9 first, although it was published second
+    assert [json.loads(m[3])["properties"]["priority"] for m in messages] == [9, 0]
+    ack = next(cmd for cmd, _ in commands if "lua/ack.lua" in cmd)
+    assert ack.endswith(' , "$high" "$low"')
 
 
 def test_the_worked_example_runs_as_printed(redis_cli: str, scratch_server: Server) -> None:
     commands = example_commands(doc_text())
-    prefix = f"{shlex.quote(redis_cli)} -h 127.0.0.1 -p {scratch_server.port}"
-    for command, expected in commands:
-        done = subprocess.run(["bash", "-c", prefix + command.removeprefix("redis-cli")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=30)
-        # redis-cli exits 0 on error replies too: the output comparison is what catches them.
-        assert done.returncode == 0, (command, done.stderr)
-        assert done.stdout.splitlines() == expected, command
+    outputs: list[list[str]] = []
+    with Shell(scratch_server.port) as shell:
+        for command, expected in commands:
+            actual, status = shell.run(command)
+            # redis-cli exits 0 on error replies too: the output comparison is what catches them.
+            assert status == 0, (command, actual)
+            same = len(actual) == len(expected) and all(
+                matches(want, got) for want, got in zip(expected, actual, strict=True))
+            assert same, f"{command}:\nexpected {expected}\nactual   {actual}"
+            outputs.append(actual)
     assert scratch_server.client().script_exists(read_manifest()["publish"]["sha1"]) == [True]
+    # The ids the publishes printed grow in publish order, and consume delivered the second
+    # one (priority 9) first.
+    low, high, later = (out[0] for (cmd, _), out in zip(commands, outputs, strict=True) if "EVALSHA" in cmd)
+    assert low < high < later
+    consume = next(out for (cmd, _), out in zip(commands, outputs, strict=True) if "lua/consume.lua" in cmd)
+    assert [m[1] for m in delivered(consume)] == [high, low]

@@ -12,7 +12,7 @@ import pytest
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.calls import Rejected, SweepReport
 from conftest import Target
-from helpers import server_now_ms, wait_for_server_time
+from helpers import message_exists, message_state, server_now_ms, wait_for_server_time
 
 VISIBILITY_MS = 200
 
@@ -37,8 +37,8 @@ def sweep_after_index_time(lib: ScriptLibrary, queue: str, message_id: str) -> S
 
 
 def counts(report: SweepReport) -> tuple[int, ...]:
-    return (report.promoted, report.requeued, report.unclaimed, report.backlog, report.dropped,
-            report.orphans)
+    return (report.promoted, report.requeued, report.unclaimed, report.backlog,
+            report.dead_lettered + report.expired, report.orphans)
 
 
 def zmpop(client: Any, key: str, count: int) -> list[str]:
@@ -100,7 +100,7 @@ def test_ack_after_restore_cancels_the_restored_copy(vlib: ScriptLibrary, target
     assert vlib.size("vis") == 0
     assert client.exists(vlib.keys.queue("vis")) == 0
     assert index_time(vlib, "vis", message_id) is None
-    assert client.exists(vlib.keys.message("vis", message_id)) == 0
+    assert not message_exists(client, vlib.keys, "vis", message_id)
     assert vlib.consume(["vis"], 5).deliveries == []
 
 
@@ -120,7 +120,7 @@ def test_a_late_reject_of_a_delivery_made_again_since_is_left_alone(
     assert late == Rejected(0, 0, 0, stale=1)
     [stats] = vlib.stats(["vis"])
     assert (stats.ready, stats.in_flight, stats.dead) == (0, 1, 0)  # still B's
-    assert vlib.client.hget(vlib.keys.message("vis", message_id), "delivery_count") == b"1"
+    assert message_state(vlib.client, vlib.keys, "vis", message_id)[:2] == ("unacked", 1)
 
     # B's own reject (its count) acts as before.
     assert vlib.reject("vis", [message_id], requeue=True, counts=[1]) == Rejected(1, 0, 0)
@@ -136,13 +136,13 @@ def test_claim_after_a_real_zmpop(vlib: ScriptLibrary, target: Target) -> None:
     assert popped == ids[::-1]  # priority order, straight from the zset
 
     before = server_now_ms(target.client)
-    claimed = vlib.claim("pop", popped)
+    claimed = vlib.claim("pop", popped).deliveries
     assert [(d.queue, d.id, d.delivery_count, d.payload) for d in claimed] == [
         ("pop", ids[1], 0, b"m1"), ("pop", ids[0], 0, b"m0")]
     for message_id in ids:
         deadline = index_time(vlib, "pop", message_id)
         assert deadline is not None and deadline >= before + VISIBILITY_MS
-        assert target.client.hget(vlib.keys.message("pop", message_id), "state") == b"unacked"
+        assert message_state(target.client, vlib.keys, "pop", message_id)[0] == "unacked"
     # Claimed means in flight: after the deadline it is a counted redelivery.
     report = sweep_after_index_time(vlib, "pop", ids[0])
     assert report.requeued == 2 and report.unclaimed == 0
@@ -165,7 +165,7 @@ def test_slow_claim_after_restore_is_not_delivered_twice(vlib: ScriptLibrary, ta
     assert sweep_after_index_time(vlib, "pop", message_id).unclaimed == 1
     assert vlib.size("pop") == 1
 
-    [claimed] = vlib.claim("pop", [message_id])
+    [claimed] = vlib.claim("pop", [message_id]).deliveries
     assert (claimed.id, claimed.delivery_count) == (message_id, 0)
     assert vlib.size("pop") == 0  # the restored copy was taken back by claim
     assert vlib.consume(["pop"], 5).deliveries == []
@@ -183,7 +183,7 @@ def test_a_slow_claim_skips_a_copy_another_consumer_already_holds(
     assert (taken_by_b.id, taken_by_b.delivery_count) == (message_id, 0)
     deadline_of_b = index_time(vlib, "pop", message_id)
 
-    assert vlib.claim("pop", [message_id]) == []  # A's late claim
+    assert vlib.claim("pop", [message_id]).deliveries == []  # A's late claim
     assert index_time(vlib, "pop", message_id) == deadline_of_b
     [stats] = vlib.stats(["pop"])
     assert (stats.ready, stats.in_flight) == (0, 1)
@@ -199,7 +199,7 @@ def test_backlog_is_rescheduled_not_counted(vlib: ScriptLibrary, target: Target)
         next_look = index_time(vlib, "backlog", message_id)
         assert next_look is not None and next_look > swept_at  # pushed forward
         assert vlib.size("backlog") == 1
-    assert target.client.hget(vlib.keys.message("backlog", message_id), "delivery_count") == b"0"
+    assert message_state(target.client, vlib.keys, "backlog", message_id)[:2] == ("ready", 0)
     [delivery] = vlib.consume(["backlog"], 5).deliveries
     assert (delivery.id, delivery.delivery_count) == (message_id, 0)
 
@@ -211,9 +211,9 @@ def test_no_ack_consume_leaves_nothing_behind(vlib: ScriptLibrary, target: Targe
 
     client = target.client
     for message_id in ids:
-        assert client.exists(vlib.keys.message("noack", message_id)) == 0
-    assert client.exists(vlib.keys.index("noack")) == 0
-    # Only the queue's definition (meta: its id sequence) remains.
+        assert not message_exists(client, vlib.keys, "noack", message_id)
+    assert client.exists(vlib.keys.index("noack"), vlib.keys.message("noack"), vlib.keys.state("noack")) == 0
+    # Only the queue's definition (meta: its arguments and last id) remains.
     assert target.keys() == {vlib.keys.meta("noack").encode()}
 
     wait_for_server_time(client, server_now_ms(client) + VISIBILITY_MS + 1)

@@ -31,7 +31,14 @@ import redis
 
 client = redis.Redis(host="127.0.0.1", port=int(sys.argv[1]))
 lib = ScriptLibrary(client, Keyspace("wheel:"), visibility_ms=60_000)
+
+def now_ms():
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+before = now_ms()
 message_id = lib.publish("wheel-q", "from the installed wheel", priority=9)
+after = now_ms()
 consumed = lib.consume(["wheel-q"], 10)
 print(json.dumps({
     "package": celery_redis_lua.__file__,
@@ -40,6 +47,7 @@ print(json.dumps({
     "scripts": sorted(load_scripts()),
     "manifest": read_manifest(),
     "id": message_id,
+    "published_between": [before, after],
     "deliveries": [[d.queue, d.id, d.delivery_count, d.payload.decode()] for d in consumed.deliveries],
 }))
 """
@@ -100,5 +108,8 @@ def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_p
     assert not Path(report["lua_dir"]).resolve().is_relative_to(ROOT)
     assert report["scripts"] == sorted(p.stem for p in (ROOT / "lua").glob("*.lua"))
     assert report["manifest"] == json.loads((ROOT / "lua" / "manifest.json").read_text())["scripts"]
-    assert int(report["id"], 16) == 1
+    # The queue's first id: 14 hex digits of the server's microseconds at publish, counter 0.
+    before, after = report["published_between"]
+    assert len(report["id"]) == 16 and report["id"].endswith("00")
+    assert before * 1000 <= int(report["id"][:14], 16) <= (after + 1) * 1000
     assert report["deliveries"] == [["wheel-q", report["id"], 0, "from the installed wheel"]]

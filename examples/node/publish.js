@@ -6,8 +6,9 @@
 //
 // prints the task id. The script is lua/publish.lua of the repository (or --script /
 // $CRL_PUBLISH_LUA); it is called with EVALSHA, and loaded once on NOSCRIPT. Its header
-// is the contract: KEYS queue, delayed, messages_index, meta of the queue; ARGV
-// message_key_prefix, payload, priority, eta_ms, ttl_ms, visibility_ms.
+// is the contract: KEYS queue, delayed, messages_index, meta, dead, message, state of the
+// queue (every queue script takes these seven); ARGV payload, priority, eta_ms, ttl_ms,
+// visibility_ms.
 'use strict';
 
 const crypto = require('node:crypto');
@@ -154,11 +155,11 @@ async function main() {
       etaMs = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000) + Math.round(opts.countdown * 1000);
     }
     const tag = `{${opts.queue}}`;
-    const keys = ['queue:', 'delayed:', 'messages_index:', 'meta:'].map((k) => opts.prefix + k + tag);
+    const keys = ['queue:', 'delayed:', 'messages_index:', 'meta:', 'dead:', 'message:', 'state:']
+      .map((k) => opts.prefix + k + tag);
     const payload = JSON.stringify(envelope(opts, etaMs));
     await evalScript(client, source, sha, keys, [
-      `${opts.prefix}message:`, payload, String(opts.priority), etaMs ? String(etaMs) : '', '',
-      opts['visibility-ms'],
+      payload, String(opts.priority), etaMs ? String(etaMs) : '', '', opts['visibility-ms'],
     ]);
     process.stdout.write(`${opts.id}\n`);
   } catch (error) {

@@ -85,17 +85,18 @@ payload='{"body":"'$body'","content-encoding":"utf-8","content-type":"applicatio
 payload+='"headers":'$headers',"properties":'$properties'}'
 
 tag="{$queue}"
-keys=("${prefix}queue:$tag" "${prefix}delayed:$tag" "${prefix}messages_index:$tag" "${prefix}meta:$tag")
-argv=("${prefix}message:" "$payload" "$priority" "$eta_ms" '' "$visibility_ms")
+keys=("${prefix}queue:$tag" "${prefix}delayed:$tag" "${prefix}messages_index:$tag" "${prefix}meta:$tag"
+      "${prefix}dead:$tag" "${prefix}message:$tag" "${prefix}state:$tag")
+argv=("$payload" "$priority" "$eta_ms" '' "$visibility_ms")
 sha=$(sha1sum <"$script") && sha=${sha%% *}
 
 # EVALSHA with the file's SHA1; on NOSCRIPT (a fresh, restarted or flushed server) load
 # the file's exact bytes once and retry. The reply must be a 16-hex-digit message id.
-reply=$(cli EVALSHA "$sha" 4 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
+reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 if [[ $reply == NOSCRIPT* ]]; then
   loaded=$(cli -x SCRIPT LOAD <"$script") || fail "redis-cli failed"
   [ "$loaded" = "$sha" ] || fail "SCRIPT LOAD: ${loaded%%$'\n'*}"
-  reply=$(cli EVALSHA "$sha" 4 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
+  reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 fi
 [[ $reply =~ ^[0-9a-f]{16}$ ]] || fail "publish: ${reply%%$'\n'*}"
 echo "$id"

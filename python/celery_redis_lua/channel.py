@@ -60,12 +60,12 @@ class Channel(FanoutMixin, virtual.Channel):
         self.options = connection.options
         self.keys = Keyspace(self.options.global_keyprefix, self.options.message_key_prefix)
         self.client = connection.new_client()
-        self.lib = ScriptLibrary(self.client, self.keys, visibility_ms=self.options.visibility_ms)
+        self.lib = ScriptLibrary(self.client, self.keys, visibility_ms=self.options.visibility_ms,
+                                 dead_letter_maxlen=self.options.dead_letter_maxlen)
         self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
-        self._queue_expires: dict[str, int | None] = {}
-        self._fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
         self._no_ack_queues: set[str] = set()
-        self._fanout_last_id: dict[str, str] = {}
+        self._fanout_next_id: dict[str, str] = {}
+        self._fanout_read: set[str] = set()  # fanout queues this channel read as its consumer
         self.queue_wait = BlockingRead(self.client.connection_pool)
         self.stream_wait = BlockingRead(self.client.connection_pool)
         self.client.ping()  # connection errors surface now, as kombu expects
@@ -81,14 +81,26 @@ class Channel(FanoutMixin, virtual.Channel):
     # -- queues and bindings ----------------------------------------------------------------
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        """Declare through the script, which keeps the queue's stored arguments when none are
+        given and refuses different ones; remember the arguments in force (their expiry
+        decides how often this connection keeps the queue and its bindings alive)."""
         arguments = kwargs.get("arguments") or {}
         expires = _ms_argument(queue, arguments, "x-expires")
         if expires is None:
             expires = self.options.queue_expires_ms
-        self._queue_expires[queue] = expires
-        self.lib.declare(queue, expires_ms=expires,
-                         message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
-                         max_priority=_ms_argument(queue, arguments, "x-max-priority"))
+        self.connection.declared[queue] = self.lib.declare(
+            queue, expires_ms=expires, message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
+            max_priority=_ms_argument(queue, arguments, "x-max-priority"))
+
+    def _expires_ms(self, queue: str) -> int | None:
+        declared = self.connection.declared.get(queue)
+        return declared.expires_ms if declared else None
+
+    def binding_lifetime_ms(self, queue: str) -> int | None:
+        """Bindings of an expiring queue go stale max(x-expires, binding_lifetime_floor) after
+        their last refresh; the others never."""
+        expires = self._expires_ms(queue)
+        return None if expires is None else max(expires, self.options.binding_lifetime_floor_ms)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> dict[str, Any]:
         """kombu's Queue(max_priority=, message_ttl=, expires=) as RabbitMQ's x- arguments."""
@@ -104,8 +116,15 @@ class Channel(FanoutMixin, virtual.Channel):
             meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
             self.lib.unbind(exchange, [self._binding_member(exchange, *meta)])
         self.state.queue_bindings_delete(queue)
+        self._forget_queue(queue)
+
+    def _forget_queue(self, queue: str) -> None:
+        """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
         self.lib.delete(queue)
-        self._fanout_queues.pop(queue, None)
+        fanout = self.connection.fanout_queues.pop(queue, None)
+        if fanout is not None:
+            self.lib.fanout_unbind(self.fanout_key(fanout[0]), queue)
+        self.connection.declared.pop(queue, None)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.lib.exists(queue)
@@ -116,12 +135,13 @@ class Channel(FanoutMixin, virtual.Channel):
         return calls.binding_member(routing_key, pattern, queue, self.options.sep)
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        """The fanout table is the connection's, like kombu's binding state: a queue bound on
+        one channel is served on any other channel of the connection."""
         if self.typeof(exchange).type == "fanout":
-            self._fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
-            self.lib.fanout_bind(self.fanout_key(exchange), queue,
-                                 expires_ms=self.options.queue_expires_ms)
+            self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
+            self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
-        self.lib.bind(exchange, [member], lifetime_ms=self._queue_expires.get(queue))
+        self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
         return self.lib.lookup(exchange, self.options.sep)
@@ -144,8 +164,7 @@ class Channel(FanoutMixin, virtual.Channel):
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
         self.lib.unbind(exchange, [self._binding_member(exchange, routing_key, pattern, queue)])
-        self.lib.delete(queue)
-        self._fanout_queues.pop(queue, None)
+        self._forget_queue(queue)
 
     # -- consuming --------------------------------------------------------------------------
 
@@ -162,6 +181,7 @@ class Channel(FanoutMixin, virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+            self._leave_fanout([queue])
         self._restart_waits()
         return result
 
@@ -172,7 +192,7 @@ class Channel(FanoutMixin, virtual.Channel):
             return
         popped = self.queue_wait.cancel(self.client)
         if popped:
-            self._claim_popped(popped, deliver=True)
+            self._claim_popped(popped)
         self.stream_wait.cancel(self.client)
 
     def basic_recover(self, requeue: bool = False) -> None:
@@ -197,7 +217,8 @@ class Channel(FanoutMixin, virtual.Channel):
     @property
     def queues_polled(self) -> list[str]:
         """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
-        return [q for q in dict.fromkeys(self._active_queues) if q not in self._fanout_queues]
+        fanout = self.connection.fanout_queues
+        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
 
     def headroom(self) -> int:
         """How many messages QoS lets this channel take now."""
@@ -214,6 +235,7 @@ class Channel(FanoutMixin, virtual.Channel):
             if not group or room <= 0:
                 continue
             consumed = self.lib.consume(group, room, no_ack=no_ack)
+            _log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
                 wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
@@ -242,29 +264,22 @@ class Channel(FanoutMixin, virtual.Channel):
         return self._claim_and_deliver(reply)
 
     def _claim_and_deliver(self, reply: Any) -> int:
-        return self._claim_popped(reply, deliver=True) if reply else 0
+        return self._claim_popped(reply) if reply else 0
 
-    def _claim_popped(self, reply: Any, *, deliver: bool) -> int:
-        """Claim what BZMPOP popped; deliver it if its queue is still consumed here,
-        else hand it straight back (counted, as for a consumer that went away)."""
+    def _claim_popped(self, reply: Any, *, closing: bool = False) -> int:
+        """Claim what BZMPOP popped and deliver it if its queue is still consumed here; else
+        (the channel closes, or stopped consuming that queue) put it back in line, uncounted:
+        no application saw it."""
         key, members = reply
-        key = key.decode() if isinstance(key, bytes) else key
-        queue = self._queue_of_key(key)
-        ids = [m[0].decode() if isinstance(m[0], bytes) else m[0] for m in members]
+        queue = self.keys.queue_of(key)
+        popped = [(_text(member), _text(score)) for member, score in members]
+        if closing or queue not in self.queues_polled:
+            self.lib.unpop(queue, popped)
+            return 0
         no_ack = queue in self._no_ack_queues
-        consumed = deliver and queue in self.queues_polled
-        deliveries = self.lib.claim(queue, ids, no_ack=no_ack and consumed)
-        if consumed:
-            return self._deliver_all(deliveries, no_ack)
-        if deliveries:
-            self.reject_ids(queue, [d.id for d in deliveries], requeue=True,
-                            counts=[d.delivery_count for d in deliveries])
-        return 0
-
-    def _queue_of_key(self, key: str) -> str:
-        """The queue name inside a ``P queue:{Q}`` key."""
-        prefix = self.keys.queue("x")[:-3]  # 'P queue:'
-        return key[len(prefix) + 1:-1]
+        consumed = self.lib.claim(queue, [member for member, _ in popped], no_ack=no_ack)
+        _log_expired(consumed.expired, [queue])
+        return self._deliver_all(consumed.deliveries, no_ack)
 
     def _deliver_all(self, deliveries: Iterable[Delivery], no_ack: bool) -> int:
         delivered = 0
@@ -300,18 +315,40 @@ class Channel(FanoutMixin, virtual.Channel):
 
     # -- periodic work ----------------------------------------------------------------------
 
-    def heartbeat(self, *, from_loop: bool = True) -> None:
-        """Push the deadlines of everything in flight forward; refresh queue expiry.
-        From another thread than the loop's (the watchdog) kombu's QoS is only read."""
+    def upkeep(self, *, from_loop: bool = True) -> None:
+        """Keep what this channel holds alive: push the deadlines of everything in flight
+        forward, refresh the expiry of the consumed queues that have one, their bindings and
+        their fanout groups. The transport runs it often enough for the shortest x-expires
+        (upkeep_interval). From another thread than the loop's (the watchdog) kombu's
+        state is only read."""
         in_flight = self.qos.in_flight(flush=from_loop)
-        queues = set(in_flight) | {q for q in self.queues_polled if self._queue_expires.get(q)}
-        if not queues:
-            return
-        self.lib.run_many([
-            calls.extend(self.keys, queue, in_flight.get(queue, []),
-                         visibility_ms=self.options.visibility_ms)
-            for queue in sorted(queues)
-        ])
+        consumed = self.queues_polled
+        queues = set(in_flight) | {q for q in consumed if self._expires_ms(q)}
+        batch = [calls.extend(self.keys, queue, in_flight.get(queue, []),
+                              visibility_ms=self.options.visibility_ms) for queue in sorted(queues)]
+        for queue in [*consumed, *self.fanout_polled]:
+            lifetime = self.binding_lifetime_ms(queue)
+            for exchange, routing_key, arguments in self._bindings_of(queue) if lifetime else ():
+                meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+                batch.append(calls.bind(self.keys, exchange, [self._binding_member(exchange, *meta)],
+                                        lifetime_ms=lifetime))
+        batch += [self.fanout_bind_call(queue) for queue in self.fanout_polled
+                  if self._expires_ms(queue)]
+        if batch:
+            self.lib.run_many(batch)
+
+    def _bindings_of(self, queue: str) -> list[tuple[str, str, Any]]:
+        """(exchange, routing key, arguments) of the bindings this connection declared."""
+        try:
+            return [(b.exchange, b.routing_key, b.arguments) for b in self.state.queue_bindings(queue)]
+        except RuntimeError:  # changed by the loop while the watchdog read it: next time
+            return []
+
+    def shortest_expiry_ms(self) -> int | None:
+        """The shortest x-expires among the queues this channel consumes or holds."""
+        queues = {*self.queues_polled, *self.fanout_polled, *self.qos.in_flight(flush=False)}
+        found = [e for e in (self._expires_ms(q) for q in queues) if e]
+        return min(found) if found else None
 
     def sweep(self) -> None:
         queues = self.queues_polled
@@ -319,10 +356,19 @@ class Channel(FanoutMixin, virtual.Channel):
             return
         report = self.lib.sweep(queues, delivery_limit=self.options.delivery_limit,
                                 dead_letter_maxlen=self.options.dead_letter_maxlen)
+        where = "dead-lettered" if self.options.dead_letter_maxlen else "deleted"
         for dropped in report.dropped_messages:
-            logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
-                         "(x-delivery-count %s) and was dead-lettered", dropped.id, dropped.queue,
-                         self.options.delivery_limit, dropped.delivery_count)
+            if dropped.reason == "expired":
+                logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
+                               "while it waited and was %s", dropped.id, dropped.queue, where)
+            else:
+                logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
+                             "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
+                             self.options.delivery_limit, dropped.delivery_count, where)
+        unreported = report.dead_lettered + report.expired - len(report.dropped_messages)
+        if unreported > 0:
+            logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
+                           "delivery limit) of queues %s", where, unreported, ", ".join(queues))
         if report.requeued or report.unclaimed:
             logger.info("celery-redis-lua: sweep restored %d timed-out and %d unclaimed messages",
                         report.requeued, report.unclaimed)
@@ -334,15 +380,27 @@ class Channel(FanoutMixin, virtual.Channel):
             return
         self.connection.channels_polled.discard(self)
         popped = self.queue_wait.cancel(self.client)
-        if popped:  # BZMPOP popped messages just as we cancelled: hand them back
-            self._claim_popped(popped, deliver=False)
+        if popped:  # BZMPOP popped messages just as we cancelled: back in line, uncounted
+            self._claim_popped(popped, closing=True)
         self.stream_wait.cancel(self.client)
+        self._leave_fanout(list(self._fanout_read))
         try:
             super().close()
         finally:
             self.queue_wait.close()
             self.stream_wait.close()
             self.client.close()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _log_expired(expired: int, queues: list[str]) -> None:
+    if expired:
+        logger.warning("celery-redis-lua: %d message(s) of queue(s) %s had expired (message TTL) "
+                       "while they waited and were dead-lettered instead of delivered",
+                       expired, ", ".join(queues))
 
 
 def _ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:

@@ -15,6 +15,9 @@ from typing import Any
 from .calls import Delivery
 
 TAG_SEPARATOR = "@"
+# The latest ETA the publish script takes (unix ms, year 2286): one later would overflow
+# into the next priority band of the ready score.
+MAX_ETA_MS = 10**13 - 1
 
 
 class BadEnvelope(ValueError):
@@ -55,9 +58,13 @@ def eta_ms(message: dict[str, Any]) -> int | None:
         when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
-        return max(0, int(when.timestamp() * 1000))
-    except (TypeError, ValueError, AttributeError) as error:
+        at = max(0, int(when.timestamp() * 1000))
+    except (TypeError, ValueError, AttributeError, OverflowError) as error:
         raise BadEnvelope(f"{_describe(message)}: header 'eta' is not an ISO 8601 time: {eta!r}") from error
+    if at > MAX_ETA_MS:
+        raise BadEnvelope(f"{_describe(message)}: header 'eta' {eta!r} is later than the year 2286, "
+                          "the latest ETA the broker holds")
+    return at
 
 
 def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> PublishArguments:

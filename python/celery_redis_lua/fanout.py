@@ -1,23 +1,38 @@
 """Fanout exchanges on Streams: the channel methods that publish to and consume from them.
 
-Each queue bound to a fanout exchange has a consumer group on the exchange's
-stream (created when it is bound, see lua/fanout_bind.lua). A channel reads its
-groups with the fanout_consume script and waits for new entries with XREAD.
+Each queue bound to a fanout exchange has a consumer group on the exchange's stream
+(created when it is bound, see lua/fanout_bind.lua), and a record beside the stream with
+its x-expires and x-message-ttl: a group unread for x-expires is gone as its queue would
+be, and entries older than x-message-ttl are not delivered. A channel reads its groups
+with the fanout_consume script and waits for new entries with XREAD; after a full batch
+the XREAD returns at once, so a backlog drains without waiting out ``blocking_timeout``.
+Which queues are bound to which fanout exchange is the connection's (``fanout_queues``),
+so any channel of the connection can consume a queue bound on another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
+import redis
 from kombu.utils.objects import cached_property
 
+from . import calls
 from .calls import Delivery
 from .envelope import BadEnvelope, delivered_envelope, delivery_tag, dumps
 from .qos import FANOUT_TAG
+from .scripts import Call
 
 logger = logging.getLogger(__name__)
+
+
+def _stream_position(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class FanoutMixin:
@@ -39,18 +54,37 @@ class FanoutMixin:
     def fanout_key(self, exchange: str) -> str:
         return self.keys.fanout(exchange, self.fanout_prefix)
 
+    def fanout_bind_call(self, queue: str) -> Call:
+        """Create (or keep alive) the queue's group, with the queue's expiry and message TTL."""
+        exchange, _ = self.connection.fanout_queues[queue]
+        declared = self.connection.declared.get(queue)
+        return calls.fanout_bind(
+            self.keys, self.fanout_key(exchange), queue,
+            expires_ms=declared.expires_ms if declared else None,
+            message_ttl_ms=declared.message_ttl_ms if declared else None,
+            stream_expires_ms=self.options.queue_expires_ms)
+
     @property
     def fanout_polled(self) -> list[str]:
-        return [q for q in dict.fromkeys(self._active_queues) if q in self._fanout_queues]
+        fanout = self.connection.fanout_queues
+        return [q for q in dict.fromkeys(self._active_queues) if q in fanout]
 
     def consume_fanout_now(self) -> int:
         delivered = 0
+        self._fanout_next_id = {}
         for queue in self.fanout_polled:
-            exchange, pattern = self._fanout_queues[queue]
+            exchange, pattern = self.connection.fanout_queues[queue]
             stream = self.fanout_key(exchange)
             batch = self.lib.fanout_consume(stream, queue, self.consumer_name,
-                                            count=self.options.consume_batch)
-            self._fanout_last_id[stream] = batch.last_id
+                                            count=self.options.consume_batch,
+                                            stream_expires_ms=self.options.queue_expires_ms)
+            self._fanout_read.add(queue)
+            known = self._fanout_next_id.get(stream)
+            if known is None or _stream_position(batch.next_id) < _stream_position(known):
+                self._fanout_next_id[stream] = batch.next_id  # the least advanced group decides
+            if batch.skipped:
+                logger.info("celery-redis-lua: %d broadcast(s) to queue %r were older than its "
+                            "x-message-ttl and were not delivered", batch.skipped, queue)
             for entry_id, routing_key, payload in batch.entries:
                 if not self._fanout_matches(pattern, routing_key):
                     continue
@@ -59,12 +93,12 @@ class FanoutMixin:
         return delivered
 
     def start_stream_wait(self) -> bool:
-        streams = [self.fanout_key(self._fanout_queues[q][0]) for q in self.fanout_polled]
+        streams = [self.fanout_key(self.connection.fanout_queues[q][0]) for q in self.fanout_polled]
         streams = list(dict.fromkeys(streams))
         if not streams:
             return False
         timeout = self.options.blocking_timeout
-        ids = [self._fanout_last_id.get(s, "$") for s in streams]
+        ids = [self._fanout_next_id.get(s, "$") for s in streams]
         self.stream_wait.send("XREAD", "COUNT", 1, "BLOCK", int(timeout * 1000), "STREAMS",
                               *streams, *ids, timeout=timeout)
         return True
@@ -72,6 +106,19 @@ class FanoutMixin:
     def on_stream_wait_readable(self) -> int:
         self.stream_wait.read()
         return self.consume_fanout_now()
+
+    def _leave_fanout(self, queues: Iterable[str]) -> None:
+        """This channel's consumer leaves the groups of ``queues`` it read (it stops
+        consuming them, or closes); best effort, the next bind clears what is left."""
+        for queue in queues:
+            if queue not in self._fanout_read:
+                continue
+            self._fanout_read.discard(queue)
+            fanout = self.connection.fanout_queues.get(queue)
+            if fanout is None:
+                continue
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.lib.fanout_leave(self.fanout_key(fanout[0]), queue, self.consumer_name)
 
     def _fanout_matches(self, pattern: str, routing_key: str) -> bool:
         """A fanout exchange ignores routing keys (AMQP), unless fanout_patterns is on and

@@ -1,8 +1,10 @@
 """The keyspace: the only place where Redis key names are built.
 
 Every key of one queue carries the hash tag ``{Q}``, so a queue lives in one
-cluster slot. Message hashes are ``P message:{Q}:<id>``; the scripts derive
-them from the queue key and the message key prefix, never from anything else.
+cluster slot, and every queue script takes the same seven keys (:class:`QueueKeys`):
+the ready, delayed and index ZSETs, the meta hash, the dead-letter stream, and the two
+hashes that hold the queue's messages (payloads, and their states), which therefore
+expire and are deleted with the queue.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ class KeyspaceError(ValueError):
 
 
 class QueueKeys(NamedTuple):
-    """The keys of one queue, in the order most scripts take them."""
+    """The seven keys of one queue, in the order every queue script takes them."""
 
     queue: str
     delayed: str
     index: str
     meta: str
     dead: str
+    message: str
+    state: str
 
 
 def _check_no_braces(name: str, value: str) -> None:
@@ -55,6 +59,10 @@ class Keyspace:
     def _tag(queue: str) -> str:
         if not isinstance(queue, str) or not queue:
             raise KeyspaceError(f"queue name must be a non-empty string, got {queue!r}")
+        if queue.startswith("}"):
+            # '{}...' is an empty hash tag: each key would hash on its whole name, and a
+            # queue's keys would land in different cluster slots.
+            raise KeyspaceError(f"queue name must not start with '}}', got {queue!r}")
         return "{" + queue + "}"
 
     def queue(self, queue: str) -> str:
@@ -72,20 +80,27 @@ class Keyspace:
     def dead(self, queue: str) -> str:
         return f"{self.prefix}dead:{self._tag(queue)}"
 
+    def message(self, queue: str) -> str:
+        """The hash of the queue's payloads (message id -> kombu envelope)."""
+        return f"{self.prefix}{self.message_key_prefix}{self._tag(queue)}"
+
+    def state(self, queue: str) -> str:
+        """The hash of the queue's message states (id -> 'STATE COUNT PRIORITY EXPIRES_AT')."""
+        return f"{self.prefix}state:{self._tag(queue)}"
+
     def queue_keys(self, queue: str) -> QueueKeys:
         return QueueKeys(
-            self.queue(queue), self.delayed(queue), self.index(queue),
-            self.meta(queue), self.dead(queue),
+            self.queue(queue), self.delayed(queue), self.index(queue), self.meta(queue),
+            self.dead(queue), self.message(queue), self.state(queue),
         )
 
-    @property
-    def message_prefix(self) -> str:
-        """What the scripts take as ``message_key_prefix`` (ARGV)."""
-        return self.prefix + self.message_key_prefix
-
-    def message(self, queue: str, message_id: str) -> str:
-        """The hash of one message (built by the scripts; here for tools and tests)."""
-        return f"{self.message_prefix}{self._tag(queue)}:{message_id}"
+    def queue_of(self, key: str | bytes) -> str:
+        """The queue name inside one of its keys (e.g. what BZMPOP names)."""
+        text = key.decode() if isinstance(key, bytes) else key
+        open_ = text.find("{", len(self.prefix))
+        if open_ < 0 or not text.endswith("}"):
+            raise KeyspaceError(f"{text!r} is not a queue key of this keyspace")
+        return text[open_ + 1:-1]
 
     def binding(self, exchange: str) -> str:
         return f"{self.prefix}_kombu.binding.{exchange}"
@@ -93,6 +108,19 @@ class Keyspace:
     def fanout(self, exchange: str, fanout_prefix: str = "") -> str:
         """The stream of a fanout exchange; ``fanout_prefix`` is e.g. ``/0.``."""
         return f"{self.prefix}{fanout_prefix}{exchange}"
+
+    def fanout_groups(self, stream_key: str) -> str:
+        """The hash beside a fanout stream that records its bound queues' groups, in the
+        stream's cluster slot: with the stream's own hash tag, or with the whole stream name
+        as its tag (``P{P/0.exchange}:groups``), so that it starts with the prefix too."""
+        open_ = stream_key.find("{")
+        close = stream_key.find("}", open_ + 1) if open_ >= 0 else -1
+        if open_ >= 0 and close > open_ + 1:
+            return f"{stream_key}:groups"
+        if "}" in stream_key:
+            raise KeyspaceError(f"fanout stream {stream_key!r} has a '}}' outside a hash tag; "
+                                "rename the exchange")
+        return f"{self.prefix}{{{stream_key}}}:groups"
 
     def slot(self, queue: str) -> int:
         """The cluster slot that holds every key of ``queue``."""

@@ -16,10 +16,11 @@ from . import calls
 from .calls import (
     Consumed,
     DeadLetter,
+    Declared,
     Delivery,
     FanoutBatch,
+    FanoutBound,
     Payload,
-    QueueCounts,
     QueueStats,
     Rejected,
     SweepReport,
@@ -32,11 +33,12 @@ class ScriptLibrary:
     """Typed access to the scripts on one client (standalone or cluster)."""
 
     def __init__(self, client: Any, keys: Keyspace | None = None, *,
-                 visibility_ms: int = 300_000) -> None:
+                 visibility_ms: int = 300_000, dead_letter_maxlen: int = 10_000) -> None:
         self.client = client
         self.keys = keys or Keyspace()
         self.runner = ScriptRunner(client)
         self.visibility_ms = visibility_ms
+        self.dead_letter_maxlen = dead_letter_maxlen
 
     def run(self, call: Call) -> Any:
         return self.runner.run(call)
@@ -64,19 +66,25 @@ class ScriptLibrary:
         queues of one cluster slot; on a cluster, slot groups are asked in turn."""
         deliveries: list[Delivery] = []
         wake: list[int] = []
+        expired = 0
         for group in self.slot_groups(queues):
             consumed = self.run(calls.consume(self.keys, group, count=count - len(deliveries),
-                                              visibility_ms=self.visibility_ms, no_ack=no_ack))
+                                              visibility_ms=self.visibility_ms, no_ack=no_ack,
+                                              dead_letter_maxlen=self.dead_letter_maxlen))
             deliveries += consumed.deliveries
+            expired += consumed.expired
             if consumed.wake_in_ms is not None:
                 wake.append(consumed.wake_in_ms)
             if len(deliveries) >= count:
                 break
-        return Consumed(deliveries, min(wake) if wake else None)
+        return Consumed(deliveries, min(wake) if wake else None, expired)
 
-    def claim(self, queue: str, ids: Sequence[str], *, no_ack: bool = False) -> list[Delivery]:
+    def claim(self, queue: str, ids: Sequence[str], *, no_ack: bool = False) -> Consumed:
         return self.run(calls.claim(self.keys, queue, ids, visibility_ms=self.visibility_ms,
-                                    no_ack=no_ack))
+                                    no_ack=no_ack, dead_letter_maxlen=self.dead_letter_maxlen))
+
+    def unpop(self, queue: str, popped: Sequence[tuple[str, float | str]]) -> int:
+        return self.run(calls.unpop(self.keys, queue, popped))
 
     def ack(self, queue: str, ids: Sequence[str]) -> int:
         return self.run(calls.ack(self.keys, queue, ids))
@@ -96,7 +104,7 @@ class ScriptLibrary:
               dead_letter_maxlen: int = 10_000, batch: int = 1000, report_limit: int = 10,
               max_rounds: int = 100) -> SweepReport:
         """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up."""
-        total = SweepReport(0, 0, 0, 0, 0, 0, False, [])
+        total = SweepReport(0, 0, 0, 0, 0, 0, 0, False, [])
         for group in self.slot_groups(queues):
             for _ in range(max_rounds):
                 report = self.run(calls.sweep(
@@ -109,7 +117,7 @@ class ScriptLibrary:
         return total
 
     def declare(self, queue: str, *, expires_ms: int | None = None,
-                message_ttl_ms: int | None = None, max_priority: int | None = None) -> QueueCounts:
+                message_ttl_ms: int | None = None, max_priority: int | None = None) -> Declared:
         return self.run(calls.declare(self.keys, queue, expires_ms=expires_ms,
                                       message_ttl_ms=message_ttl_ms, max_priority=max_priority))
 
@@ -124,15 +132,26 @@ class ScriptLibrary:
 
     def fanout_publish(self, stream_key: str, payload: Payload, *, maxlen: int = 10_000,
                        expires_ms: int | None = None, routing_key: str = "") -> str:
-        return self.run(calls.fanout_publish(stream_key, payload, maxlen=maxlen,
+        return self.run(calls.fanout_publish(self.keys, stream_key, payload, maxlen=maxlen,
                                              expires_ms=expires_ms, routing_key=routing_key))
 
-    def fanout_bind(self, stream_key: str, queue: str, *, expires_ms: int | None = None) -> bool:
-        return bool(self.run(calls.fanout_bind(stream_key, queue, expires_ms=expires_ms)))
+    def fanout_bind(self, stream_key: str, queue: str, *, expires_ms: int | None = None,
+                    message_ttl_ms: int | None = None,
+                    stream_expires_ms: int | None = None) -> FanoutBound:
+        return self.run(calls.fanout_bind(self.keys, stream_key, queue, expires_ms=expires_ms,
+                                          message_ttl_ms=message_ttl_ms,
+                                          stream_expires_ms=stream_expires_ms))
 
     def fanout_consume(self, stream_key: str, queue: str, consumer: str, *,
-                       count: int = 100) -> FanoutBatch:
-        return self.run(calls.fanout_consume(stream_key, queue, consumer, count=count))
+                       count: int = 100, stream_expires_ms: int | None = None) -> FanoutBatch:
+        return self.run(calls.fanout_consume(self.keys, stream_key, queue, consumer, count=count,
+                                             stream_expires_ms=stream_expires_ms))
+
+    def fanout_unbind(self, stream_key: str, queue: str) -> bool:
+        return self.run(calls.fanout_unbind(self.keys, stream_key, queue))
+
+    def fanout_leave(self, stream_key: str, queue: str, consumer: str) -> bool:
+        return self.run(calls.fanout_leave(self.keys, stream_key, queue, consumer))
 
     def exists(self, queue: str) -> bool:
         return self.run(calls.exists(self.keys, queue))
@@ -146,12 +165,8 @@ class ScriptLibrary:
             purged += more
         return purged
 
-    def delete(self, queue: str, *, batch: int = 10_000) -> int:
-        deleted, remaining = self.run(calls.delete(self.keys, queue, batch=batch))
-        while remaining:
-            more, remaining = self.run(calls.delete(self.keys, queue, batch=batch))
-            deleted += more
-        return deleted
+    def delete(self, queue: str) -> int:
+        return self.run(calls.delete(self.keys, queue))
 
     def size(self, queue: str) -> int:
         return self.run(calls.size(self.keys, queue))
@@ -175,6 +190,6 @@ class ScriptLibrary:
 def _add_reports(a: SweepReport, b: SweepReport, report_limit: int) -> SweepReport:
     return SweepReport(
         a.promoted + b.promoted, a.requeued + b.requeued, a.unclaimed + b.unclaimed,
-        a.backlog + b.backlog, a.dropped + b.dropped, a.orphans + b.orphans, b.more,
-        (a.dropped_messages + b.dropped_messages)[:report_limit],
+        a.backlog + b.backlog, a.dead_lettered + b.dead_lettered, a.expired + b.expired,
+        a.orphans + b.orphans, b.more, (a.dropped_messages + b.dropped_messages)[:report_limit],
     )

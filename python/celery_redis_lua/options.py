@@ -48,6 +48,10 @@ class TransportOptions:
     sweep_interval: float = 60
     # Most messages one consume call may deliver (on top of the QoS headroom).
     consume_batch: int = 100
+    # Bindings of a queue with x-expires go stale max(x-expires, this) after their last
+    # refresh (seconds); a consumer refreshes them three times per x-expires. Lower it only
+    # to see stale bindings go sooner (tests do).
+    binding_lifetime_floor: float = 300
 
     @property
     def visibility_ms(self) -> int:
@@ -62,13 +66,18 @@ class TransportOptions:
         return None if self.queue_expires is None else int(self.queue_expires * 1000)
 
     @property
+    def binding_lifetime_floor_ms(self) -> int:
+        return int(self.binding_lifetime_floor * 1000)
+
+    @property
     def heartbeat_interval(self) -> float:
         """In-flight deadlines are pushed forward this often (visibility_timeout / 3)."""
         return self.visibility_timeout / 3
 
 
 def _number(low: float, *, allow_none: bool = False, integer: bool = False,
-            inclusive: bool = True, extra: tuple[Any, ...] = ()) -> Callable[[str, Any], Any]:
+            inclusive: bool = True, extra: tuple[Any, ...] = (),
+            high: float | None = None) -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
         if value is None and allow_none:
             return None
@@ -77,10 +86,10 @@ def _number(low: float, *, allow_none: bool = False, integer: bool = False,
         kind = int if integer else (int, float)
         ok = isinstance(value, kind) and not isinstance(value, bool)
         if ok:
-            ok = value >= low if inclusive else value > low
+            ok = (value >= low if inclusive else value > low) and (high is None or value <= high)
         if not ok:
             what = "an integer" if integer else "a number"
-            bound = f"{'>=' if inclusive else '>'} {low}"
+            bound = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
             also = "".join(f" or {e!r}" for e in extra) + (" or None" if allow_none else "")
             raise OptionError(f"transport option {name!r} must be {what} {bound}{also}, got {value!r}")
         return value
@@ -128,7 +137,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sep": _non_empty_str,
     "dead_letter_maxlen": _number(0, integer=True),
     "sweep_interval": _number(0, inclusive=False),
-    "consume_batch": _number(1, integer=True),
+    "consume_batch": _number(1, integer=True, high=10_000),  # the scripts' own cap
+    "binding_lifetime_floor": _number(0, inclusive=False),
 }
 
 
@@ -145,6 +155,11 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         raw.setdefault("blocking_timeout", raw["polling_interval"])
     known = {f.name for f in fields(TransportOptions)}
     values = {name: _CHECKS[name](name, raw[name]) for name in known if name in raw}
+    if values.get("retry_on_timeout"):
+        warnings.warn(
+            "transport option 'retry_on_timeout' is ignored by celery-redis-lua: a script whose "
+            "reply timed out is never sent again (a second publish would store the message twice); "
+            "kombu reconnects and retries the operation as a whole", RuntimeWarning, stacklevel=3)
     if "ssl" in values and values["ssl"] is False:
         values["ssl"] = None
     options = TransportOptions(**values)

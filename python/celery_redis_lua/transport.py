@@ -7,15 +7,18 @@ across the channel's queues waits on the server (bounded by
 Fanout queues do the same with their streams and XREAD. In Celery's event
 loop the waits are sockets registered with the hub; without it (plain kombu,
 gevent, eventlet) ``drain_events`` select()s on them. Either way the
-visibility heartbeat runs every ``visibility_timeout / 3`` and the sweep every
+upkeep (the visibility heartbeat) runs every ``visibility_timeout / 3`` and the sweep every
 ``sweep_interval``; while the loop stands still (a warm shutdown draining the pool,
-a reconnect, a task on the solo pool) a watchdog thread extends in its place
-(watchdog.py).
+a reconnect, a task on the solo pool) a watchdog thread runs the upkeep in its place
+(watchdog.py). The upkeep also keeps expiring queues, their bindings and their fanout
+groups alive: it runs three times per x-expires of the shortest-lived queue consumed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import select
 import socket
 import ssl as ssl_module
@@ -27,6 +30,7 @@ from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 
 from .blocking import BlockingRead
+from .calls import Declared
 from .channel import Channel
 from .options import TransportOptions, parse_options
 from .watchdog import Watchdog
@@ -35,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 # A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
 OVERDUE_GRACE_SECONDS = 5.0
-# drain_events wakes at least this often to run the heartbeat and the sweep.
+# drain_events wakes at least this often to run the upkeep and the sweep; in Celery's
+# event loop a timer checks as often whether they are due.
 MAX_SELECT_SECONDS = 1.0
+# Upkeep refreshes an expiring queue (and its bindings and groups) this many times per x-expires.
+UPKEEPS_PER_EXPIRY = 3
 
 SECURE_SCHEMES = frozenset({"redisluas", "rediss"})
 
@@ -76,10 +83,14 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         self.polling_interval = None
         self.channels_polled: set[Channel] = set()
-        self._next_heartbeat = time.monotonic() + self.options.heartbeat_interval
+        # What this connection knows of its queues, shared by its channels as kombu shares
+        # its binding state: the arguments in force (from declare) and the fanout bindings.
+        self.declared: dict[str, Declared] = {}
+        self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
+        self._last_upkeep = time.monotonic()
         self._next_sweep = time.monotonic()
-        # Extends in-flight deadlines from a thread while the event loop stands still.
-        self.watchdog = Watchdog(self.options.heartbeat_interval, self.extend_from_watchdog)
+        # Runs the upkeep from a thread while the event loop stands still.
+        self.watchdog = Watchdog(self.upkeep_interval, self.upkeep_from_watchdog)
 
     def driver_version(self) -> str:
         return redis.__version__
@@ -110,7 +121,8 @@ class Transport(virtual.Transport):
             "socket_keepalive": options.socket_keepalive,
             "socket_keepalive_options": options.socket_keepalive_options,
             "health_check_interval": options.health_check_interval,
-            "retry_on_timeout": bool(options.retry_on_timeout),
+            # No retry_on_timeout: redis-py would resend a script whose reply timed out, and a
+            # resent publish stores a message twice, a resent consume strands a batch in flight.
             "client_name": options.client_name,
         }
         if options.credential_provider is not None:
@@ -183,24 +195,36 @@ class Transport(virtual.Transport):
 
     def run_periodic(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.options.heartbeat_interval
-            self.heartbeat()
+        if force or now - self._last_upkeep >= self.upkeep_interval():
+            self.upkeep()
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.sweep()
 
-    def heartbeat(self) -> None:
-        """The event loop's beat: extend what is in flight, tell the watchdog it ran."""
-        self.watchdog.loop_beat()
-        self.extend_in_flight()
-
-    def extend_in_flight(self, *, from_loop: bool = True) -> None:
+    def upkeep_interval(self) -> float:
+        """How often the upkeep runs: every visibility_timeout / 3 for the deadlines in
+        flight, and three times per x-expires of the shortest-lived queue consumed here, so
+        that a queue (its bindings and groups) with a live consumer never expires."""
+        interval = self.options.heartbeat_interval
         for channel in list(self.channels_polled):
-            channel.heartbeat(from_loop=from_loop)
+            expires = channel.shortest_expiry_ms()
+            if expires:
+                interval = min(interval, expires / 1000 / UPKEEPS_PER_EXPIRY)
+        return interval
 
-    def extend_from_watchdog(self) -> None:
-        self.extend_in_flight(from_loop=False)
+    def upkeep(self) -> None:
+        """The event loop's upkeep: keep in flight and alive what the channels hold, and
+        tell the watchdog the loop ran it."""
+        self._last_upkeep = time.monotonic()
+        self.watchdog.loop_beat()
+        self.run_upkeep()
+
+    def run_upkeep(self, *, from_loop: bool = True) -> None:
+        for channel in list(self.channels_polled):
+            channel.upkeep(from_loop=from_loop)
+
+    def upkeep_from_watchdog(self) -> None:
+        self.run_upkeep(from_loop=False)
 
     def sweep(self) -> None:
         for channel in list(self.channels_polled):
@@ -239,6 +263,21 @@ class Transport(virtual.Transport):
         reconnect Celery registers the new transport too: the old one unregisters when its
         connection closes, and never removes a reader it does not own (fds get reused)."""
         registered: dict[int, BlockingRead] = {}
+        # Deliveries made during a tick schedule Celery's work (early acks, for one) with
+        # hub.call_soon, which the hub runs only after its next poll returns; the solo pool
+        # then waited out the next timer (up to blocking_timeout) between prefetch batches.
+        # A byte on this pipe makes that poll return at once.
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_read, False)
+        os.set_blocking(wake_write, False)
+
+        def on_wake() -> None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_read, 4096)
+
+        def wake() -> None:
+            with contextlib.suppress(BlockingIOError):
+                os.write(wake_write, b"!")
 
         def on_readable(channel: Channel, wait: BlockingRead) -> None:
             self.on_wait_readable(channel, wait)
@@ -249,7 +288,8 @@ class Transport(virtual.Transport):
 
         def on_tick() -> None:
             for channel in list(self.channels_polled):
-                self.poll_round(channel)
+                if self.poll_round(channel):
+                    wake()
                 for wait in (channel.queue_wait, channel.stream_wait):
                     fd = wait.fileno()
                     if wait.pending is not None and fd is not None and not (
@@ -270,9 +310,13 @@ class Transport(virtual.Transport):
                 if owned(fd, wait):
                     loop.remove_reader(fd)
             registered.clear()
+            loop.remove_reader(wake_read)
+            for fd in (wake_read, wake_write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
+        loop.add_reader(wake_read, on_wake)
         loop.on_tick.add(on_tick)
-        timers = [loop.call_repeatedly(self.options.heartbeat_interval, self.heartbeat),
-                  loop.call_repeatedly(self.options.sweep_interval, self.sweep)]
+        timers = [loop.call_repeatedly(MAX_SELECT_SECONDS, self.run_periodic)]
         loop.call_soon(self.sweep)
         self._unregister_from_loop = unregister

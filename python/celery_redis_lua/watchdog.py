@@ -28,14 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Calls ``beat`` when the event loop's last beat is older than ``interval * 1.5``.
+    """Calls ``beat`` when the event loop's last beat is older than ``interval() * 1.5``.
     With the loop's beats ``interval`` apart, a deadline ``3 * interval`` away is pushed
-    forward at most ``2 * interval`` after the last beat, loop or not."""
+    forward at most ``2 * interval`` after the last beat, loop or not. ``interval`` is asked
+    each time: it shrinks when a queue with a short x-expires is consumed."""
 
-    def __init__(self, interval: float, beat: Callable[[], None]) -> None:
-        # A weak reference: a transport dropped without close() must not be kept alive (and
+    def __init__(self, interval: Callable[[], float], beat: Callable[[], None]) -> None:
+        # Weak references: a transport dropped without close() must not be kept alive (and
         # its deliveries extended) by its own watchdog; the thread ends when it is gone.
-        self.interval, self._beat = interval, weakref.WeakMethod(beat)  # type: ignore[arg-type]
+        self._interval = weakref.WeakMethod(interval)  # type: ignore[arg-type]
+        self._beat = weakref.WeakMethod(beat)  # type: ignore[arg-type]
         self.last_beat = time.monotonic()
         self.fired = 0  # how often the watchdog stood in for the loop (for tests and logs)
         self._stopped = threading.Event()
@@ -53,9 +55,16 @@ class Watchdog:
     def stop(self) -> None:
         self._stopped.set()
 
+    def interval(self) -> float | None:
+        interval = self._interval()
+        return None if interval is None else interval()
+
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval / 2):
-            if time.monotonic() - self.last_beat <= 1.5 * self.interval:
+        while True:
+            interval = self.interval()
+            if interval is None or self._stopped.wait(min(interval / 2, 1.0)):
+                return
+            if time.monotonic() - self.last_beat <= 1.5 * interval:
                 continue
             beat = self._beat()
             if beat is None:

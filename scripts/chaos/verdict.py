@@ -20,9 +20,10 @@ QUEUE = "celery"
 def broker_state(client: redis.Redis, transport: str) -> dict[str, Any]:
     """What is left in the broker for the default queue."""
     if transport == "ours":
-        stats = ScriptLibrary(client).stats([QUEUE])[0]
-        message_keys = sum(1 for _ in client.scan_iter(match="message:*", count=1000))
-        index = client.zcard(ScriptLibrary(client).keys.index(QUEUE))
+        lib = ScriptLibrary(client)
+        stats = lib.stats([QUEUE])[0]
+        message_keys = client.hlen(lib.keys.message(QUEUE)) + client.hlen(lib.keys.state(QUEUE))
+        index = client.zcard(lib.keys.index(QUEUE))
         state = {"ready": stats.ready, "delayed": stats.delayed, "in_flight": stats.in_flight,
                  "dead": stats.dead, "index_entries": index, "message_hashes": message_keys}
         state["pending"] = stats.ready + stats.delayed + stats.in_flight

@@ -82,7 +82,7 @@ def test_an_hour_countdown_sits_in_the_broker_not_in_the_worker(
     # delayed:{celery} holds it with its ETA (ms by the server's clock) as the score.
     [(member, score)] = client.zrange(keys.delayed(QUEUE), 0, -1, withscores=True)
     assert sent_ms + 3_600_000 <= score <= sent_ms + 3_600_000 + 2_000
-    payload = json.loads(client.hget(keys.message(QUEUE, member.decode()), "payload"))
+    payload = json.loads(client.hget(keys.message(QUEUE), member))
     assert payload["headers"]["id"] == later.id
 
 

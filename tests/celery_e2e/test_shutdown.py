@@ -46,7 +46,8 @@ def blocked_in_bzmpop(client: redis.Redis) -> bool:
 def ready_delivery_counts(client: redis.Redis, keys: Keyspace) -> dict[str, int]:
     """Message id -> delivery_count of every message in the ready ZSET."""
     ids = [m.decode() for m in client.zrange(keys.queue(QUEUE), 0, -1) if m != b"~wake"]
-    return {i: int(client.hget(keys.message(QUEUE, i), "delivery_count") or -1) for i in ids}
+    states = [client.hget(keys.state(QUEUE), i) for i in ids]
+    return {i: int(state.split()[1]) if state else -1 for i, state in zip(ids, states, strict=True)}
 
 
 @pytest.mark.parametrize("pool", ["threads", "prefork"])

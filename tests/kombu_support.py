@@ -1,0 +1,64 @@
+"""The kombu side of the tests: a broker under test (a server and a key prefix), and
+helpers that drain and consume through a real kombu Connection."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kombu import Connection, Consumer, Queue
+from kombu.message import Message
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.servers import Server
+
+
+@dataclass
+class Broker:
+    server: Server
+    prefix: str
+    client: redis.Redis
+
+    def connection(self, db: int = 0, **options: Any) -> Connection:
+        return Connection(f"redislua://127.0.0.1:{self.server.port}/{db}",
+                          transport_options={"global_keyprefix": self.prefix, **options})
+
+    @property
+    def keys(self) -> Keyspace:
+        return Keyspace(self.prefix)
+
+    @property
+    def lib(self) -> ScriptLibrary:
+        return ScriptLibrary(self.client, self.keys)
+
+    def queue_keys(self, queue: str) -> set[str]:
+        return {k.decode() for k in self.client.keys(f"*{{{queue}}}*")}
+
+
+def drain(conn: Connection, got: list[Any], count: int, timeout: float = 10.0) -> None:
+    """drain_events until ``got`` holds ``count`` items (fails after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"got {len(got)} of {count} messages within {timeout}s")
+        with contextlib.suppress(socket.timeout):
+            conn.drain_events(timeout=remaining)
+
+
+def consume(conn: Connection, queues: list[Queue], count: int, *, ack: bool = True,
+            **consumer_args: Any) -> list[Message]:
+    got: list[Message] = []
+
+    def on_message(body: Any, message: Message) -> None:
+        got.append(message)
+        if ack and not consumer_args.get("no_ack"):
+            message.ack()
+
+    with Consumer(conn, queues, callbacks=[on_message], **consumer_args):
+        drain(conn, got, count)
+    return got
