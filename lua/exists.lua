@@ -1,9 +1,9 @@
 #!lua flags=no-writes
 -- name: exists
--- version: 1
+-- version: 2
 -- summary: Tell whether a queue exists (was declared or published to, and has not expired or been deleted).
 -- KEYS: 1
---   meta     HASH    P meta:{Q}   queue arguments and the id sequence; it is what makes a queue exist
+--   meta     HASH    P meta:{Q}   queue arguments and the last id; it is what makes a queue exist
 -- ARGV: none
 -- returns: integer, 1 if the queue exists, else 0
 -- errors:

@@ -5,7 +5,7 @@ from .keys import Keyspace, KeyspaceError
 from .library import ScriptLibrary
 from .scripts import Call, Script, ScriptError, ScriptRunner, load_scripts
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 # Importing the package registers our URL schemes with kombu, so that
 # broker_url = "redislua://host:6379/0" (TLS: "redisluas://", Unix socket:

@@ -43,9 +43,11 @@ def options() -> argparse.Namespace:
     p.add_argument("--kombu-n", type=int, default=3000)
     p.add_argument("--prefetch", type=int, default=100, help="kombu consume prefetch_count")
     p.add_argument("--celery-n", type=int, default=1500)
-    p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late")
+    p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late,"
+                                         "solo_early,gevent_early")
     p.add_argument("--threads", type=int, default=4, help="--pool=threads concurrency")
     p.add_argument("--processes", type=int, default=2, help="--pool=prefork concurrency")
+    p.add_argument("--greenlets", type=int, default=10, help="--pool=gevent concurrency")
     p.add_argument("--rate", type=float, default=200, help="open-loop tasks/s (threads, early ack)")
     p.add_argument("--rate-seconds", type=float, default=6)
     p.add_argument("--mech-n", type=int, default=3000)
@@ -57,7 +59,7 @@ def options() -> argparse.Namespace:
     o = p.parse_args()
     if o.quick:
         o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
-        o.variants = "threads_early,prefork_early"
+        o.variants = "threads_early,prefork_early,solo_early,gevent_early"
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
     o.mech_workers = [int(w) for w in o.mech_workers.split(",") if w.strip()]
     return o
@@ -95,7 +97,10 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
     if scenario.startswith("celery_"):
         pool, ack = scenario.removeprefix("celery_").split("_")
         rate = o.rate if (pool, ack) == ("threads", "early") else None
-        concurrency = o.threads if pool == "threads" else o.processes
+        # solo runs one task at a time inside the event loop; a stall between prefetch
+        # batches (waiting out the blocking poll) shows here first.
+        concurrency = {"threads": o.threads, "prefork": o.processes, "solo": 1,
+                       "gevent": o.greenlets}[pool]
         r = celery_level.run(peer, pool, ack == "late", o.celery_n, concurrency,
                              open_loop_rate=rate, open_loop_seconds=o.rate_seconds)
         text = f"{r['throughput']['tasks_per_s']:7,.0f} tasks/s"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.chaos import faults, ledger, report, verdict
+from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
 from scripts.chaos.profiles import PROFILES, Profile
 from scripts.chaos.workers import ChaosWorker
@@ -61,7 +62,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
     options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout}
     if args.transport == "ours":
-        options["sweep_interval"] = 1
+        # Bindings of the expiring queue then live 60 s (its x-expires) and must be refreshed
+        # throughout; the floor is lowered so a run sees them stale at once if they are not.
+        options.update(sweep_interval=1, binding_lifetime_floor=10)
     card: dict[str, Any] = {"run": {
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = Server(kind, args=["--appendonly", "yes", "--appendfsync", fsync]).start()
     workers: list[ChaosWorker] = []
     producer: Producer | None = None
+    listener: EventListener | None = None
     try:
         scheme = "redislua" if args.transport == "ours" else "redis"
         broker_url = f"{scheme}://127.0.0.1:{server.port}/0"
@@ -83,6 +87,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
             workers[-1].start()
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
+        listener = EventListener(broker_url, options, ledger_server.url)
+        listener.start()
         injector = faults.FaultInjector(server, workers, args.transport, profile,
                                         ledger_server.url, args.seed)
         plan = faults.schedule(profile, args.seed)
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 worker.reap(5)
                 worker.start()
         card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, server, args.transport)
+        listener.stop()
         state = verdict.broker_state(server.client(socket_timeout=10), args.transport)
         records = ledger.read(ledger_server.url)
         (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if producer is not None and producer.is_alive():
             producer.stop()
+        if listener is not None and listener.is_alive():
+            listener.stop()
         for worker in workers:
             worker.stop()
         server.stop()

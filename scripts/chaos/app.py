@@ -3,6 +3,9 @@
 Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
 CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
 The one task records its start (worker, pid, delivery count) and finish in the ledger.
+Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
+topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
+run also proves that an expiring queue and its binding outlive every refresh interval.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import time
 
 from celery import Celery
+from kombu import Exchange, Queue
 from scripts.chaos import ledger
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
@@ -27,6 +31,15 @@ app.conf.update(
     broker_connection_max_retries=None,
     worker_hijack_root_logger=False,
     worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+
+# x-expires longer than any fault keeps consumers away (a broker restart, a pause): the
+# queue must live as long as it has consumers, and its binding be refreshed meanwhile.
+EXPIRING_QUEUE_SECONDS = 60
+JOBS = Exchange("chaos.jobs", "topic")
+app.conf.task_queues = (
+    Queue("celery"),
+    Queue("expiring", JOBS, routing_key="jobs.#", expires=EXPIRING_QUEUE_SECONDS),
 )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-KINDS = ("submit", "submit_error", "start", "finish", "fault")
+KINDS = ("submit", "submit_error", "start", "finish", "fault", "event")
 _client: dict[str, Any] = {"pid": None, "client": None}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import Celery
 from scripts.chaos import ledger
+from scripts.chaos.app import app as chaos_app
 from scripts.chaos.profiles import Profile
 
 RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
@@ -24,6 +25,7 @@ class Producer(threading.Thread):
         super().__init__(name="chaos-producer", daemon=True)
         self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
         self.app.conf.broker_transport_options = transport_options
+        self.app.conf.task_queues = chaos_app.conf.task_queues  # the routes the workers bind
         self.app.conf.broker_connection_retry_on_startup = True
         self.ledger_url, self.profile = ledger_url, profile
         self.rng = random.Random(seed * 7919 + 1)
@@ -49,6 +51,8 @@ class Producer(threading.Thread):
         options: dict[str, Any] = {"task_id": task_id, "retry": True, "retry_policy": RETRY_POLICY}
         if priority:
             options["priority"] = priority
+        if kind == "routed":  # through the topic exchange to the queue with x-expires
+            options.update(queue="expiring", routing_key=f"jobs.{task_id[:8]}")
         if countdown:
             options["eta"] = datetime.fromtimestamp(eligible, tz=UTC)
         try:

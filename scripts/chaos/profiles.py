@@ -28,7 +28,7 @@ class Profile:
     countdown_seconds: tuple[float, float] = (1.0, 8.0)
     # kind -> share of submissions: fast, slow (> visibility), countdown, high priority
     mix: dict[str, float] = field(default_factory=lambda: {
-        "fast": 0.67, "slow": 0.03, "countdown": 0.15, "priority": 0.15})
+        "fast": 0.57, "slow": 0.03, "countdown": 0.15, "priority": 0.15, "routed": 0.10})
     # (pool, concurrency) per worker
     workers: tuple[tuple[str, int], ...] = (("prefork", 2), ("prefork", 2), ("threads", 4))
 

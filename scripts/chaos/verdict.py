@@ -14,23 +14,29 @@ from scripts.chaos.profiles import WORKER_FAULTS, Profile
 from celery_redis_lua import ScriptLibrary
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
-QUEUE = "celery"
+QUEUES = ("celery", "expiring")
+# A task event can be lost to a fault that hit between the task's finish and its
+# delivery to the receiver (Celery's event queue keeps an event 5 s: event_queue_ttl).
+EVENT_WINDOW = 20.0
 
 
 def broker_state(client: redis.Redis, transport: str) -> dict[str, Any]:
     """What is left in the broker for the default queue."""
     if transport == "ours":
         lib = ScriptLibrary(client)
-        stats = lib.stats([QUEUE])[0]
-        message_keys = client.hlen(lib.keys.message(QUEUE)) + client.hlen(lib.keys.state(QUEUE))
-        index = client.zcard(lib.keys.index(QUEUE))
-        state = {"ready": stats.ready, "delayed": stats.delayed, "in_flight": stats.in_flight,
-                 "dead": stats.dead, "index_entries": index, "message_hashes": message_keys}
-        state["pending"] = stats.ready + stats.delayed + stats.in_flight
-        state["clean"] = not (state["pending"] or index or message_keys or stats.dead)
+        stats = lib.stats(list(QUEUES))
+        keys = lib.keys
+        messages = sum(client.hlen(keys.message(q)) + client.hlen(keys.state(q)) for q in QUEUES)
+        index = sum(client.zcard(keys.index(q)) for q in QUEUES)
+        state = {"ready": sum(s.ready for s in stats), "delayed": sum(s.delayed for s in stats),
+                 "in_flight": sum(s.in_flight for s in stats), "dead": sum(s.dead for s in stats),
+                 "index_entries": index, "message_fields": messages,
+                 "expiring_queue_exists": bool(lib.exists("expiring"))}
+        state["pending"] = state["ready"] + state["delayed"] + state["in_flight"]
+        state["clean"] = not (state["pending"] or index or messages or state["dead"])
         return state
-    lists = [key for key in client.scan_iter(match=f"{QUEUE}*", count=1000)
-             if client.type(key) == b"list"]
+    lists = [key for key in client.scan_iter(match="*", count=1000)
+             if key.decode().split("\x06\x16")[0] in QUEUES and client.type(key) == b"list"]
     ready = sum(client.llen(key) for key in lists)
     unacked, index = client.hlen("unacked"), client.zcard("unacked_index")
     return {"ready": ready, "unacked": unacked, "unacked_index": index,
@@ -49,6 +55,24 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
                  and f.get("target") == prev["worker"]]
     broker_wide = [f for f in candidates if f["kind"] not in WORKER_FAULTS]
     return (on_worker or broker_wide or [None])[0]
+
+
+def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, list[dict[str, Any]]],
+                faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tasks that finished but whose ``task-succeeded`` event never reached the receiver;
+    explained when a fault (broker-wide, or on the worker that ran it) hit within
+    EVENT_WINDOW of the finish."""
+    received = {entry["id"] for entry in records.get("event", [])}
+    lost = [tid for tid in finishes if tid not in received]
+    unexplained = []
+    for tid in lost:
+        finish = finishes[tid][-1]
+        if not any(finish["t"] - 1.0 <= f["t"] <= finish["t"] + EVENT_WINDOW and (
+                f["kind"] not in WORKER_FAULTS or f.get("target") == finish["worker"])
+                for f in faults if not f.get("skipped")):
+            unexplained.append(tid)
+    return {"events_received": len(received), "events_lost": len(lost),
+            "events_lost_unexplained": len(unexplained), "events_lost_examples": unexplained[:20]}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -85,6 +109,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                 attributed.append({"id": tid, "kind": submit["kind"], "fault": fault,
                                    "prev": prev, "dup": dup})
     unknown = [tid for tid in starts if tid not in submits]
+    events = events_lost(records, finishes, faults)
     applied = Counter(f["kind"] for f in faults if not f.get("skipped"))
     verdict = {
         "submitted": len(submits), "submit_errors": len(records["submit_error"]),
@@ -100,11 +125,12 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "faults_applied": dict(applied),
         "faults_skipped": sorted({f["kind"] for f in faults if f.get("skipped")}),
         "duplicate_window_seconds": window,
+        **events,
         "latency_seconds": {name: percentile(latencies, q) for name, q in
                             (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))},
     }
     ok = (not lost and not state["pending"] and not early and not unattributable
-          and state["clean"])
+          and state["clean"] and not events["events_lost_unexplained"])
     verdict["verdict"] = ("PASS" if ok else "FAIL") if transport == "ours" else "REPORT"
     verdict["would_pass"] = ok
     return verdict

@@ -95,3 +95,22 @@ if os.environ.get("CRL_BROADCAST") == "1":
 def tsum(values: list[int]) -> int:
     """The body of a chord: sums what the header's tasks returned."""
     return sum(values)
+
+
+# -- added for test_lifetimes.py (append-only) ------------------------------------------------
+# CRL_ROUTED=1: the worker consumes 'routed', bound to the topic exchange 'jobs' with 'jobs.#'
+# (as in Celery's routing guide).
+if os.environ.get("CRL_ROUTED") == "1":
+    from kombu import Exchange, Queue
+
+    app.conf.task_queues = (Queue("routed", Exchange("jobs", "topic"), routing_key="jobs.#"),)
+
+
+from celery.worker.control import control_command  # noqa: E402
+
+
+@control_command(args=[("label", str)], signature="<label>")
+def record_command(state: object, label: str) -> dict[str, str]:
+    """A remote-control command that records that it ran (and on which worker)."""
+    record("control", label=label, hostname=getattr(state, "hostname", None), at=time.time())
+    return {"ok": label}
