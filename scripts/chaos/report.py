@@ -42,10 +42,10 @@ What each line means:
 - **task events**: a real event receiver listens to the workers' `task-succeeded` events for
   the whole run; an event is lost when a task finished and its event never arrived, and
   explained when a fault hit within 20 s of the finish (Celery's events are at most once and
-  live 5 s in the receiver's queue); an unexplained loss fails the run. Since the issue-10 runs, 10% of the tasks also go
-  through the topic exchange `chaos.jobs` to a queue with `x-expires` 60 s (its bindings
-  live 60 s without a refresh), so a run also proves that an expiring queue with consumers
-  and its route outlive every refresh.
+  live 5 s in the receiver's queue); an unexplained loss fails the run.
+- **the expiring route**: 10% of the tasks go through the topic exchange `chaos.jobs` to a
+  queue with `x-expires` 60 s (its bindings live 60 s without a refresh), so a run also
+  proves that an expiring queue with consumers, and its route, outlive every refresh.
 
 Our transport gets PASS or FAIL; kombu's stock Redis transport is run the same way as a
 report-only baseline (faults that make no sense for it, such as SCRIPT FLUSH, are skipped
