@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test test-all lint manifest bench bench-all clean
+.PHONY: venv demo test test-all lint manifest docs bench bench-all chaos dist clean
 
 venv: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 ## A tour on an embedded Valkey (or BROKER_URL=redis://... make demo).
 demo: venv
-	$(BIN)/python scripts/demo.py $(BROKER_URL)
+	$(BIN)/python -m tools.demo $(BROKER_URL)
 
 ## Run the whole test suite against throwaway Valkey and Redis servers.
 test: venv
@@ -28,33 +28,38 @@ test-all: venv
 
 ## ruff on the Python, luacheck (Debian package lua-check) on the scripts.
 lint: venv
-	$(BIN)/ruff check python tests scripts
+	$(BIN)/ruff check python tests tools
 	luacheck lua
 
 ## Rewrite lua/manifest.json after changing a script (bump its version first).
 manifest: venv
-	$(BIN)/python scripts/gen_manifest.py
+	$(BIN)/python -m tools.gen_manifest
 
 ## Regenerate docs/scripts.md from the script headers (a test fails when it is stale).
-.PHONY: scripts-doc
-scripts-doc: venv
-	$(BIN)/python -m celery_redis_lua.docgen
+docs: venv
+	$(BIN)/python -m tools.docgen
 
 ## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.
 bench: venv
-	$(BIN)/python scripts/bench_scripts.py
+	$(BIN)/python -m tools.bench.lua_level
 
-## Transport benchmark: ours vs stock kombu Redis, celery-redis-plus and RabbitMQ (~10 min;
-## ARGS=--quick for ~2 min). Writes bench-results/ and docs/bench/latest.{json,png,md}.
+## Transport benchmark: ours vs stock kombu Redis, celery-redis-plus and RabbitMQ, kombu and
+## Celery level (~10 min; ARGS=--quick for ~2 min). Writes bench-results/ and docs/bench/latest.*.
 bench-all: venv
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	$(BIN)/python -m scripts.bench $(ARGS)
+	$(BIN)/python -m tools.bench $(ARGS)
+
+## Chaos harness: workers, a producer and seeded faults, then a verdict on the ledger.
+## ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always
+##       --transport ours|stock --seed N'. Writes bench-results/chaos-*.json and docs/RELIABILITY.md.
+chaos: venv
+	$(BIN)/python -m tools.chaos $(ARGS)
+
+## Build the sdist and the wheel into dist/ and check them (twine check).
+dist: venv
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist
+	$(BIN)/python -m twine check --strict dist/*
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis
-
-## Chaos harness (issue 6): ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always
-## --transport ours|stock --seed N'. Writes bench-results/chaos-*.json and docs/RELIABILITY.md.
-.PHONY: chaos
-chaos: venv
-	$(BIN)/python -m scripts.chaos $(ARGS)

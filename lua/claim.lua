@@ -35,7 +35,7 @@
 --   second run skips what the first one took, a re-sent claim delivers nothing twice.
 
 local rcall = redis.call
-local WAKE_MEMBER = '~wake'
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: claim: ' .. message)

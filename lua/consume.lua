@@ -36,9 +36,10 @@
 --   variadic where they can be, which keeps the server's cost per message low.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
-local WAKE_MEMBER = '~wake'
-local READY_MAX = '(' .. string.format('%d', 256 * PRIORITY_FACTOR) -- below the wake marker's score
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
+local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
+local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, not the wake marker
 local QUEUE_KEYS = 7
 
 local function fail(message)

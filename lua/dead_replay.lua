@@ -26,7 +26,7 @@
 --   without one: an operator who replays an expired message wants it to run.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: dead_replay: ' .. message)

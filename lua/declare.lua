@@ -33,6 +33,8 @@
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
+local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
 local NAMES = {'expires', 'message_ttl', 'max_priority'}
 local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority'}
 
@@ -96,6 +98,6 @@ if stored.expires then
   for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 
-local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], '2560000000000000', '+inf')
+local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], string.format('%d', WAKE_SCORE), '+inf')
 return {ready, rcall('ZCARD', KEYS[2]), math.max(0, rcall('ZCARD', KEYS[3]) - ready),
         stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1}

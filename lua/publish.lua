@@ -38,8 +38,8 @@
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_MEMBER = '~wake'
-local WAKE_SCORE = 256 * PRIORITY_FACTOR
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
+local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
 local MAX_ETA_MS = PRIORITY_FACTOR - 1 -- a later ETA would overflow into the next priority band
 
 local function fail(message)

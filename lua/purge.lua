@@ -21,7 +21,7 @@
 --   allow-oom, because purging frees memory.
 
 local rcall = redis.call
-local WAKE_MEMBER = '~wake'
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: purge: ' .. message)

@@ -37,7 +37,7 @@
 --   next consume or sweep dead-letters it with reason 'expired'.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: reject: ' .. message)

@@ -19,7 +19,9 @@
 --   stays cheap on a queue of a million messages.
 
 local rcall = redis.call
-local READY_MAX = '(2560000000000000' -- below the wake marker's score, 256 * 10^13
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
+local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
+local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, not the wake marker
 local QUEUE_KEYS = 7
 
 if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then

@@ -16,12 +16,12 @@
 --   3  dead_letter_maxlen  integer >= 0      approximate cap of the dead-letter stream; 0 deletes dropped messages outright
 --   4  batch               integer 1..10000  most entries looked at per queue and per kind in this call
 --   5  report_limit        integer >= 0      most dropped messages returned with their payload
--- returns: array {promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more,
+-- returns: array {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more,
 --   then 5 items per reported dropped message: queue_position, id, delivery_count, reason, payload}
 --   promoted: delayed messages made ready; requeued: timed-out deliveries put back (count + 1);
 --   unclaimed: messages popped by BZMPOP but never claimed, put back (not counted);
 --   backlog: ready messages still queued whose index entry was pushed forward (not counted);
---   dead_lettered: deliveries that reached the delivery limit; expired: messages whose TTL
+--   limit_reached: deliveries that reached the delivery limit; expired: messages whose TTL
 --   passed while they waited (both go to the dead-letter stream, or are deleted when
 --   dead_letter_maxlen is 0); more: 1 when a batch was full, so the caller should sweep again.
 -- errors:
@@ -38,8 +38,8 @@
 --   remove the entry). allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
-local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level
-local WAKE_MEMBER = '~wake'
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 local QUEUE_KEYS = 7
 
 local function fail(message)
@@ -96,7 +96,7 @@ local function look_at(at, expires_at)
   return string.format('%d', at)
 end
 
-local promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more = 0, 0, 0, 0, 0, 0, 0, 0
+local promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = 0, 0, 0, 0, 0, 0, 0, 0
 local reported = {}
 
 for q = 1, #KEYS / QUEUE_KEYS do
@@ -176,7 +176,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
         requeued = requeued + 1
       else
         drop(id, s, payload, 'delivery-limit', attempts)
-        dead_lettered = dead_lettered + 1
+        limit_reached = limit_reached + 1
       end
     end
   end
@@ -189,6 +189,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
 end
 
-local reply = {promoted, requeued, unclaimed, backlog, dead_lettered, expired, orphans, more}
+local reply = {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more}
 for _, item in ipairs(reported) do reply[#reply + 1] = item end
 return reply

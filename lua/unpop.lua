@@ -25,7 +25,7 @@
 --   (and so deleted) by the pop: a queue with x-expires gets its expiry back on all keys.
 
 local rcall = redis.call
-local WAKE_MEMBER = '~wake'
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: unpop: ' .. message)

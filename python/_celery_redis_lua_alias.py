@@ -13,10 +13,12 @@ import importlib.util
 import sys
 from typing import Any
 
-ALIASES = {
-    "redislua": "celery_redis_lua.transport:Transport",
-    "redisluas": "celery_redis_lua.transport:Transport",
-}
+# Our URL schemes, and what each means to redis-py: the one table of them (the transport and
+# the CLI read it from here, because this module must not import the package).
+SCHEMES = {"redislua": "redis", "redisluas": "rediss", "redislua+socket": "unix"}
+TRANSPORT = "celery_redis_lua.kombu.transport:Transport"
+# kombu takes "redislua+socket://" as the transport "redislua" with a socket:// host.
+ALIASES = {scheme: TRANSPORT for scheme in SCHEMES if "+" not in scheme}
 
 
 def register(module: Any) -> None:

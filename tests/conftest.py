@@ -20,8 +20,8 @@ import redis
 from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Cluster, Server, ServerUnavailable, server_binary
 from kombu_support import Broker
+from tools.servers import Cluster, Server, ServerUnavailable, server_binary
 
 TARGETS = ("valkey", "redis", "valkey-cluster", "redis-cluster")
 PREFIXES = ("", "app:")

@@ -14,7 +14,7 @@ from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server
+from tools.servers import Server
 
 
 @dataclass
@@ -29,7 +29,8 @@ class Broker:
 
     @property
     def keys(self) -> Keyspace:
-        return Keyspace(self.prefix)
+        """The transport's keyspace on db 0 (fanout streams are ``P/0.<exchange>``)."""
+        return Keyspace(self.prefix, fanout_prefix="/0.")
 
     @property
     def lib(self) -> ScriptLibrary:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_redis_lua.servers import Server
 from conftest import require_kind
 from helpers import Shell, matches, server_now_ms, wait_for_server_time
+from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "auditing.md"

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from celery_redis_lua import Call, Keyspace, KeyspaceError, ScriptError, ScriptLibrary, calls
+from celery_redis_lua import Call, Keyspace, KeyspaceError, Policy, ScriptError, ScriptLibrary
+from celery_redis_lua.protocol import ops
 from conftest import Target
 from helpers import server_now_ms, wait_for_server_time
 
@@ -25,7 +26,15 @@ EXCHANGE = "bad-exchange"
 MEMBER = "rk\x06\x16\x06\x16bad"
 FANOUT = "bad-fanout"
 VIS = 60_000
+POLICY = Policy(visibility_ms=VIS, delivery_limit=5, dead_letter_maxlen=100)  # what the valid calls pass
+FANOUT_PREFIX = "/0."  # the transport's fanout stream names
 Snapshot = tuple[int, dict[bytes, tuple[bytes | None, int]]]
+
+
+@pytest.fixture
+def lib(lib: ScriptLibrary) -> ScriptLibrary:
+    """conftest's ``lib`` with the transport's fanout stream names (``<prefix>/0.<exchange>``)."""
+    return ScriptLibrary(lib.client, replace(lib.keys, fanout_prefix=FANOUT_PREFIX), lib.policy)
 
 
 @dataclass(frozen=True)
@@ -46,13 +55,13 @@ def seed(lib: ScriptLibrary, target: Target) -> Seeded:
     dead = lib.consume([QUEUE], 1).deliveries[0].id
     assert lib.reject(QUEUE, [dead], requeue=False).dead_lettered == 1
     lib.bind(EXCHANGE, [MEMBER], lifetime_ms=600_000)
-    lib.fanout_publish(lib.keys.fanout(FANOUT, "/0."), "fan", maxlen=100, expires_ms=600_000)
+    lib.fanout_publish(FANOUT, "fan", maxlen=100, expires_ms=600_000)
     # Last: a delayed message that is already due, so a script that promoted (or swept)
     # before validating would change the database.
     eta = server_now_ms(target.client) + 20
     lib.publish(QUEUE, "due", priority=5, eta_ms=eta)
     wait_for_server_time(target.client, eta + 1)
-    lib.fanout_bind(lib.keys.fanout(FANOUT, "/0."), "bound", expires_ms=600_000,
+    lib.fanout_bind(FANOUT, "bound", expires_ms=600_000,
                     stream_expires_ms=600_000)
     return Seeded(ready, in_flight, lib.dead_list(QUEUE)[0].entry_id,
                   target.client.hget(lib.keys.meta(QUEUE), "last_id"))
@@ -85,26 +94,24 @@ Build = Callable[[Keyspace, Seeded], Call]
 
 
 BASE: dict[str, Build] = {
-    "pub": lambda k, s: calls.publish(k, QUEUE, "payload", visibility_ms=VIS),
-    "con": lambda k, s: calls.consume(k, [QUEUE], count=5, visibility_ms=VIS),
-    "rej": lambda k, s: calls.reject(k, QUEUE, [s.in_flight], requeue=True, delivery_limit=5,
-                                     dead_letter_maxlen=100, visibility_ms=VIS),
-    "ext": lambda k, s: calls.extend(k, QUEUE, [s.in_flight], visibility_ms=VIS),
-    "ack": lambda k, s: calls.ack(k, QUEUE, [s.in_flight, s.ready]),
-    "claim": lambda k, s: calls.claim(k, QUEUE, [s.ready], visibility_ms=VIS),
-    "swp": lambda k, s: calls.sweep(k, [QUEUE], visibility_ms=VIS, delivery_limit=5,
-                                    dead_letter_maxlen=100),
-    "prg": lambda k, s: calls.purge(k, QUEUE),
-    "dlt": lambda k, s: calls.delete(k, QUEUE),
-    "bnd": lambda k, s: calls.bind(k, EXCHANGE, [MEMBER, "other"], lifetime_ms=600_000),
-    "fan": lambda k, s: calls.fanout_publish(k, k.fanout(FANOUT, "/0."), "payload", maxlen=100),
-    "dlist": lambda k, s: calls.dead_list(k, QUEUE),
-    "replay": lambda k, s: calls.dead_replay(k, QUEUE, visibility_ms=VIS, entry_ids=[s.dead_entry]),
-    "fbind": lambda k, s: calls.fanout_bind(k, k.fanout(FANOUT, "/0."), "bound", expires_ms=600_000),
-    "fread": lambda k, s: calls.fanout_consume(k, k.fanout(FANOUT, "/0."), "bound", "me", count=10),
-    "funbind": lambda k, s: calls.fanout_unbind(k, k.fanout(FANOUT, "/0."), "bound"),
-    "fleave": lambda k, s: calls.fanout_leave(k, k.fanout(FANOUT, "/0."), "bound", "me"),
-    "unpop": lambda k, s: calls.unpop(k, QUEUE, [(s.ready, "3000000000000000")]),
+    "pub": lambda k, s: ops.publish(k, POLICY, QUEUE, "payload"),
+    "con": lambda k, s: ops.consume(k, POLICY, [QUEUE], 5),
+    "rej": lambda k, s: ops.reject(k, POLICY, QUEUE, [s.in_flight], requeue=True),
+    "ext": lambda k, s: ops.extend(k, POLICY, QUEUE, [s.in_flight]),
+    "ack": lambda k, s: ops.ack(k, POLICY, QUEUE, [s.in_flight, s.ready]),
+    "claim": lambda k, s: ops.claim(k, POLICY, QUEUE, [s.ready]),
+    "swp": lambda k, s: ops.sweep(k, POLICY, [QUEUE]),
+    "prg": lambda k, s: ops.purge(k, POLICY, QUEUE),
+    "dlt": lambda k, s: ops.delete(k, POLICY, QUEUE),
+    "bnd": lambda k, s: ops.bind(k, POLICY, EXCHANGE, [MEMBER, "other"], lifetime_ms=600_000),
+    "fan": lambda k, s: ops.fanout_publish(k, POLICY, FANOUT, "payload", maxlen=100),
+    "dlist": lambda k, s: ops.dead_list(k, POLICY, QUEUE),
+    "replay": lambda k, s: ops.dead_replay(k, POLICY, QUEUE, entry_ids=[s.dead_entry]),
+    "fbind": lambda k, s: ops.fanout_bind(k, POLICY, FANOUT, "bound", expires_ms=600_000),
+    "fread": lambda k, s: ops.fanout_consume(k, POLICY, FANOUT, "bound", "me", count=10),
+    "funbind": lambda k, s: ops.fanout_unbind(k, POLICY, FANOUT, "bound"),
+    "fleave": lambda k, s: ops.fanout_leave(k, POLICY, FANOUT, "bound", "me"),
+    "unpop": lambda k, s: ops.unpop(k, POLICY, QUEUE, [(s.ready, "3000000000000000")]),
 }
 (pub, con, rej, ext, ack, claim, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
  unpop) = BASE.values()
@@ -330,7 +337,7 @@ def test_the_snapshot_sees_a_valid_call_and_ttl_minus_one_means_none(
     message has no TTL deadline (-1 is "none", not an error)."""
     seeded = seed(lib, target)
     before = snapshot(target, list(lib.keys.queue_keys(QUEUE)))
-    message_id = lib.run(calls.publish(lib.keys, QUEUE, "p", ttl_ms=-1, visibility_ms=VIS))
+    message_id = lib.run(ops.publish(lib.keys, POLICY, QUEUE, "p", ttl_ms=-1))
     assert message_id.encode() > seeded.last_id
     assert snapshot(target, list(lib.keys.queue_keys(QUEUE))) != before
     assert target.client.hget(lib.keys.state(QUEUE), message_id) == b"ready 0 0 -"
@@ -372,8 +379,9 @@ def test_every_key_of_a_queue_shares_one_slot_whatever_its_name(queue: str) -> N
 
 @pytest.mark.parametrize("exchange", ["plain", "a{b", "{tag}x", "with.dots"])
 def test_a_fanout_stream_and_its_groups_hash_share_one_slot(exchange: str) -> None:
-    keyspace = Keyspace("app:")
-    stream = keyspace.fanout(exchange, "/0.")
+    keyspace = Keyspace("app:", fanout_prefix=FANOUT_PREFIX)
+    stream = keyspace.fanout(exchange)
+    assert stream == f"app:/0.{exchange}"
     groups = keyspace.fanout_groups(stream)
     assert key_slot(stream.encode()) == key_slot(groups.encode())
     assert groups.startswith("app:")

@@ -9,17 +9,24 @@ expires with its stalest member, or never when some member lives forever.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from celery_redis_lua import ScriptLibrary
-from celery_redis_lua.calls import binding_member
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.keys import Binding
 from helpers import server_now_ms, wait_for_server_time
 
 SEP = "\x06\x16"
 
 
 def member(routing_key: str, pattern: str, queue: str, sep: str = SEP) -> str:
-    return binding_member(routing_key, pattern, queue, sep)
+    return Keyspace(separator=sep).binding_member(routing_key, pattern, queue)
+
+
+def test_the_default_separator_is_kombus() -> None:
+    assert Keyspace().separator == SEP
+    assert member("rk", "p", "q") == f"rk{SEP}p{SEP}q"
+    assert Keyspace().parse_binding(member("rk", "p", "q").encode()) == Binding("rk", "p", "q")
 
 
 def test_bind_with_lifetime_scores_stale_at_by_server_time(lib: ScriptLibrary) -> None:
@@ -89,11 +96,14 @@ def test_table_ttl_follows_the_stalest_member(lib: ScriptLibrary) -> None:
 def test_lookup_splits_members_on_sep(lib: ScriptLibrary) -> None:
     members = [member("tasks", "", "celery"), member("", "#", "events"), member("a.b", "a.*", "q")]
     lib.bind("ex", members)
-    assert sorted(lib.lookup("ex")) == sorted(
+    found = lib.lookup("ex")
+    assert sorted(found) == sorted(
         [("tasks", "", "celery"), ("", "#", "events"), ("a.b", "a.*", "q")])
+    assert all(type(binding) is Binding for binding in found)
 
-    lib.bind("pipe", [member("rk", "p", "q", sep="|")])
-    assert lib.lookup("pipe", sep="|") == [("rk", "p", "q")]
+    piped = ScriptLibrary(lib.client, dataclasses.replace(lib.keys, separator="|"), lib.policy)
+    piped.bind("pipe", [member("rk", "p", "q", sep="|")])
+    assert piped.lookup("pipe") == [Binding(routing_key="rk", pattern="p", queue="q")]
     assert lib.lookup("nothing-bound") == []
 
 

@@ -1,4 +1,4 @@
-"""The chaos harness's smoke profile (issue 6) against our transport: about 3-4 minutes of
+"""The chaos harness's smoke profile against our transport: about 3-4 minutes of
 load with every fault kind on a seeded schedule, real Celery workers, a Valkey broker with
 AOF, and a separate ledger. Slow: not part of `make test` / .ci/run; `make test-all` runs it."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_redis_lua.servers import ServerUnavailable, server_binary
+from tools.servers import ServerUnavailable, server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,9 @@ def test_smoke_profile_passes_for_our_transport() -> None:
     except ServerUnavailable as error:
         pytest.skip(str(error))
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # scripts/ is not a package on the test path
-    chaos = importlib.import_module("scripts.chaos.__main__")
-    kinds = importlib.import_module("scripts.chaos.profiles").FAULT_KINDS
+        sys.path.insert(0, str(ROOT))  # tools/ beside the tests
+    chaos = importlib.import_module("tools.chaos.__main__")
+    kinds = importlib.import_module("tools.chaos.profiles").FAULT_KINDS
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "1",
                                   "--no-doc"]))
     verdict = card["verdict"]

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_redis_lua import Delivery, Keyspace, ScriptLibrary
-from celery_redis_lua.calls import binding_member
+from celery_redis_lua import Delivery, Keyspace, Policy, ScriptLibrary
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 
@@ -61,7 +60,7 @@ def defining_keys(keys: Keyspace, queues: tuple[str, ...] = QUEUES, bound: bool 
 
 
 def bind_all(lib: ScriptLibrary, queues: tuple[str, ...] = QUEUES) -> None:
-    lib.bind(EXCHANGE, [binding_member(q, "", q, "\x06\x16") for q in queues])
+    lib.bind(EXCHANGE, [lib.keys.binding_member(q, "", q) for q in queues])
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
@@ -123,8 +122,9 @@ def test_reject_without_requeue_and_no_dead_letters_leaves_only_defining_keys(
     assert {d.id for d in redelivered} == {d.id for d in again}
     assert all(d.delivery_count == 1 for d in redelivered)
 
+    no_dead_letters = lib.with_policy(dead_letter_maxlen=0)
     for delivery in first:
-        rejected = lib.reject(delivery.queue, [delivery.id], requeue=False, dead_letter_maxlen=0)
+        rejected = no_dead_letters.reject(delivery.queue, [delivery.id], requeue=False)
         assert (rejected.requeued, rejected.dead_lettered, rejected.deleted) == (0, 0, 1)
     assert target.keys() == defining_keys(lib.keys, bound=bound)
 
@@ -159,14 +159,14 @@ def publish_expiring(lib: ScriptLibrary, queue: str, count: int, ttl_ms: int = 1
 @pytest.mark.parametrize("by", ["consume", "sweep"])
 def test_expired_messages_leave_nothing_behind(target: Target, keyspace: Keyspace, by: str) -> None:
     """With dead-lettering off (maxlen 0), whoever finds an expired message deletes it."""
-    lib = ScriptLibrary(target.client, keyspace, visibility_ms=60_000, dead_letter_maxlen=0)
+    lib = ScriptLibrary(target.client, keyspace, Policy(visibility_ms=60_000, dead_letter_maxlen=0))
     publish_expiring(lib, "short", 3)
     if by == "consume":
         consumed = lib.consume(["short"], 10)
         assert (consumed.deliveries, consumed.expired) == ([], 3)
     else:
-        report = lib.sweep(["short"], dead_letter_maxlen=0)
-        assert (report.expired, report.dead_lettered, report.backlog) == (3, 0, 0)
+        report = lib.sweep(["short"])  # dead_letter_maxlen 0: the library's policy
+        assert (report.expired, report.limit_reached, report.backlog) == (3, 0, 0)
         assert {d.reason for d in report.dropped_messages} == {"expired"}
     assert target.keys() == defining_keys(lib.keys, ("short",))
 

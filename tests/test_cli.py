@@ -16,9 +16,9 @@ from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.cli import main, mask, redis_url
-from celery_redis_lua.producer import decode_body
-from celery_redis_lua.servers import Server, free_port
+from celery_redis_lua.protocol.producer import decode_body
 from helpers import message_state, server_now_ms
+from tools.servers import Server, free_port
 
 SECRET = "s3cret-Pw"
 

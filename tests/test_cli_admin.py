@@ -10,9 +10,9 @@ from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary, load_scripts
 from celery_redis_lua.cli import main
-from celery_redis_lua.producer import build_envelope, dumps
-from celery_redis_lua.scripts import read_manifest
-from celery_redis_lua.servers import Server
+from celery_redis_lua.protocol.contract import read_manifest
+from celery_redis_lua.protocol.producer import build_envelope, dumps
+from tools.servers import Server
 
 
 def invoke(*args: str) -> Result:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, calls, load_scripts
+from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, load_scripts
 from conftest import Target, make_target
 from helpers import names_on_each_node, server_now_ms, wait_for_server_time
 
@@ -82,7 +82,7 @@ def test_queues_on_every_node_run_every_operation(cluster: Target, keyspace: Key
     last_deadline = max(int(client.zscore(keyspace.index(q), by_queue[q][3].id)) for q in queues)
     wait_for_server_time(client, max(eta, last_deadline) + 1)
     report = lib.sweep(queues)
-    assert (report.promoted, report.requeued, report.dead_lettered, report.expired,
+    assert (report.promoted, report.requeued, report.limit_reached, report.expired,
             report.orphans) == (3, 3, 0, 0, 0)
     assert lib.stats(queues) == [QueueStats(q, 3, 0, 1, 0) for q in queues]
 
@@ -138,8 +138,7 @@ def test_pipelined_calls_work_on_a_cluster(cluster: Target, keyspace: Keyspace) 
     calls go to queues on three different nodes."""
     lib = ScriptLibrary(cluster.client, keyspace, visibility_ms=60_000)
     queues = names_on_each_node(cluster.client, keyspace, stem="pipe")
-    ids = lib.run_many([calls.publish(keyspace, q, f"{q}-{i}", visibility_ms=60_000)
-                        for q in queues for i in range(2)])
+    ids = lib.run_many([lib.calls.publish(q, f"{q}-{i}") for q in queues for i in range(2)])
     assert len(ids) == 6 and all(len(i) == 16 for i in ids)
     for n, q in enumerate(queues):  # each queue has its own id sequence, on its own node
         first, second = ids[2 * n:2 * n + 2]

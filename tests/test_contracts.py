@@ -1,10 +1,11 @@
-"""Every script's header is a complete contract, and the typed wrappers honour it.
+"""Every script's header is a complete contract, and the typed operations honour it.
 
 The header (name, version, KEYS with Redis types, ARGV, returns, errors, why)
-is parsed by celery_redis_lua.scripts.parse_contract; here we check that each
-script has all of it, the shebang flags the design asks for, and that every
-wrapper in celery_redis_lua.calls passes the number of KEYS and ARGV the header
-declares (and that the server agrees, by running each wrapper's Call).
+is parsed by celery_redis_lua.protocol.contract.parse_contract; here we check that each
+script has all of it, the shebang flags the design asks for, that every script has
+exactly one operation in celery_redis_lua.protocol.ops (bound on ScriptLibrary unless the
+library loops it), and that every operation passes the number of KEYS and ARGV the header
+declares (and that the server agrees, by running each operation's Call).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Keyspace, ScriptLibrary, calls
-from celery_redis_lua.scripts import Call, Contract, parse_contract
+from celery_redis_lua import Call, Consumed, Keyspace, Policy, ScriptLibrary
+from celery_redis_lua.protocol import ops
+from celery_redis_lua.protocol.contract import Contract, parse_contract
+from celery_redis_lua.protocol.library import LOOPED
+from celery_redis_lua.protocol.ops import OPERATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(ROOT.glob("lua/*.lua"))
@@ -122,53 +126,82 @@ def test_no_script_takes_a_message_key_prefix_any_more() -> None:
         assert "message_key_prefix" not in [a.name for a in contract(name).argv], name
 
 
-# --- the typed wrappers -------------------------------------------------------------------------
+# --- the typed operations -----------------------------------------------------------------------
 
-KS = Keyspace("app:")
+KS = Keyspace("app:", fanout_prefix="/0.")  # the transport's fanout stream names (db 0)
+POLICY = Policy(visibility_ms=30_000, delivery_limit=3, dead_letter_maxlen=10)
+POLICY_ARGV = {"visibility_ms": 30_000, "delivery_limit": 3, "dead_letter_maxlen": 10}  # ARGV names
 IDS = ["0000000000000001", "0000000000000002"]
 QUEUES = ["wq1", "wq2"]
 
 
-def sample_calls() -> dict[str, tuple[Call, int]]:
-    """One Call per script with sample arguments, and how many queues it covers."""
-    vis = 30_000
-    built = [
-        (calls.publish(KS, "wq1", "payload", priority=3, visibility_ms=vis), 1),
-        (calls.consume(KS, QUEUES, count=2, visibility_ms=vis), 2),
-        (calls.claim(KS, "wq1", IDS, visibility_ms=vis), 1),
-        (calls.unpop(KS, "wq1", [(IDS[0], "2550000000000001"), (IDS[1], 2550000000000002.0)]), 1),
-        (calls.ack(KS, "wq1", IDS), 1),
-        (calls.reject(KS, "wq1", IDS, requeue=True, delivery_limit=3, dead_letter_maxlen=10,
-                      visibility_ms=vis), 1),
-        (calls.extend(KS, "wq1", IDS, visibility_ms=vis), 1),
-        (calls.sweep(KS, QUEUES, visibility_ms=vis, delivery_limit=3, dead_letter_maxlen=10), 2),
-        (calls.declare(KS, "wq1", expires_ms=60_000, message_ttl_ms=None, max_priority=10), 1),
-        (calls.bind(KS, "ex", ["rk\x06\x16\x06\x16wq1", "rk2\x06\x16\x06\x16wq2"], lifetime_ms=None), 1),
-        (calls.unbind(KS, "ex", ["rk2\x06\x16\x06\x16wq2"]), 1),
-        (calls.lookup(KS, "ex", "\x06\x16"), 1),
-        (calls.fanout_publish(KS, KS.fanout("ex", "/0."), "payload", maxlen=100, routing_key="rk"), 1),
-        (calls.fanout_bind(KS, KS.fanout("ex", "/0."), "wq1", expires_ms=60_000), 1),
-        (calls.fanout_consume(KS, KS.fanout("ex", "/0."), "wq1", "worker-1", count=10), 1),
-        (calls.fanout_leave(KS, KS.fanout("ex", "/0."), "wq1", "worker-1"), 1),
-        (calls.fanout_unbind(KS, KS.fanout("ex", "/0."), "wq1"), 1),
-        (calls.exists(KS, "wq1"), 1),
-        (calls.purge(KS, "wq2"), 1),
-        (calls.delete(KS, "wq2"), 1),
-        (calls.size(KS, "wq1"), 1),
-        (calls.stats(KS, QUEUES), 2),
-        (calls.dead_list(KS, "wq1"), 1),
-        (calls.dead_replay(KS, "wq1", visibility_ms=vis, entry_ids=["1-0", "2-0"]), 1),
-        (calls.dead_purge(KS, "wq1"), 1),
-    ]
-    return {call.script: (call, queues) for call, queues in built}
+def sample_calls() -> dict[str, tuple[Call[Any], int]]:
+    """One Call per operation of ops.OPERATIONS (keyed by the operation's name) with sample
+    arguments under a sample Policy, and how many queues it covers."""
+    k, p = KS, POLICY
+    built = {
+        "publish": (ops.publish(k, p, "wq1", "payload", priority=3), 1),
+        "consume": (ops.consume(k, p, QUEUES, 2), 2),
+        "claim": (ops.claim(k, p, "wq1", IDS), 1),
+        "unpop": (ops.unpop(k, p, "wq1", [(IDS[0], "2550000000000001"), (IDS[1], 2550000000000002.0)]), 1),
+        "ack": (ops.ack(k, p, "wq1", IDS), 1),
+        "reject": (ops.reject(k, p, "wq1", IDS, requeue=True), 1),
+        "extend": (ops.extend(k, p, "wq1", IDS), 1),
+        "sweep": (ops.sweep(k, p, QUEUES), 2),
+        "declare": (ops.declare(k, p, "wq1", expires_ms=60_000, message_ttl_ms=None, max_priority=10), 1),
+        "bind": (ops.bind(k, p, "ex", ["rk\x06\x16\x06\x16wq1", "rk2\x06\x16\x06\x16wq2"],
+                          lifetime_ms=None), 1),
+        "unbind": (ops.unbind(k, p, "ex", ["rk2\x06\x16\x06\x16wq2"]), 1),
+        "lookup": (ops.lookup(k, p, "ex"), 1),
+        "fanout_publish": (ops.fanout_publish(k, p, "ex", "payload", maxlen=100, routing_key="rk"), 1),
+        "fanout_bind": (ops.fanout_bind(k, p, "ex", "wq1", expires_ms=60_000), 1),
+        "fanout_consume": (ops.fanout_consume(k, p, "ex", "wq1", "worker-1", count=10), 1),
+        "fanout_leave": (ops.fanout_leave(k, p, "ex", "wq1", "worker-1"), 1),
+        "fanout_unbind": (ops.fanout_unbind(k, p, "ex", "wq1"), 1),
+        "exists": (ops.exists(k, p, "wq1"), 1),
+        "purge": (ops.purge(k, p, "wq2"), 1),
+        "delete": (ops.delete(k, p, "wq2"), 1),
+        "size": (ops.size(k, p, "wq1"), 1),
+        "stats": (ops.stats(k, p, QUEUES), 2),
+        "dead_list": (ops.dead_list(k, p, "wq1"), 1),
+        "dead_replay": (ops.dead_replay(k, p, "wq1", entry_ids=["1-0", "2-0"]), 1),
+        "dead_purge": (ops.dead_purge(k, p, "wq1"), 1),
+    }
+    return built
 
 
-def test_every_script_has_a_wrapper() -> None:
-    assert set(sample_calls()) == set(NAMES)
+def test_every_script_has_exactly_one_operation_and_every_operation_a_script() -> None:
+    assert set(OPERATIONS) == set(NAMES)  # a dict: one operation per name
+    assert [op.__name__ for op in OPERATIONS.values()] == list(OPERATIONS)
+    assert len(set(map(id, OPERATIONS.values()))) == len(OPERATIONS)  # no operation serves two scripts
+    built = sample_calls()
+    assert set(built) == set(OPERATIONS)
+    for name, (call, _) in built.items():
+        assert call.script == name, f"ops.{name} calls the script {call.script!r}"
+
+
+def test_every_operation_not_looped_is_a_library_method() -> None:
+    assert set(LOOPED) <= set(OPERATIONS)
+    for name, op in OPERATIONS.items():
+        if name in LOOPED:
+            assert callable(getattr(ScriptLibrary, name)), name  # the library's own loop
+        else:
+            assert getattr(ScriptLibrary, name).op is op, name
+
+
+def test_library_calls_bind_the_keyspace_and_the_policy() -> None:
+    """lib.calls.<op>(...) is the operation with the library's keyspace and policy first."""
+    lib = ScriptLibrary(None, KS, POLICY)
+    built = sample_calls()
+    assert lib.calls.reject("wq1", IDS, requeue=True).args == built["reject"][0].args
+    assert lib.calls.sweep(QUEUES).args == built["sweep"][0].args
+    assert lib.calls.fanout_bind("ex", "wq1", expires_ms=60_000).keys == built["fanout_bind"][0].keys
+    with pytest.raises(AttributeError):
+        lib.calls.no_such_script  # noqa: B018
 
 
 @pytest.mark.parametrize("name", ARGV_CHECKED)
-def test_wrapper_passes_the_declared_keys_and_argv(name: str) -> None:
+def test_operation_passes_the_declared_keys_and_argv(name: str) -> None:
     c = contract(name)
     call, queues = sample_calls()[name]
     if c.keys_per_queue:
@@ -180,15 +213,18 @@ def test_wrapper_passes_the_declared_keys_and_argv(name: str) -> None:
     else:
         assert len(call.args) == c.fixed_argc, f"{name}: {call.args!r}"
     assert all(isinstance(a, str | int | float | bytes) for a in call.args)
+    for spec in c.argv:  # the settings come from the Policy, each in its declared place
+        if spec.name in POLICY_ARGV:
+            assert call.args[spec.position - 1] == POLICY_ARGV[spec.name], (name, spec.name, call.args)
     if name in QUEUE_SCRIPTS:
         names = [KS.queue_of(call.keys[i]) for i in range(0, len(call.keys), 7)]
         assert len(names) == queues
         assert list(call.keys) == [k for q in names for k in KS.queue_keys(q)]
 
 
-def test_every_wrapper_call_is_accepted_by_the_server(standalone: redis.Redis) -> None:
+def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis) -> None:
     """Run each sample Call on a real server: a wrong arity or a bad default is an error reply."""
-    lib = ScriptLibrary(standalone, KS)
+    lib = ScriptLibrary(standalone, KS, POLICY)
     built = sample_calls()
     results: dict[str, Any] = {}
     for name in built:  # one at a time, in the order above (publish first)
@@ -197,7 +233,7 @@ def test_every_wrapper_call_is_accepted_by_the_server(standalone: redis.Redis) -
     assert not failed, failed
     assert re.fullmatch(r"[0-9a-f]{16}", results["publish"])
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
-    assert results["claim"] == calls.Consumed([], None, 0)  # unknown ids: nothing to claim
+    assert results["claim"] == Consumed([], None, 0)  # unknown ids: nothing to claim
     assert results["unpop"] == 0  # nor to put back
     assert results["lookup"] == [("rk", "", "wq1")]
     assert results["fanout_leave"] is True  # fanout_consume made the consumer 'worker-1'

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Consumed, Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
+from tools.servers import Server
 
 WAKE = b"~wake"
 WAKE_SCORE = 256 * 10**13
@@ -66,7 +66,7 @@ def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target)
     assert lib.sweep(["swept"]).promoted == 0
     wait_for_server_time(target.client, eta)
     report = lib.sweep(["swept"])
-    assert (report.promoted, report.requeued, report.dead_lettered, report.expired) == (2, 0, 0, 0)
+    assert (report.promoted, report.requeued, report.limit_reached, report.expired) == (2, 0, 0, 0)
 
     client = target.client
     assert [m.decode() for m in client.zrange(lib.keys.delayed("swept"), 0, -1)] == [far]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.calls import Delivery, Dropped, Rejected, SweepReport
+from celery_redis_lua.protocol.ops import Delivery, Dropped, Rejected, SweepReport
 from conftest import Target
 from helpers import message_exists, wait_for_server_time
 
@@ -33,7 +33,8 @@ def time_out(lib: ScriptLibrary, queue: str, message_id: str, *, delivery_limit:
     deadline = lib.client.zscore(lib.keys.index(queue), message_id)
     assert deadline is not None, f"{message_id} is not in flight"
     wait_for_server_time(lib.client, int(deadline))
-    return lib.sweep([queue], delivery_limit=delivery_limit, dead_letter_maxlen=dead_letter_maxlen)
+    policy = lib.with_policy(delivery_limit=delivery_limit, dead_letter_maxlen=dead_letter_maxlen)
+    return policy.sweep([queue])
 
 
 def assert_gone(lib: ScriptLibrary, queue: str, message_id: str) -> None:
@@ -51,14 +52,14 @@ def test_limit_3_is_a_first_delivery_plus_two_redeliveries(vlib: ScriptLibrary) 
         delivery = consume_one(vlib, "lim")
         seen.append(delivery.delivery_count)
         report = time_out(vlib, "lim", message_id, delivery_limit=3)
-        assert (report.requeued, report.dead_lettered) == (expected_requeued, 0)
+        assert (report.requeued, report.limit_reached) == (expected_requeued, 0)
     delivery = consume_one(vlib, "lim")
     seen.append(delivery.delivery_count)
     assert seen == [0, 1, 2]
     assert vlib.dead_list("lim") == []
 
     report = time_out(vlib, "lim", message_id, delivery_limit=3)
-    assert (report.requeued, report.dead_lettered) == (0, 1)
+    assert (report.requeued, report.limit_reached) == (0, 1)
     # The sweep reports what it dropped, payload included.
     assert report.dropped_messages == [Dropped("lim", message_id, 3, "delivery-limit", b"poison")]
 
@@ -72,9 +73,10 @@ def test_reject_requeue_counts_and_is_limited(vlib: ScriptLibrary) -> None:
     message_id = vlib.publish("rq", "flaky")
     for count in (0, 1):
         assert consume_one(vlib, "rq").delivery_count == count
-        assert vlib.reject("rq", [message_id], requeue=True, delivery_limit=3) == Rejected(1, 0, 0)
+        limited = vlib.with_policy(delivery_limit=3)
+        assert limited.reject("rq", [message_id], requeue=True) == Rejected(1, 0, 0)
     assert consume_one(vlib, "rq").delivery_count == 2
-    assert vlib.reject("rq", [message_id], requeue=True, delivery_limit=3) == Rejected(0, 1, 0)
+    assert vlib.with_policy(delivery_limit=3).reject("rq", [message_id], requeue=True) == Rejected(0, 1, 0)
 
     [dead] = vlib.dead_list("rq")
     assert (dead.id, dead.reason, dead.delivery_count, dead.payload) == (
@@ -87,10 +89,10 @@ def test_timeouts_and_rejects_share_one_counter(vlib: ScriptLibrary) -> None:
     assert consume_one(vlib, "both").delivery_count == 0
     assert time_out(vlib, "both", message_id, delivery_limit=3).requeued == 1
     assert consume_one(vlib, "both").delivery_count == 1
-    assert vlib.reject("both", [message_id], requeue=True, delivery_limit=3).requeued == 1
+    assert vlib.with_policy(delivery_limit=3).reject("both", [message_id], requeue=True).requeued == 1
     assert consume_one(vlib, "both").delivery_count == 2
     report = time_out(vlib, "both", message_id, delivery_limit=3)
-    assert report.dead_lettered == 1 and report.requeued == 0
+    assert report.limit_reached == 1 and report.requeued == 0
     assert [(d.reason, d.delivery_count) for d in vlib.dead_list("both")] == [("delivery-limit", 3)]
 
 
@@ -108,13 +110,14 @@ def test_reject_without_requeue_dead_letters_as_rejected(vlib: ScriptLibrary) ->
 def test_dead_letter_maxlen_0_deletes_outright(vlib: ScriptLibrary, target: Target) -> None:
     rejected = vlib.publish("gone", "reject me")
     consume_one(vlib, "gone")
-    assert vlib.reject("gone", [rejected], requeue=False, dead_letter_maxlen=0) == Rejected(0, 0, 1)
+    outright = vlib.with_policy(dead_letter_maxlen=0)
+    assert outright.reject("gone", [rejected], requeue=False) == Rejected(0, 0, 1)
 
     timed_out = vlib.publish("gone", "time me out")
     consume_one(vlib, "gone")
     # Limit 1: no redelivery at all, and nowhere to keep the letter.
     report = time_out(vlib, "gone", timed_out, delivery_limit=1, dead_letter_maxlen=0)
-    assert (report.requeued, report.dead_lettered) == (0, 1)
+    assert (report.requeued, report.limit_reached) == (0, 1)
     assert report.dropped_messages == [Dropped("gone", timed_out, 1, "delivery-limit", b"time me out")]
 
     assert target.client.exists(vlib.keys.dead("gone")) == 0
@@ -129,7 +132,8 @@ def test_no_limit_allows_any_number_of_redeliveries(vlib: ScriptLibrary, limit: 
     for count in range(30):
         delivery = consume_one(vlib, "inf")
         assert delivery.delivery_count == count
-        assert vlib.reject("inf", [message_id], requeue=True, delivery_limit=limit) == Rejected(1, 0, 0)
+        unlimited = vlib.with_policy(delivery_limit=limit)
+        assert unlimited.reject("inf", [message_id], requeue=True) == Rejected(1, 0, 0)
     consume_one(vlib, "inf")
     assert time_out(vlib, "inf", message_id, delivery_limit=limit).requeued == 1
     assert consume_one(vlib, "inf").delivery_count == 31

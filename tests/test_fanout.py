@@ -8,12 +8,21 @@ queue's group, the group and its other consumers stay.
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from redis.crc import key_slot
 
-from celery_redis_lua import ScriptLibrary, calls
+from celery_redis_lua import ScriptLibrary
 from conftest import Target
 
 FANOUT_PREFIX = "/0."
+
+
+@pytest.fixture
+def lib(lib: ScriptLibrary) -> ScriptLibrary:
+    """conftest's ``lib`` with the transport's fanout stream names (``<prefix>/0.<exchange>``)."""
+    return ScriptLibrary(lib.client, dataclasses.replace(lib.keys, fanout_prefix=FANOUT_PREFIX), lib.policy)
 
 
 def entries(lib: ScriptLibrary, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
@@ -21,9 +30,10 @@ def entries(lib: ScriptLibrary, stream: str) -> list[tuple[str, dict[bytes, byte
 
 
 def test_fanout_publish_appends_payload_entries_in_order(lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("broadcast", FANOUT_PREFIX)
-    ids = [lib.fanout_publish(stream, f"message {i}", routing_key=f"rk{i}") for i in range(5)]
-    ids.append(lib.fanout_publish(stream, b"\x00binary\xff"))
+    exchange = "broadcast"
+    stream = lib.keys.fanout(exchange)
+    ids = [lib.fanout_publish(exchange, f"message {i}", routing_key=f"rk{i}") for i in range(5)]
+    ids.append(lib.fanout_publish(exchange, b"\x00binary\xff"))
     stored = entries(lib, stream)
     assert [entry_id for entry_id, _ in stored] == ids
     assert [fields for _, fields in stored] == [
@@ -33,9 +43,10 @@ def test_fanout_publish_appends_payload_entries_in_order(lib: ScriptLibrary) -> 
 
 
 def test_fanout_stream_is_trimmed_to_about_maxlen(lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("trimmed", FANOUT_PREFIX)
+    exchange = "trimmed"
+    stream = lib.keys.fanout(exchange)
     total, maxlen = 1_000, 100
-    replies = lib.run_many([calls.fanout_publish(lib.keys, stream, f"m{i}", maxlen=maxlen)
+    replies = lib.run_many([lib.calls.fanout_publish(exchange, f"m{i}", maxlen=maxlen)
                             for i in range(total)])
     assert len(set(replies)) == total
     length = lib.client.xlen(stream)
@@ -49,28 +60,31 @@ def test_fanout_stream_is_trimmed_to_about_maxlen(lib: ScriptLibrary) -> None:
 
 
 def test_maxlen_larger_than_the_stream_keeps_everything(lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("roomy", FANOUT_PREFIX)
-    lib.run_many([calls.fanout_publish(lib.keys, stream, f"m{i}", maxlen=10_000) for i in range(300)])
+    exchange = "roomy"
+    stream = lib.keys.fanout(exchange)
+    lib.run_many([lib.calls.fanout_publish(exchange, f"m{i}", maxlen=10_000) for i in range(300)])
     assert lib.client.xlen(stream) == 300
 
 
 def test_fanout_expires_sets_and_refreshes_a_ttl(lib: ScriptLibrary) -> None:
     client = lib.client
-    stream = lib.keys.fanout("expiring", FANOUT_PREFIX)
+    exchange = "expiring"
+    stream = lib.keys.fanout(exchange)
     groups = lib.keys.fanout_groups(stream)
-    lib.fanout_publish(stream, "first", expires_ms=60_000)
+    lib.fanout_publish(exchange, "first", expires_ms=60_000)
     assert 50_000 < client.pttl(stream) <= 60_000
-    lib.fanout_bind(stream, "bound")  # the groups record exists now, without a TTL of its own
-    lib.fanout_publish(stream, "second", expires_ms=600_000)
+    lib.fanout_bind(exchange, "bound")  # the groups record exists now, without a TTL of its own
+    lib.fanout_publish(exchange, "second", expires_ms=600_000)
     assert 590_000 < client.pttl(stream) <= 600_000
     assert 590_000 < client.pttl(groups) <= 600_000  # the record expires with its stream
     assert client.xlen(stream) == 2
 
 
 def test_fanout_streams_use_the_key_prefix(target: Target, lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("ex", FANOUT_PREFIX)
+    exchange = "ex"
+    stream = lib.keys.fanout(exchange)
     assert stream == f"{lib.keys.prefix}/0.ex"
-    lib.fanout_publish(stream, "hello")
+    lib.fanout_publish(exchange, "hello")
     assert target.keys() == {stream.encode()}
 
 
@@ -83,63 +97,65 @@ def consumer_names(lib: ScriptLibrary, stream: str, queue: str) -> list[str]:
 
 
 def test_fanout_groups_record_shares_the_streams_slot(lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("ex", FANOUT_PREFIX)
+    exchange = "ex"
+    stream = lib.keys.fanout(exchange)
     groups = lib.keys.fanout_groups(stream)
     assert groups.startswith(lib.keys.prefix) and groups != stream
     assert key_slot(groups.encode()) == key_slot(stream.encode())
 
 
 def test_fanout_unbind_destroys_the_queues_group_only(lib: ScriptLibrary) -> None:
-    client, stream = lib.client, lib.keys.fanout("ex", FANOUT_PREFIX)
+    client, exchange = lib.client, "ex"
+    stream = lib.keys.fanout(exchange)
     groups = lib.keys.fanout_groups(stream)
-    assert lib.fanout_bind(stream, "gone", expires_ms=60_000).created is True
-    assert lib.fanout_bind(stream, "stays").created is True
-    lib.fanout_publish(stream, "before")
-    assert [p for _, _, p in lib.fanout_consume(stream, "stays", "w1").entries] == [b"before"]
+    assert lib.fanout_bind(exchange, "gone", expires_ms=60_000).created is True
+    assert lib.fanout_bind(exchange, "stays").created is True
+    lib.fanout_publish(exchange, "before")
+    assert [p for _, _, p in lib.fanout_consume(exchange, "stays", "w1").entries] == [b"before"]
     assert group_names(lib, stream) == ["gone", "stays"]
 
-    assert lib.fanout_unbind(stream, "gone") is True
+    assert lib.fanout_unbind(exchange, "gone") is True
 
     assert group_names(lib, stream) == ["stays"]
     assert sorted(client.hkeys(groups)) == [b"stays"]  # its record went with it
-    lib.fanout_publish(stream, "after")
-    assert [p for _, _, p in lib.fanout_consume(stream, "stays", "w1").entries] == [b"after"]
+    lib.fanout_publish(exchange, "after")
+    assert [p for _, _, p in lib.fanout_consume(exchange, "stays", "w1").entries] == [b"after"]
     assert client.xlen(stream) == 2  # the stream and its entries are untouched
 
-    assert lib.fanout_unbind(stream, "gone") is False  # already gone
+    assert lib.fanout_unbind(exchange, "gone") is False  # already gone
     # Bound again, the queue starts at the stream's end: what was sent meanwhile is not its.
-    assert lib.fanout_bind(stream, "gone").created is True
-    assert lib.fanout_consume(stream, "gone", "w1").entries == []
+    assert lib.fanout_bind(exchange, "gone").created is True
+    assert lib.fanout_consume(exchange, "gone", "w1").entries == []
 
 
 def test_fanout_unbind_without_a_stream_is_a_no_op(target: Target, lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("never", FANOUT_PREFIX)
-    assert lib.fanout_unbind(stream, "q") is False
+    assert lib.fanout_unbind("never", "q") is False
     assert target.keys() == set()
 
 
 def test_fanout_leave_removes_one_consumer(lib: ScriptLibrary) -> None:
-    stream = lib.keys.fanout("ex", FANOUT_PREFIX)
-    lib.fanout_bind(stream, "q")
-    lib.fanout_bind(stream, "other")
+    exchange = "ex"
+    stream = lib.keys.fanout(exchange)
+    lib.fanout_bind(exchange, "q")
+    lib.fanout_bind(exchange, "other")
     # Each reads something (Redis 7.0 makes a consumer only on a read that returns entries).
-    lib.fanout_publish(stream, "m1")
-    assert [p for _, _, p in lib.fanout_consume(stream, "q", "w1").entries] == [b"m1"]
-    lib.fanout_publish(stream, "m2")
-    assert [p for _, _, p in lib.fanout_consume(stream, "q", "w2").entries] == [b"m2"]
-    assert len(lib.fanout_consume(stream, "other", "w1").entries) == 2
+    lib.fanout_publish(exchange, "m1")
+    assert [p for _, _, p in lib.fanout_consume(exchange, "q", "w1").entries] == [b"m1"]
+    lib.fanout_publish(exchange, "m2")
+    assert [p for _, _, p in lib.fanout_consume(exchange, "q", "w2").entries] == [b"m2"]
+    assert len(lib.fanout_consume(exchange, "other", "w1").entries) == 2
     assert consumer_names(lib, stream, "q") == ["w1", "w2"]
 
-    assert lib.fanout_leave(stream, "q", "w1") is True
+    assert lib.fanout_leave(exchange, "q", "w1") is True
 
     assert consumer_names(lib, stream, "q") == ["w2"]
     assert consumer_names(lib, stream, "other") == ["w1"]  # another queue's consumer of that name
     assert group_names(lib, stream) == ["other", "q"]
     # The group keeps its place: the next entry is delivered once, to whoever reads next.
-    lib.fanout_publish(stream, "m3")
-    assert [p for _, _, p in lib.fanout_consume(stream, "q", "w2").entries] == [b"m3"]
-    assert lib.fanout_consume(stream, "q", "w1").entries == []
+    lib.fanout_publish(exchange, "m3")
+    assert [p for _, _, p in lib.fanout_consume(exchange, "q", "w2").entries] == [b"m3"]
+    assert lib.fanout_consume(exchange, "q", "w1").entries == []
 
-    assert lib.fanout_leave(stream, "q", "nobody") is False
-    assert lib.fanout_leave(stream, "unbound", "w1") is False  # no such group
-    assert lib.fanout_leave(lib.keys.fanout("never", FANOUT_PREFIX), "q", "w1") is False  # no stream
+    assert lib.fanout_leave(exchange, "q", "nobody") is False
+    assert lib.fanout_leave(exchange, "unbound", "w1") is False  # no such group
+    assert lib.fanout_leave("never", "q", "w1") is False  # no stream

@@ -12,6 +12,7 @@ from kombu.message import Message
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 import celery_redis_lua
+from celery_redis_lua import Keyspace
 from helpers import wait_for_server_time, wait_until
 from kombu_support import Broker, consume
 
@@ -235,7 +236,7 @@ def test_db_number_and_prefix_apply_to_every_key(broker: Broker) -> None:
     assert broker.client.keys("*") == []  # db 0
     with broker.server.client(db=3) as db3:
         keys = {k.decode() for k in db3.keys("*")}
-    stream = broker.keys.fanout("dbfan", "/3.")
+    stream = Keyspace(broker.prefix, fanout_prefix="/3.").fanout("dbfan")
     groups = broker.keys.fanout_groups(stream)
     assert {broker.keys.meta("dbq"), broker.keys.binding("ex"), stream, groups} <= keys
     assert all(k.startswith(broker.prefix) for k in keys)

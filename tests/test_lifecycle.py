@@ -195,7 +195,7 @@ def test_broadcasts_older_than_the_queue_s_message_ttl_are_not_delivered(kind_br
 def test_fanout_groups_go_with_their_queue_and_consumers_with_their_channel(kind_broker: Broker) -> None:
     exchange = Exchange("leaky", "fanout")
     queue = Queue("leaky-q", exchange)
-    stream = kind_broker.keys.fanout("leaky", "/0.")
+    stream = kind_broker.keys.fanout("leaky")
     with kind_broker.connection() as conn:
         consumer, got = collect(conn, [queue], no_ack=True)
         Producer(conn, exchange=exchange).publish("one")
@@ -213,13 +213,13 @@ def test_fanout_groups_go_with_their_queue_and_consumers_with_their_channel(kind
 def test_a_fanout_batch_of_nine_thousand_is_read_and_acked_whole(kind_broker: Broker) -> None:
     """Found by a user: XACK of the whole batch hit Lua's unpack limit (~8,000) after
     XREADGROUP had already moved the group on: the entries stayed pending for good."""
-    lib, stream = kind_broker.lib, kind_broker.keys.fanout("big", "/0.")
-    lib.fanout_bind(stream, "bigq")
+    lib, stream = kind_broker.lib, kind_broker.keys.fanout("big")
+    lib.fanout_bind("big", "bigq")
     pipe = kind_broker.client.pipeline(transaction=False)
     for i in range(9_000):
         pipe.xadd(stream, {"payload": f"m{i}", "routing_key": ""})
     pipe.execute()
-    batch = lib.fanout_consume(stream, "bigq", "me", count=9_000)
+    batch = lib.fanout_consume("big", "bigq", "me", count=9_000)
     assert len(batch.entries) == 9_000
     assert kind_broker.client.xpending(stream, "bigq")["pending"] == 0
 
@@ -227,7 +227,7 @@ def test_a_fanout_batch_of_nine_thousand_is_read_and_acked_whole(kind_broker: Br
 # -- defect 7: a fanout queue bound on one channel was never served on another ---------------
 
 def test_a_fanout_queue_bound_on_one_channel_is_consumed_on_another(kind_broker: Broker) -> None:
-    """The issue's minimal reproduction (and kombu's own integration test test_fanout)."""
+    """The minimal reproduction a user reported (and kombu's own integration test test_fanout)."""
     with kind_broker.connection() as conn:
         queue = Queue("f1", exchange=Exchange("fx", "fanout"))
         queue(conn.channel()).declare()
@@ -341,16 +341,16 @@ def test_retry_on_timeout_is_not_passed_on_so_no_script_is_ever_sent_twice(kind_
 def test_the_upkeep_runs_three_times_per_x_expires_of_a_consumed_queue(kind_broker: Broker) -> None:
     queue = Queue("pace", Exchange("pacex"), routing_key="pace", expires=12)
     with kind_broker.connection(visibility_timeout=300) as conn:
-        transport = conn.transport
-        assert transport.upkeep_interval() == 100  # visibility_timeout / 3 while idle
+        poller = conn.transport.poller
+        assert poller.upkeep_interval() == 100  # visibility_timeout / 3 while idle
         consumer, _ = collect(conn, [queue])
-        assert transport.upkeep_interval() == pytest.approx(4.0)
+        assert poller.upkeep_interval() == pytest.approx(4.0)
         consumer.cancel()
 
 
-def test_the_watchdog_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
-    """The solo pool runs a task inside the event loop: no upkeep while it runs. The
-    watchdog stands in, so the queue does not expire under the task."""
+def test_the_lease_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
+    """The solo pool runs a task inside the event loop: no upkeep while it runs. The lease
+    keeper's thread stands in, so the queue does not expire under the task."""
     queue = Queue("stall", Exchange("stallx"), routing_key="stall", expires=EXPIRES_S)
     keys = kind_broker.keys
     with kind_broker.connection(visibility_timeout=300) as conn:
@@ -360,6 +360,6 @@ def test_the_watchdog_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broke
         stop = threading.Event()
         stop.wait(EXPIRES_S * 1.5)  # the loop stands still, as during a solo task
         assert kind_broker.client.exists(keys.meta("stall"), keys.state("stall")) == 2
-        assert conn.transport.watchdog.fired > 0
+        assert conn.transport.poller.stood_in > 0
         got[0].ack()
         consumer.cancel()

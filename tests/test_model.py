@@ -27,9 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
-from celery_redis_lua import Keyspace, Rejected, ScriptLibrary, calls
-from celery_redis_lua.servers import Cluster, Server
+from celery_redis_lua import Keyspace, Policy, Rejected, ScriptLibrary
 from helpers import names_on_each_node, server_now_ms, wait_for_server_time, wait_until
+from tools.servers import Cluster, Server
 
 F = 10**13  # score = (255 - priority) * F + ready_at_ms
 VIS = 60_000
@@ -105,8 +105,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
         def __init__(self) -> None:
             super().__init__()
             client.flushall()
-            self.lib = ScriptLibrary(client, k, visibility_ms=VIS)
-            self.short = ScriptLibrary(client, k, visibility_ms=1)
+            self.lib = ScriptLibrary(client, k, Policy(visibility_ms=VIS, delivery_limit=LIMIT))
+            self.short = self.lib.with_policy(visibility_ms=1)
             self.m = Model(dead={q: [] for q in queues}, published=dict.fromkeys(queues, 0),
                            meta_last_id=dict.fromkeys(queues))
             self.step = 0
@@ -183,8 +183,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             for queue in into:
                 self.m.published[queue] += 1
                 payloads.append(f"{queue}-{self.m.published[queue]}")
-            ids = self.lib.run_many([calls.publish(k, q, p, priority=priority, eta_ms=eta, ttl_ms=ttl,
-                                                   visibility_ms=VIS)
+            ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl)
                                      for q, p in zip(into, payloads, strict=True)])
             t1 = self.now()
             for queue, payload, message_id in zip(into, payloads, ids, strict=True):
@@ -286,7 +285,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             gone_held = sorted(i for q, i in self.m.held if q == queue and (q, i) not in self.m.messages)
             stale = pick(gone_held, picks[:1]) if late else []
             t0 = self.now()
-            result = self.lib.reject(queue, ids + stale, requeue=requeue, delivery_limit=LIMIT)
+            result = self.lib.reject(queue, ids + stale, requeue=requeue)
             t1 = self.now()
             requeued = dead = 0
             for i in stale:
@@ -333,7 +332,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             index = {q: {text(i): int(s) for i, s in client.zrange(k.index(q), 0, -1, withscores=True)}
                      for q in queues}
             t0 = self.now()
-            report = self.lib.sweep(queues, delivery_limit=LIMIT)
+            report = self.lib.sweep(queues)
             t1 = self.now()
             promoted = self.resolve_promotions(queues, True, t0, t1)
             requeued, expired, dead_lettered, dropped = 0, 0, 0, []
@@ -357,7 +356,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                             dropped.append((q, m.id, m.delivery_count + 1, "delivery-limit", m.payload))
                             self.dead_letter(m, "delivery-limit", m.delivery_count + 1)
                             dead_lettered += 1
-            assert (report.promoted, report.requeued, report.dead_lettered, report.expired) == (
+            assert (report.promoted, report.requeued, report.limit_reached, report.expired) == (
                 promoted, requeued, dead_lettered, expired)
             assert (report.unclaimed, report.backlog, report.orphans, report.more) == (0, 0, 0, False)
             assert [(d.queue, d.id, d.delivery_count, d.reason, d.payload)

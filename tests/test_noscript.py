@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary, calls
-from celery_redis_lua.scripts import load_scripts
-from celery_redis_lua.servers import Server
+from celery_redis_lua import Call, Keyspace, ScriptError, ScriptLibrary
+from celery_redis_lua.protocol.contract import load_scripts
 from conftest import require_kind as require
 from helpers import names_on_each_node
+from tools.servers import Server
 
 SHA = {name: script.sha1 for name, script in load_scripts().items()}
 
@@ -33,8 +33,8 @@ def loaded(client: Any, name: str, node: Any = None) -> bool:
     return bool(client.script_exists(SHA[name])[0])
 
 
-def publish_call(lib: ScriptLibrary, queue: str, payload: str, priority: int | str = 0) -> calls.Call:
-    return calls.publish(lib.keys, queue, payload, priority=priority, visibility_ms=lib.visibility_ms)
+def publish_call(lib: ScriptLibrary, queue: str, payload: str, priority: int | str = 0) -> Call[str]:
+    return lib.calls.publish(queue, payload, priority=priority)
 
 
 def drain(lib: ScriptLibrary, queue: str) -> list[bytes]:
@@ -84,7 +84,7 @@ def test_run_many_reruns_only_the_calls_that_met_noscript(lib: ScriptLibrary, ta
     assert not loaded(target.client, "size")
     batch = [
         publish_call(lib, "nsq", "a"),
-        calls.size(lib.keys, "nsq"),
+        lib.calls.size("nsq"),
         publish_call(lib, "nsq", "b"),
         publish_call(lib, "nsq", "c"),
     ]
@@ -117,7 +117,7 @@ def test_script_error_in_run_many_is_returned_in_place(lib: ScriptLibrary, targe
     seed = lib.publish("nsq", "seed")
     target.client.script_flush()
     batch = [publish_call(lib, "nsq", "ok1"), publish_call(lib, "nsq", "", priority=1),
-             calls.size(lib.keys, "nsq"), publish_call(lib, "nsq", "ok2")]
+             lib.calls.size("nsq"), publish_call(lib, "nsq", "ok2")]
 
     first, error, size, second = lib.run_many(batch, raise_on_error=False)
 
@@ -215,7 +215,7 @@ def test_cluster_pipeline_with_some_calls_on_a_flushed_node(cluster_lib: ScriptL
     assert not loaded(client, "publish", flushed)
 
     batch = [publish_call(lib, q, f"{q}-{i}") for i in range(3) for q in queues]
-    batch += [calls.size(lib.keys, q) for q in queues]
+    batch += [lib.calls.size(q) for q in queues]
     replies = lib.run_many(batch)
 
     assert replies[-3:] == [4, 4, 4]  # seed + 3 on every node, nothing twice

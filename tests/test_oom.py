@@ -20,9 +20,9 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server
 from conftest import require_kind as require
 from helpers import server_now_ms, wait_for_server_time
+from tools.servers import Server
 
 VISIBILITY_MS = 300
 PAYLOAD = "p" * 65_536
@@ -131,9 +131,9 @@ def test_sweep_runs_on_a_full_server_and_frees_memory(full: Full) -> None:
     dbsize, memory = full.client.dbsize(), full.used_memory()
 
     # Limit 1: the timed-out deliveries may not start a second attempt; maxlen 0 deletes them.
-    report = full.lib.sweep(["q"], delivery_limit=1, dead_letter_maxlen=0)
+    report = full.lib.with_policy(delivery_limit=1, dead_letter_maxlen=0).sweep(["q"])
 
-    assert (report.dead_lettered, report.expired) == (5, 0)
+    assert (report.limit_reached, report.expired) == (5, 0)
     assert sorted(d.id for d in report.dropped_messages) == sorted(full.in_flight)
     assert {d.reason for d in report.dropped_messages} == {"delivery-limit"}
     assert full.client.dbsize() == dbsize  # no dead-letter stream (maxlen 0); the hashes stay

@@ -12,9 +12,10 @@ import pytest
 from kombu import Connection
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
-from celery_redis_lua.options import OptionError, TransportOptions, parse_options
-from celery_redis_lua.servers import Server
-from celery_redis_lua.transport import Transport
+from celery_redis_lua import Keyspace, Policy
+from celery_redis_lua.kombu.options import OptionError, TransportOptions, parse_options
+from celery_redis_lua.kombu.transport import Transport
+from tools.servers import Server
 
 # The reference API's options and defaults, plus the dead-letter and sweep options.
 DOCUMENTED: dict[str, Any] = {
@@ -119,8 +120,15 @@ def test_ssl_false_means_no_tls() -> None:
 
 def test_derived_values_follow_the_options() -> None:
     options = parse_options({"visibility_timeout": 1.5, "message_ttl": 2, "queue_expires": 30})
-    assert (options.visibility_ms, options.message_ttl_ms, options.queue_expires_ms) == (1500, 2000, 30_000)
-    assert options.heartbeat_interval == 0.5
+    assert (options.policy.visibility_ms, options.message_ttl_ms, options.queue_expires_ms) == (
+        1500, 2000, 30_000)
+    assert options.policy.heartbeat_seconds == 0.5
+    assert parse_options({}).policy == Policy(visibility_ms=300_000, delivery_limit=20,
+                                              dead_letter_maxlen=10_000)
+    assert parse_options({"delivery_limit": None, "dead_letter_maxlen": 0}).policy == Policy(
+        visibility_ms=300_000, delivery_limit=None, dead_letter_maxlen=0)
+    assert parse_options({"global_keyprefix": "app:", "sep": "|"}).keyspace(3) == Keyspace(
+        "app:", "message:", "/3.", "|")
     assert parse_options({}).message_ttl_ms is None
     assert parse_options({}).queue_expires_ms is None
 

@@ -20,10 +20,10 @@ from kombu import Connection, Consumer, Exchange, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.orphans import ORPHANS
-from celery_redis_lua.servers import Server
+from celery_redis_lua.kombu.orphans import ORPHANS
 from conftest import require_kind
 from helpers import wait_until
+from tools.servers import Server
 
 VISIBILITY = 1.0
 QUEUE = Queue("work", Exchange("work", "direct"), routing_key="work")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from celery_redis_lua import ScriptLibrary, calls
+from celery_redis_lua import ScriptLibrary
 from conftest import Target
 from helpers import message_state, same_slot_names
 
@@ -47,10 +47,7 @@ def test_priority_given_as_string_and_default_zero(lib: ScriptLibrary) -> None:
 def test_same_millisecond_publishes_keep_publish_order(lib: ScriptLibrary, target: Target) -> None:
     queue = "burst"
     # One pipeline: the server runs the 1,000 scripts back to back, so many share a ms.
-    ids = lib.run_many([
-        calls.publish(lib.keys, queue, f"m{i:04d}", priority=7, visibility_ms=lib.visibility_ms)
-        for i in range(1000)
-    ])
+    ids = lib.run_many([lib.calls.publish(queue, f"m{i:04d}", priority=7) for i in range(1000)])
     assert len(set(ids)) == 1000
     assert ids == sorted(ids)  # a per-queue sequence, not random ids
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, calls
+from celery_redis_lua import Declared, Keyspace, QueueStats, ScriptLibrary
 from conftest import Target
 from helpers import message_exists, names_on_each_node, server_now_ms, wait_for_server_time
 
@@ -51,12 +51,11 @@ def test_purge_drops_ready_and_delayed_but_not_in_flight(target: Target, lib: Sc
 
 def test_purge_of_a_large_queue_runs_in_batches(target: Target, lib: ScriptLibrary) -> None:
     eta = later(lib)
-    lib.run_many([calls.publish(lib.keys, "big", f"m{i}", visibility_ms=60_000) for i in range(4_600)]
-            + [calls.publish(lib.keys, "big", f"d{i}", eta_ms=eta, visibility_ms=60_000)
-               for i in range(400)])
+    lib.run_many([lib.calls.publish("big", f"m{i}") for i in range(4_600)]
+                 + [lib.calls.publish("big", f"d{i}", eta_ms=eta) for i in range(400)])
     assert lib.stats(["big"]) == [QueueStats("big", 4_600, 400, 0, 0)]
 
-    purged, remaining = lib.run(calls.purge(lib.keys, "big", batch=1_000))
+    purged, remaining = lib.run(lib.calls.purge("big", batch=1_000))
     assert purged == 1_000
     assert remaining >= 4_000  # (the wake marker of the delayed messages may count too)
     assert lib.size("big") == 3_600
@@ -98,9 +97,9 @@ def test_delete_is_one_call_that_unlinks_every_key_of_the_queue(target: Target, 
     assert lib.reject("gone", [taken[0].id], requeue=False).dead_lettered == 1
     assert {k.decode() for k in keys_of(target, "gone")} == set(lib.keys.queue_keys("gone"))
 
-    assert lib.run(calls.delete(lib.keys, "gone")) == 5  # 3 ready, 1 delayed, 1 in flight
+    assert lib.run(lib.calls.delete("gone")) == 5  # 3 ready, 1 delayed, 1 in flight
     assert target.keys() == set()
-    assert lib.run(calls.delete(lib.keys, "gone")) == 0  # nothing left; and nothing created
+    assert lib.run(lib.calls.delete("gone")) == 0  # nothing left; and nothing created
     assert target.keys() == set()
 
     # Declared again under the same name, the queue starts empty and without its old arguments,
@@ -108,7 +107,7 @@ def test_delete_is_one_call_that_unlinks_every_key_of_the_queue(target: Target, 
     # old ones, so a late ack of an old delivery touches nothing.
     wait_for_server_time(lib.client, int(max(ids)[:11], 16) + 1)
     declared = lib.declare("gone")
-    assert declared == calls.Declared(0, 0, 0, None, None, None)
+    assert declared == Declared(0, 0, 0, None, None, None)
     reborn = lib.publish("gone", "reborn")
     assert reborn > max(ids)
     assert lib.ack("gone", [d.id for d in taken]) == 0
@@ -120,11 +119,9 @@ def test_ids_are_not_reused_by_a_publish_right_after_delete(lib: ScriptLibrary) 
     even after the queue was deleted. Publish, delete and publish again in one pipeline (the
     server runs them back to back, within one ms): the second id must differ, or a late
     ack of the first delivery deletes the second message."""
-    vis = lib.visibility_ms
     for _ in range(50):
-        first, held, second = lib.run_many([calls.publish(lib.keys, "again", "old", visibility_ms=vis),
-                                            calls.delete(lib.keys, "again"),
-                                            calls.publish(lib.keys, "again", "new", visibility_ms=vis)])
+        first, held, second = lib.run_many([lib.calls.publish("again", "old"), lib.calls.delete("again"),
+                                            lib.calls.publish("again", "new")])
         assert held == 1
         assert second > first
         assert lib.ack("again", [first]) == 0

@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 from celery_redis_lua import Keyspace
-from celery_redis_lua.servers import Server
 from helpers import server_now_ms
+from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = Keyspace("cli:")

@@ -12,17 +12,18 @@ import json
 import re
 from pathlib import Path
 
-from celery_redis_lua import docgen, producer
-from celery_redis_lua.scripts import load_scripts, read_manifest
-from celery_redis_lua.servers import Server
+from celery_redis_lua.protocol import producer
+from celery_redis_lua.protocol.contract import load_scripts, read_manifest
 from helpers import Shell, matches
+from tools import docgen
+from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "scripts.md"
 
 
 def doc_text() -> str:
-    assert DOC.exists(), "docs/scripts.md is missing: run make scripts-doc"
+    assert DOC.exists(), "docs/scripts.md is missing: run make docs"
     return DOC.read_text()
 
 
@@ -49,7 +50,7 @@ def delivered(consume_output: list[str]) -> list[list[str]]:
 
 
 def test_doc_is_what_the_generator_produces_now() -> None:
-    assert doc_text() == docgen.generate(), "docs/scripts.md is stale: run make scripts-doc"
+    assert doc_text() == docgen.generate(), "docs/scripts.md is stale: run make docs"
 
 
 def test_every_script_is_documented_with_its_whole_contract() -> None:

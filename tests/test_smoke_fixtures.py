@@ -1,4 +1,4 @@
-from celery_redis_lua.servers import server_version
+from tools.servers import server_version
 
 
 def test_every_target_answers_and_runs_a_script(target, lib):

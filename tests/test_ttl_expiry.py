@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary, calls
-from celery_redis_lua.servers import Server
+from celery_redis_lua import Keyspace, Policy, ScriptError, ScriptLibrary
 from conftest import require_kind
 from helpers import message_exists, message_state, server_now_ms, wait_for_server_time, wait_until
+from tools.servers import Server
 
 MIN_EXPIRES_MS = 10_000
 
@@ -68,7 +68,7 @@ def test_the_sweep_dead_letters_a_message_that_expires_unconsumed(lib: ScriptLib
     keeper = lib.publish("idle", "keeper")
     wait_for_server_time(lib.client, expires_at(lib, "idle", doomed) + 1)
     report = lib.sweep(["idle"])
-    assert (report.expired, report.dead_lettered, report.backlog) == (1, 0, 0)
+    assert (report.expired, report.limit_reached, report.backlog) == (1, 0, 0)
     assert [(d.id, d.reason, d.payload) for d in report.dropped_messages] == [(doomed, "expired", b"doomed")]
     assert dead_reasons(lib, "idle") == [(doomed, "expired")]
     assert lib.dead_list("idle")[0].priority == 4
@@ -77,7 +77,7 @@ def test_the_sweep_dead_letters_a_message_that_expires_unconsumed(lib: ScriptLib
 
 
 def test_without_dead_letters_an_expired_message_is_deleted(target: Any, keyspace: Keyspace) -> None:
-    lib = ScriptLibrary(target.client, keyspace, visibility_ms=60_000, dead_letter_maxlen=0)
+    lib = ScriptLibrary(target.client, keyspace, Policy(visibility_ms=60_000, dead_letter_maxlen=0))
     doomed = lib.publish("gone", "doomed", ttl_ms=50)
     wait_for_server_time(lib.client, expires_at(lib, "gone", doomed) + 1)
     consumed = lib.consume(["gone"], 1)
@@ -279,7 +279,7 @@ def test_a_late_ack_from_before_a_delete_cannot_touch_the_new_queue(lib: ScriptL
 
 
 def test_ids_stay_in_publish_order_within_one_millisecond(lib: ScriptLibrary) -> None:
-    ids = lib.run_many([calls.publish(lib.keys, "burst", f"m{i}", visibility_ms=60_000)
+    ids = lib.run_many([lib.calls.publish("burst", f"m{i}")
                         for i in range(300)])
     assert ids == sorted(ids) and len(set(ids)) == 300
     assert all(len(i) == 16 and int(i, 16) >= 0 for i in ids)

@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from kombu.transport import TRANSPORT_ALIASES, resolve_transport
 
 import celery_redis_lua
-from celery_redis_lua.servers import Server, ServerUnavailable, free_port, server_binary
+from tools.servers import Server, ServerUnavailable, free_port, server_binary
 
 SECRET = "s3cret-Pw"
 
@@ -37,7 +37,7 @@ def roundtrip(connection: Connection, queue: str = "urls") -> Any:
 
 def test_import_registers_our_schemes() -> None:
     for scheme in ("redislua", "redisluas"):
-        assert TRANSPORT_ALIASES[scheme] == "celery_redis_lua.transport:Transport"
+        assert TRANSPORT_ALIASES[scheme] == "celery_redis_lua.kombu.transport:Transport"
         assert resolve_transport(scheme) is celery_redis_lua.Transport
         assert type(Connection(f"{scheme}://127.0.0.1:1/0").transport) is celery_redis_lua.Transport
 
@@ -50,7 +50,7 @@ def test_a_fresh_interpreter_only_needs_the_import(valkey_server: Server) -> Non
     url = f"redislua://127.0.0.1:{valkey_server.port}/5"
     done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["celery_redis_lua.transport", "hi"]
+    assert done.stdout.split() == ["celery_redis_lua.kombu.transport", "hi"]
 
 
 def test_broker_url_alone_selects_the_transport_in_celery(valkey_server: Server) -> None:
@@ -63,7 +63,7 @@ def test_broker_url_alone_selects_the_transport_in_celery(valkey_server: Server)
     url = f"redislua://127.0.0.1:{valkey_server.port}/5"
     done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-600:]
-    assert done.stdout.strip() == "celery_redis_lua.transport"
+    assert done.stdout.strip() == "celery_redis_lua.kombu.transport"
 
 
 @pytest.mark.parametrize("scheme", ["redislua", "redis"])

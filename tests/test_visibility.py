@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.calls import Rejected, SweepReport
+from celery_redis_lua.protocol.ops import Rejected, SweepReport
 from conftest import Target
 from helpers import message_exists, message_state, server_now_ms, wait_for_server_time
 
@@ -38,7 +38,7 @@ def sweep_after_index_time(lib: ScriptLibrary, queue: str, message_id: str) -> S
 
 def counts(report: SweepReport) -> tuple[int, ...]:
     return (report.promoted, report.requeued, report.unclaimed, report.backlog,
-            report.dead_lettered + report.expired, report.orphans)
+            report.limit_reached + report.expired, report.orphans)
 
 
 def zmpop(client: Any, key: str, count: int) -> list[str]:

@@ -1,8 +1,10 @@
-"""The wheel carries the Lua scripts inside the package, and an installed wheel finds them.
+"""The wheel carries the Lua scripts inside the package, an installed wheel finds them, and
+the wheel holds only what runs in production.
 
 Builds the wheel, installs it into a fresh venv outside the source tree (no
 PYTHONPATH, no editable install, cwd elsewhere), and runs publish + consume
-through the installed package against a throwaway server.
+through the installed package against a throwaway server. The development tools
+(tools/: the throwaway servers, the doc generator, the harnesses) stay out of it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,28 @@ from pathlib import Path
 
 import pytest
 
-from celery_redis_lua.servers import Server
+from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "python" / "celery_redis_lua"
+# What runs in production: the package (its protocol/ and kombu/ layers, the scripts in lua/,
+# the CLI) and the two files that register the URL schemes where nothing imports it.
+PRODUCTION_FILES = {"celery_redis_lua/__init__.py", "celery_redis_lua/cli.py",
+                    "_celery_redis_lua_alias.py", "celery_redis_lua_alias.pth"}
+PRODUCTION_DIRS = ("celery_redis_lua/protocol/", "celery_redis_lua/kombu/", "celery_redis_lua/lua/")
+DEVELOPMENT_ONLY = {"servers.py", "docgen.py"}
+
+
+def in_production(name: str) -> bool:
+    return name in PRODUCTION_FILES or name.startswith(PRODUCTION_DIRS)
+
 
 PROBE = r"""
-import json, sys, sysconfig
+import importlib.metadata, importlib.util, json, sys, sysconfig
 from pathlib import Path
 import celery_redis_lua
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.scripts import load_scripts, lua_dir, read_manifest
+from celery_redis_lua.protocol.contract import load_scripts, lua_dir, read_manifest
 import redis
 
 client = redis.Redis(host="127.0.0.1", port=int(sys.argv[1]))
@@ -49,6 +63,9 @@ print(json.dumps({
     "id": message_id,
     "published_between": [before, after],
     "deliveries": [[d.queue, d.id, d.delivery_count, d.payload.decode()] for d in consumed.deliveries],
+    "installed": sorted(str(f) for f in importlib.metadata.files("celery-redis-lua")),
+    "dev_modules": [name for name in ("celery_redis_lua.servers", "celery_redis_lua.docgen", "tools")
+                    if importlib.util.find_spec(name) is not None],
 }))
 """
 
@@ -90,6 +107,25 @@ def test_wheel_carries_every_script_byte_for_byte(wheel: Path) -> None:
     assert packaged == sources
 
 
+def test_wheel_holds_only_what_runs_in_production(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+    assert len(dist_info) == 1 and next(iter(dist_info)).startswith("celery_redis_lua-"), dist_info
+    shipped = [n for n in names if n.split("/")[0] not in dist_info]
+    assert [n for n in shipped if not in_production(n)] == []
+    assert set(shipped) >= PRODUCTION_FILES
+    assert not [n for n in shipped if Path(n).name in DEVELOPMENT_ONLY]
+    assert not [n for n in shipped if n.startswith("tools/") or "/tools/" in n]
+    # protocol/ and kombu/ are exactly the modules of the source tree, nothing else.
+    layers = {n for n in shipped if n.startswith(PRODUCTION_DIRS[:2])}
+    sources = {f"celery_redis_lua/{p.relative_to(PACKAGE).as_posix()}"
+               for layer in ("protocol", "kombu") for p in (PACKAGE / layer).rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert layers == sources
+    assert {"celery_redis_lua/protocol/__init__.py", "celery_redis_lua/kombu/__init__.py"} <= layers
+
+
 def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_path: Path) -> None:
     assert ROOT not in tmp_path.parents
     venv = tmp_path / "venv"
@@ -113,3 +149,9 @@ def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_p
     assert len(report["id"]) == 16 and report["id"].endswith("00")
     assert before * 1000 <= int(report["id"][:14], 16) <= (after + 1) * 1000
     assert report["deliveries"] == [["wheel-q", report["id"], 0, "from the installed wheel"]]
+    # Installed, too, the package is only what runs in production: no development tools.
+    installed = [f for f in report["installed"] if not f.startswith("../")  # the console script
+                 and ".dist-info/" not in f and "__pycache__" not in f]
+    assert installed and [f for f in installed if not in_production(f)] == []
+    assert not [f for f in report["installed"] if Path(f).name in DEVELOPMENT_ONLY]
+    assert report["dev_modules"] == []

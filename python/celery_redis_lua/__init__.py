@@ -1,24 +1,37 @@
 """celery-redis-lua: a Celery/kombu broker transport whose every protocol operation is a Lua script."""
 
-from .calls import Consumed, DeadLetter, Delivery, QueueStats, Rejected, SweepReport
-from .keys import Keyspace, KeyspaceError
-from .library import ScriptLibrary
-from .scripts import Call, Script, ScriptError, ScriptRunner, load_scripts
+from kombu.transport import TRANSPORT_ALIASES
+
+from _celery_redis_lua_alias import ALIASES
+
+from .kombu.transport import Transport
+from .protocol.contract import Script, load_scripts
+from .protocol.keys import Keyspace, KeyspaceError
+from .protocol.library import ScriptLibrary
+from .protocol.ops import (
+    Consumed,
+    DeadLetter,
+    Declared,
+    Delivery,
+    Dropped,
+    QueueStats,
+    Rejected,
+    SweepReport,
+)
+from .protocol.policy import Policy
+from .protocol.runner import Call, ScriptError, ScriptRunner
 
 __version__ = "0.2.0.dev0"
 
 # Importing the package registers our URL schemes with kombu, so that
 # broker_url = "redislua://host:6379/0" (TLS: "redisluas://", Unix socket:
-# "redislua+socket:///path") alone selects this transport.
-from kombu.transport import TRANSPORT_ALIASES
-
-from .transport import Transport
-
-for _scheme in ("redislua", "redisluas"):
-    TRANSPORT_ALIASES.setdefault(_scheme, "celery_redis_lua.transport:Transport")
+# "redislua+socket:///path") alone selects this transport (the .pth hook does the same
+# where nothing imports the package).
+for _scheme, _target in ALIASES.items():
+    TRANSPORT_ALIASES.setdefault(_scheme, _target)
 
 __all__ = [
-    "Call", "Consumed", "DeadLetter", "Delivery", "Keyspace", "KeyspaceError", "QueueStats",
-    "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport",
-    "Transport", "load_scripts",
+    "Call", "Consumed", "DeadLetter", "Declared", "Delivery", "Dropped", "Keyspace", "KeyspaceError",
+    "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner",
+    "SweepReport", "Transport", "load_scripts",
 ]

@@ -18,16 +18,19 @@ from urllib.parse import urlsplit
 import click
 import redis
 
-from . import producer
-from .keys import Keyspace, KeyspaceError
-from .library import ScriptLibrary
-from .scripts import ERROR_PREFIX, load_scripts, read_manifest
+from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
+
+from .protocol import producer
+from .protocol.contract import load_scripts, read_manifest
+from .protocol.keys import Keyspace, KeyspaceError
+from .protocol.library import ScriptLibrary
+from .protocol.runner import ERROR_PREFIX
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 PROG = "celery-redis-lua"
-# Our schemes (and kombu's socket forms) as redis-py knows them.
-SCHEMES = {"redis": "redis", "rediss": "rediss", "redislua": "redis", "redisluas": "rediss",
-           "unix": "unix", "redislua+socket": "unix", "redis+socket": "unix", "socket": "unix"}
+# URL schemes as redis-py knows them: redis-py's own, kombu's socket forms, and ours.
+SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "redis+socket": "unix",
+           "socket": "unix", **OUR_SCHEMES}
 _secrets: set[str] = set()  # passwords seen in URLs; scrubbed from every message we print
 
 
@@ -87,7 +90,7 @@ def connect(url: str, prefix: str) -> ScriptLibrary:
         raise CliError(f"cannot log in to {mask(url)}: {scrub(str(error))}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
         raise CliError(f"cannot reach {mask(url)}: {scrub(str(error))}") from None
-    return ScriptLibrary(client, keyspace, visibility_ms=300_000)  # the transport's default
+    return ScriptLibrary(client, keyspace)  # the transport's default policy
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -224,8 +227,7 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
         raise CliError(f"--countdown must be >= 0, got {countdown}")
     if visibility_timeout <= 0:
         raise CliError(f"--visibility-timeout must be > 0, got {visibility_timeout}")
-    lib = connect(url, prefix)
-    lib.visibility_ms = int(visibility_timeout * 1000)
+    lib = connect(url, prefix).with_policy(visibility_ms=int(visibility_timeout * 1000))
     eta_ms = None
     if countdown > 0:
         seconds, micros = lib.client.time()  # the server's clock, the one the scripts use
@@ -238,10 +240,8 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
 
 def discover_queues(lib: ScriptLibrary) -> list[str]:
     """Queue names from ``P meta:{Q}`` keys (SCAN, a read; fine for an operator's tool)."""
-    head = lib.keys.meta("x")[:-len("x}")]  # 'P meta:{'
-    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", head) + "*}"
-    names = {key.decode()[len(head):-1] for key in lib.client.scan_iter(match=pattern, count=1000)}
-    return sorted(names)
+    keys = lib.client.scan_iter(match=lib.keys.meta_pattern(), count=1000)
+    return sorted({lib.keys.queue_of(key) for key in keys})
 
 
 @main.command()

@@ -9,8 +9,8 @@ import pytest
 from celery import Celery
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
-from celery_redis_lua.servers import Server
 from conftest import require_kind
+from tools.servers import Server
 
 from .harness import Broker
 

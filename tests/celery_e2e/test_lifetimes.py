@@ -17,8 +17,8 @@ import pytest
 from celery import Celery
 from kombu import Exchange, Queue
 
-from celery_redis_lua.servers import Server
 from helpers import server_now_ms, wait_for_server_time
+from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 

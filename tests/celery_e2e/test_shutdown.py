@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.servers import Server
+from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
@@ -127,7 +127,7 @@ def test_warm_shutdown_keeps_running_tasks_in_flight_until_they_finish(
         pool: str) -> None:
     """Found by the chaos harness: during a warm shutdown the event loop no longer turns, so
     the heartbeat stopped, and tasks running longer than the visibility timeout were
-    restored by another worker's sweep and ran twice. The watchdog thread extends them."""
+    restored by another worker's sweep and ran twice. The lease keeper's thread extends them."""
     visibility, runtime = 2, 6.0  # the task outlives three visibility timeouts after SIGTERM
     broker.transport_options = {"visibility_timeout": visibility, "sweep_interval": 0.5}
     env = {"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "1"}

@@ -1,0 +1,396 @@
+"""kombu glue: a virtual Channel whose every operation is a script call.
+
+The channel holds no protocol logic of its own: publish, consume, ack, reject,
+declare, bind, purge and delete each map to one script (see lua/). What lives
+here is bookkeeping kombu needs (which queues are consumed, with or without
+ack), the queue-side steps of a consuming round (consume now, block on BZMPOP,
+claim what it popped) that the poller runs, and the upkeep of what the channel
+holds. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
+
+from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Delivery
+from .fanout import FanoutMixin
+from .leases import KEEPER
+from .poller import BlockingRead
+from .qos import QoS
+from .settle import reject
+
+logger = logging.getLogger(__name__)
+
+# Server-side floor for a BZMPOP/XREAD block, so a due-now hint never spins.
+MIN_BLOCK_SECONDS = 0.005
+# The claim script takes at most this many ids per call.
+MAX_CLAIM = 1000
+# The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
+FANOUT_PATTERN = "fanout"
+
+
+class Channel(FanoutMixin, virtual.Channel):
+    """A kombu channel on the celery-redis-lua scripts."""
+
+    QoS = QoS
+    supports_fanout = True
+    min_priority = 0
+    max_priority = 255
+    default_priority = 0
+    connection: Any  # the Transport (typed loosely: the transport module imports this one)
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.options = connection.options
+        self.keys = self.options.keyspace(connection.db)
+        self.client = connection.new_client()
+        self.lib = ScriptLibrary(self.client, self.keys, self.options.policy)
+        self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
+        self._no_ack_queues: set[str] = set()
+        self._fanout_next_id: dict[str, str] = {}
+        self._fanout_read: set[str] = set()  # fanout queues this channel read as its consumer
+        self.queue_wait = BlockingRead(self.client.connection_pool)
+        self.stream_wait = BlockingRead(self.client.connection_pool)
+        self.client.ping()  # connection errors surface now, as kombu expects
+        connection.poller.channels.add(self)
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        args = publish_arguments(message, self.options.message_ttl_ms)
+        self.lib.publish(queue, dumps(message), priority=args.priority,
+                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms)
+
+    # -- queues and bindings ----------------------------------------------------------------
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        """Declare through the script, which keeps the queue's stored arguments when none are
+        given and refuses different ones; remember the arguments in force (their expiry
+        decides how often this connection keeps the queue and its bindings alive)."""
+        arguments = kwargs.get("arguments") or {}
+        expires = _ms_argument(queue, arguments, "x-expires")
+        if expires is None:
+            expires = self.options.queue_expires_ms
+        self.connection.declared[queue] = self.lib.declare(
+            queue, expires_ms=expires, message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
+            max_priority=_ms_argument(queue, arguments, "x-max-priority"))
+
+    def _expires_ms(self, queue: str) -> int | None:
+        declared = self.connection.declared.get(queue)
+        return declared.expires_ms if declared else None
+
+    def binding_lifetime_ms(self, queue: str) -> int | None:
+        """Bindings of an expiring queue go stale max(x-expires, binding_lifetime_floor) after
+        their last refresh; the others never."""
+        expires = self._expires_ms(queue)
+        return None if expires is None else max(expires, self.options.binding_lifetime_floor_ms)
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> dict[str, Any]:
+        """kombu's Queue(max_priority=, message_ttl=, expires=) as RabbitMQ's x- arguments."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        """Delete the queue's keys whether or not this process knows its bindings; the
+        bindings it knows are removed too."""
+        if if_empty and self._size(queue):
+            return
+        for exchange, routing_key, arguments in self.state.queue_bindings(queue):
+            meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+            self.lib.unbind(exchange, [self._binding_member(exchange, *meta)])
+        self.state.queue_bindings_delete(queue)
+        self._forget_queue(queue)
+
+    def _forget_queue(self, queue: str) -> None:
+        """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
+        self.lib.delete(queue)
+        fanout = self.connection.fanout_queues.pop(queue, None)
+        if fanout is not None:
+            self.lib.fanout_unbind(fanout[0], queue)
+        self.connection.declared.pop(queue, None)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.lib.exists(queue)
+
+    def _binding_member(self, exchange: str, routing_key: str, pattern: str, queue: str) -> str:
+        if self.typeof(exchange).type == "fanout":
+            pattern = FANOUT_PATTERN  # lets producers that never declared the exchange route it
+        return self.keys.binding_member(routing_key, pattern, queue)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        """The fanout table is the connection's, like kombu's binding state: a queue bound on
+        one channel is served on any other channel of the connection."""
+        if self.typeof(exchange).type == "fanout":
+            self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
+            self.lib.run(self.fanout_bind_call(queue))
+        member = self._binding_member(exchange, routing_key, pattern, queue)
+        self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
+
+    def get_table(self, exchange: str) -> list[tuple[str, ...]]:
+        return list(self.lib.lookup(exchange))
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        """An exchange this process never declared is a fanout exchange when its bindings
+        say so (Celery does not declare Broadcast queues before publishing to them)."""
+        if (exchange and exchange not in self.state.exchanges
+                and any(pattern == FANOUT_PATTERN for _, pattern, _ in self.get_table(exchange))):
+            self.state.exchanges[exchange] = {"type": "fanout", "durable": True,
+                                              "auto_delete": False, "arguments": {}, "table": []}
+        return super().typeof(exchange, default)
+
+    def _size(self, queue: str) -> int:
+        return self.lib.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.lib.purge(queue)
+
+    def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
+                *args: Any, **kwargs: Any) -> None:
+        self.lib.unbind(exchange, [self._binding_member(exchange, routing_key, pattern, queue)])
+        self._forget_queue(queue)
+
+    # -- consuming --------------------------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        KEEPER.watch(self.connection.poller)  # the upkeep goes on while the loop stands still
+        self._restart_waits()
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack_queues.discard(queue)
+            self._leave_fanout([queue])
+        self._restart_waits()
+        return result
+
+    def _restart_waits(self) -> None:
+        """The consumed queues changed: end pending waits (they name the old keys), so the
+        next round blocks on the new set at once instead of after blocking_timeout."""
+        if self.closed:
+            return
+        popped = self.queue_wait.cancel(self.client)
+        if popped:
+            self._claim_popped(popped)
+        self.stream_wait.cancel(self.client)
+
+    def basic_recover(self, requeue: bool = False) -> None:
+        """Redeliver every unacked message now (a closing channel adopts them instead)."""
+        if not requeue:
+            raise NotImplementedError("celery-redis-lua does not support recover(requeue=False)")
+        self.qos.hand_back_all()
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        for delivery in self.lib.consume([queue], 1, no_ack=no_ack).deliveries:
+            payload = self._decode_or_reject(delivery, no_ack)
+            if payload is not None:
+                message = self.Message(payload, channel=self)
+                if not no_ack:
+                    self.qos.append(message, message.delivery_tag)
+                return message
+        return None
+
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
+        raise NotImplementedError("celery-redis-lua consumes through Transport.drain_events")
+
+    def can_consume(self) -> bool:
+        return bool(self.qos.can_consume())
+
+    @property
+    def queues_polled(self) -> list[str]:
+        """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
+        fanout = self.connection.fanout_queues
+        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
+
+    def headroom(self) -> int:
+        """How many messages QoS lets this channel take now."""
+        room = self.qos.can_consume_max_estimate()
+        return self.options.consume_batch if room is None else min(room, self.options.consume_batch)
+
+    def consume_now(self) -> tuple[int, int | None]:
+        """Deliver what is ready in the consumed queues; returns (delivered, wake_in_ms)."""
+        queues = self.queues_polled
+        delivered, wake = 0, None
+        for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
+                              (False, [q for q in queues if q not in self._no_ack_queues])):
+            room = self.headroom()
+            if not group or room <= 0:
+                continue
+            consumed = self.lib.consume(group, room, no_ack=no_ack)
+            _log_expired(consumed.expired, group)
+            delivered += self._deliver_all(consumed.deliveries, no_ack)
+            if consumed.wake_in_ms is not None:
+                wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
+        return delivered, wake
+
+    def start_queue_wait(self, wake_in_ms: int | None) -> bool:
+        """Block on BZMPOP across the consumed queues (bounded by blocking_timeout and by
+        the next ETA). Returns whether a wait is now pending."""
+        queues = self.queues_polled
+        room = self.headroom()
+        if not queues or room <= 0:
+            return False
+        timeout = self.options.blocking_timeout
+        if wake_in_ms is not None:
+            timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
+            timeout = max(timeout, MIN_BLOCK_SECONDS)
+        keys = [self.keys.queue(q) for q in queues]
+        count = min(room, MAX_CLAIM)
+        self.queue_wait.send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN", "COUNT", count,
+                             timeout=timeout)
+        return True
+
+    def on_queue_wait_readable(self) -> int:
+        """Claim what BZMPOP popped and deliver it; returns how many were delivered."""
+        reply = self.queue_wait.read()
+        return self._claim_and_deliver(reply)
+
+    def _claim_and_deliver(self, reply: Any) -> int:
+        return self._claim_popped(reply) if reply else 0
+
+    def _claim_popped(self, reply: Any, *, closing: bool = False) -> int:
+        """Claim what BZMPOP popped and deliver it if its queue is still consumed here; else
+        (the channel closes, or stopped consuming that queue) put it back in line, uncounted:
+        no application saw it."""
+        key, members = reply
+        queue = self.keys.queue_of(key)
+        popped = [(_text(member), _text(score)) for member, score in members]
+        if closing or queue not in self.queues_polled:
+            self.lib.unpop(queue, popped)
+            return 0
+        no_ack = queue in self._no_ack_queues
+        consumed = self.lib.claim(queue, [member for member, _ in popped], no_ack=no_ack)
+        _log_expired(consumed.expired, [queue])
+        return self._deliver_all(consumed.deliveries, no_ack)
+
+    def _deliver_all(self, deliveries: Iterable[Delivery], no_ack: bool) -> int:
+        delivered = 0
+        for delivery in deliveries:
+            payload = self._decode_or_reject(delivery, no_ack)
+            if payload is not None:
+                self.connection._deliver(payload, delivery.queue)
+                delivered += 1
+        return delivered
+
+    def _decode_or_reject(self, delivery: Delivery, no_ack: bool) -> dict[str, Any] | None:
+        """A payload that is not a kombu envelope is rejected (dead-lettered) with a log
+        line naming it; the consumer and every other message go on."""
+        try:
+            return delivered_envelope(delivery)
+        except BadEnvelope as error:
+            logger.error("celery-redis-lua: rejected a message: %s", error)
+            if not no_ack:
+                reject(self.lib, delivery.queue, [delivery.id], requeue=False,
+                       counts=[delivery.delivery_count])
+            return None
+
+    # -- periodic work ----------------------------------------------------------------------
+
+    def upkeep(self, *, from_loop: bool = True) -> None:
+        """Keep what this channel holds alive: push the deadlines of everything in flight
+        forward, refresh the expiry of the consumed queues that have one, their bindings and
+        their fanout groups. The transport runs it often enough for the shortest x-expires
+        (upkeep_interval). From another thread than the loop's (the lease keeper's) kombu's
+        state is only read."""
+        in_flight = self.qos.in_flight(flush=from_loop)
+        consumed = self.queues_polled
+        queues = set(in_flight) | {q for q in consumed if self._expires_ms(q)}
+        batch = [self.lib.calls.extend(queue, in_flight.get(queue, [])) for queue in sorted(queues)]
+        for queue in [*consumed, *self.fanout_polled]:
+            lifetime = self.binding_lifetime_ms(queue)
+            for exchange, routing_key, arguments in self._bindings_of(queue) if lifetime else ():
+                meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+                batch.append(self.lib.calls.bind(exchange, [self._binding_member(exchange, *meta)],
+                                                 lifetime_ms=lifetime))
+        batch += [self.fanout_bind_call(queue) for queue in self.fanout_polled
+                  if self._expires_ms(queue)]
+        if batch:
+            self.lib.run_many(batch)
+
+    def _bindings_of(self, queue: str) -> list[tuple[str, str, Any]]:
+        """(exchange, routing key, arguments) of the bindings this connection declared."""
+        try:
+            return [(b.exchange, b.routing_key, b.arguments) for b in self.state.queue_bindings(queue)]
+        except RuntimeError:  # changed by the loop while the lease keeper read it: next time
+            return []
+
+    def shortest_expiry_ms(self) -> int | None:
+        """The shortest x-expires among the queues this channel consumes or holds."""
+        queues = {*self.queues_polled, *self.fanout_polled, *self.qos.in_flight(flush=False)}
+        found = [e for e in (self._expires_ms(q) for q in queues) if e]
+        return min(found) if found else None
+
+    def sweep(self) -> None:
+        queues = self.queues_polled
+        if not queues:
+            return
+        report = self.lib.sweep(queues)
+        where = "dead-lettered" if self.lib.policy.dead_letter_maxlen else "deleted"
+        for dropped in report.dropped_messages:
+            if dropped.reason == "expired":
+                logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
+                               "while it waited and was %s", dropped.id, dropped.queue, where)
+            else:
+                logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
+                             "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
+                             self.lib.policy.delivery_limit, dropped.delivery_count, where)
+        unreported = report.limit_reached + report.expired - len(report.dropped_messages)
+        if unreported > 0:
+            logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
+                           "delivery limit) of queues %s", where, unreported, ", ".join(queues))
+        if report.requeued or report.unclaimed:
+            logger.info("celery-redis-lua: sweep restored %d timed-out and %d unclaimed messages",
+                        report.requeued, report.unclaimed)
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.connection.poller.channels.discard(self)
+        popped = self.queue_wait.cancel(self.client)
+        if popped:  # BZMPOP popped messages just as we cancelled: back in line, uncounted
+            self._claim_popped(popped, closing=True)
+        self.stream_wait.cancel(self.client)
+        self._leave_fanout(list(self._fanout_read))
+        try:
+            super().close()
+        finally:
+            self.queue_wait.close()
+            self.stream_wait.close()
+            self.client.close()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _log_expired(expired: int, queues: list[str]) -> None:
+    if expired:
+        logger.warning("celery-redis-lua: %d message(s) of queue(s) %s had expired (message TTL) "
+                       "while they waited and were dead-lettered instead of delivered",
+                       expired, ", ".join(queues))
+
+
+def _ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:
+    """A RabbitMQ queue argument (ms, or a priority), checked so a bad one names itself."""
+    value = arguments.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"queue {queue!r}: argument {name!r} must be a non-negative number, "
+                         f"got {value!r}")
+    return int(value)

@@ -1,0 +1,183 @@
+"""Transport options: names, defaults and validation (the reference API's, plus dead letters).
+
+Every option is checked when the transport is created (kombu creates it at
+connection time); a wrong type or value raises :class:`OptionError` with the
+option's name. Options this transport does not know are left alone: kombu and
+Celery pass their own keys (``max_retries``, ``interval_start``, ...) through
+the same dictionary.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..protocol.keys import (
+    DEFAULT_MESSAGE_KEY_PREFIX,
+    DEFAULT_SEPARATOR,
+    Keyspace,
+    KeyspaceError,
+    fanout_prefix_for,
+)
+from ..protocol.policy import Policy
+
+
+class OptionError(ValueError):
+    """A transport option has a wrong type or value."""
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    visibility_timeout: float = 300
+    delivery_limit: int | None = 20
+    blocking_timeout: float = 10
+    queue_expires: float | None = None
+    global_keyprefix: str = ""
+    stream_maxlen: int = 10_000
+    message_key_prefix: str = DEFAULT_MESSAGE_KEY_PREFIX
+    message_ttl: float = -1
+    socket_timeout: float | None = None
+    socket_connect_timeout: float | None = None
+    socket_keepalive: bool | None = None
+    socket_keepalive_options: dict[int, int | bytes] | None = None
+    max_connections: int = 10
+    health_check_interval: float = 25
+    retry_on_timeout: bool | None = None
+    client_name: str | None = None
+    credential_provider: Any = None
+    ssl: bool | dict[str, Any] | None = None
+    fanout_prefix: bool | str = True
+    fanout_patterns: bool = True
+    sep: str = DEFAULT_SEPARATOR
+    # Dead letters (docs/design.md): kept by default, bounded; 0 deletes dropped messages outright.
+    dead_letter_maxlen: int = 10_000
+    # How often a consuming channel runs the sweep script (seconds); small in tests.
+    sweep_interval: float = 60
+    # Most messages one consume call may deliver (on top of the QoS headroom).
+    consume_batch: int = 100
+    # Bindings of a queue with x-expires go stale max(x-expires, this) after their last
+    # refresh (seconds); a consumer refreshes them three times per x-expires. Lower it only
+    # to see stale bindings go sooner (tests do).
+    binding_lifetime_floor: float = 300
+
+    @property
+    def policy(self) -> Policy:
+        """What the scripts are called with (held by each channel's script library)."""
+        return Policy(visibility_ms=int(self.visibility_timeout * 1000), delivery_limit=self.delivery_limit,
+                      dead_letter_maxlen=self.dead_letter_maxlen)
+
+    def keyspace(self, db: int) -> Keyspace:
+        """Key names for this connection; a fanout stream is ``P/<db>.<exchange>`` unless
+        fanout_prefix says otherwise (a string replaces ``/<db>.``, False removes it)."""
+        return Keyspace(self.global_keyprefix, self.message_key_prefix,
+                        fanout_prefix_for(self.fanout_prefix, db), self.sep)
+
+    @property
+    def message_ttl_ms(self) -> int | None:
+        return None if self.message_ttl == -1 else int(self.message_ttl * 1000)
+
+    @property
+    def queue_expires_ms(self) -> int | None:
+        return None if self.queue_expires is None else int(self.queue_expires * 1000)
+
+    @property
+    def binding_lifetime_floor_ms(self) -> int:
+        return int(self.binding_lifetime_floor * 1000)
+
+
+def _number(low: float, *, allow_none: bool = False, integer: bool = False,
+            inclusive: bool = True, extra: tuple[Any, ...] = (),
+            high: float | None = None) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> Any:
+        if value is None and allow_none:
+            return None
+        if value in extra and not isinstance(value, bool):
+            return value
+        kind = int if integer else (int, float)
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+        if ok:
+            ok = (value >= low if inclusive else value > low) and (high is None or value <= high)
+        if not ok:
+            what = "an integer" if integer else "a number"
+            bound = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
+            also = "".join(f" or {e!r}" for e in extra) + (" or None" if allow_none else "")
+            raise OptionError(f"transport option {name!r} must be {what} {bound}{also}, got {value!r}")
+        return value
+    return check
+
+
+def _typed(*types: type, allow_none: bool = True) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> Any:
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            names = " or ".join(t.__name__ for t in types) + (" or None" if allow_none else "")
+            raise OptionError(f"transport option {name!r} must be {names}, got {value!r}")
+        return value
+    return check
+
+
+def _non_empty_str(name: str, value: Any) -> Any:
+    if not isinstance(value, str) or not value:
+        raise OptionError(f"transport option {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "visibility_timeout": _number(0, inclusive=False),
+    "delivery_limit": _number(1, integer=True, allow_none=True),
+    "blocking_timeout": _number(0),
+    "queue_expires": _number(0, inclusive=False, allow_none=True),
+    "global_keyprefix": _typed(str, allow_none=False),
+    "stream_maxlen": _number(1, integer=True),
+    "message_key_prefix": _non_empty_str,
+    "message_ttl": _number(0, inclusive=False, extra=(-1,)),
+    "socket_timeout": _number(0, inclusive=False, allow_none=True),
+    "socket_connect_timeout": _number(0, inclusive=False, allow_none=True),
+    "socket_keepalive": _typed(bool),
+    "socket_keepalive_options": _typed(dict),
+    "max_connections": _number(1, integer=True),
+    "health_check_interval": _number(0),
+    "retry_on_timeout": _typed(bool),
+    "client_name": _typed(str),
+    "credential_provider": lambda name, value: value,
+    "ssl": _typed(bool, dict),
+    "fanout_prefix": _typed(bool, str, allow_none=False),
+    "fanout_patterns": _typed(bool, allow_none=False),
+    "sep": _non_empty_str,
+    "dead_letter_maxlen": _number(0, integer=True),
+    "sweep_interval": _number(0, inclusive=False),
+    "consume_batch": _number(1, integer=True, high=10_000),  # the scripts' own cap
+    "binding_lifetime_floor": _number(0, inclusive=False),
+}
+
+
+def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
+    """Validate the options this transport knows; ``polling_interval`` is read as
+    ``blocking_timeout`` with a deprecation warning (there is no sleep between polls)."""
+    raw = dict(raw or {})
+    if "polling_interval" in raw:
+        warnings.warn(
+            "transport option 'polling_interval' is deprecated for celery-redis-lua: it is read as "
+            "'blocking_timeout' (how long the server holds a blocking poll open); "
+            "there is no sleep between polls", DeprecationWarning, stacklevel=3)
+        _CHECKS["blocking_timeout"]("polling_interval", raw["polling_interval"])
+        raw.setdefault("blocking_timeout", raw["polling_interval"])
+    known = {f.name for f in fields(TransportOptions)}
+    values = {name: _CHECKS[name](name, raw[name]) for name in known if name in raw}
+    if values.get("retry_on_timeout"):
+        warnings.warn(
+            "transport option 'retry_on_timeout' is ignored by celery-redis-lua: a script whose "
+            "reply timed out is never sent again (a second publish would store the message twice); "
+            "kombu reconnects and retries the operation as a whole", RuntimeWarning, stacklevel=3)
+    if "ssl" in values and values["ssl"] is False:
+        values["ssl"] = None
+    options = TransportOptions(**values)
+    try:
+        options.keyspace(0)  # the keyspace's rules, reported as this option's error
+    except KeyspaceError as error:
+        name, _, rest = str(error).partition(" ")
+        raise OptionError(f"transport option {name!r} {rest}") from None
+    return options

@@ -1,0 +1,299 @@
+"""The consuming round, and the blocking waits it is made of.
+
+Per channel, a round delivers what is ready now (the consume script, up to the QoS
+headroom), then, while QoS allows, starts one BZMPOP across the channel's queues on the
+server (bounded by ``blocking_timeout`` and by the next ETA) and one XREAD across its
+fanout streams; when a wait's socket is readable, what it found is claimed and delivered.
+In Celery's event loop the waits are sockets registered with the hub; without it (plain
+kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way the
+periodic work (the upkeep and the sweep) runs from here.
+
+The waits are the only commands Python sends to Redis directly (Lua cannot block). A
+wait is sent without waiting for its reply, so the loop can watch the socket;
+``cancel()`` ends a pending wait at once with CLIENT UNBLOCK from another connection, so
+shutting down never waits out ``blocking_timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+# A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
+OVERDUE_GRACE_SECONDS = 5.0
+# drain_events wakes at least this often to run the periodic work; in Celery's event loop
+# a timer checks as often whether it is due.
+TICK_SECONDS = 1.0
+
+
+class BlockingRead:
+    """One dedicated connection from ``pool`` for blocking waits."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.pool = pool
+        self.connection: Any = None
+        self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
+        self.sent_at = 0.0
+        self.timeout = 0.0
+        self._client_id: int | None = None
+
+    def _connect(self) -> Any:
+        if self.connection is None:
+            self.connection = self.pool.get_connection()
+            self._client_id = None
+        if self.connection._sock is None:
+            self.connection.connect()
+            self._client_id = None
+        return self.connection
+
+    def fileno(self) -> int | None:
+        sock = getattr(self.connection, "_sock", None)
+        return sock.fileno() if sock is not None else None
+
+    def send(self, *command: Any, timeout: float) -> None:
+        """Send a blocking command whose server-side timeout is ``timeout`` seconds."""
+        connection = self._connect()
+        if self._client_id is None:
+            connection.send_command("CLIENT", "ID")
+            self._client_id = int(connection.read_response())
+        connection.send_command(*command)
+        self.pending = command
+        self.sent_at = time.monotonic()
+        self.timeout = timeout
+
+    def overdue(self, grace: float) -> bool:
+        """The server should have answered by now (a half-open socket never says so).
+        A block without timeout (blocking_timeout 0) is never overdue."""
+        return (self.pending is not None and self.timeout > 0
+                and time.monotonic() - self.sent_at > self.timeout + grace)
+
+    def read(self) -> Any:
+        """The reply of the pending command (None when it timed out on the server)."""
+        try:
+            return self.connection.read_response()
+        finally:
+            self.pending = None
+
+    def cancel(self, client: redis.Redis) -> Any:
+        """End a pending wait now; returns whatever the server had already popped (or None)."""
+        if self.pending is None or self._client_id is None:
+            return None
+        try:
+            client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+            return self.read()
+        except (redis.RedisError, OSError):
+            self.disconnect()
+            return None
+
+    def disconnect(self) -> None:
+        self.pending = None
+        if self.connection is not None:
+            with contextlib.suppress(Exception):
+                self.connection.disconnect()
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.disconnect()
+            with contextlib.suppress(Exception):
+                self.pool.release(self.connection)
+            self.connection = None
+
+
+class Consuming(Protocol):
+    """What the poller needs of a channel: its waits, and the steps of a round."""
+
+    queue_wait: BlockingRead
+    stream_wait: BlockingRead
+    queues_polled: list[str]
+    fanout_polled: list[str]
+
+    def can_consume(self) -> bool: ...
+    def consume_now(self) -> tuple[int, int | None]: ...
+    def start_queue_wait(self, wake_in_ms: int | None) -> bool: ...
+    def on_queue_wait_readable(self) -> int: ...
+    def consume_fanout_now(self) -> int: ...
+    def start_stream_wait(self) -> bool: ...
+    def on_stream_wait_readable(self) -> int: ...
+    def upkeep(self, *, from_loop: bool) -> None: ...
+    def shortest_expiry_ms(self) -> int | None: ...
+    def sweep(self) -> None: ...
+
+
+class Poller:
+    """Owns the rounds of one connection's channels and the periodic work: the upkeep
+    every ``upkeep_interval()`` and the sweep every ``sweep_interval`` seconds."""
+
+    def __init__(self, *, heartbeat_seconds: float, sweep_interval: float, overdue_grace: float) -> None:
+        self.channels: set[Consuming] = set()
+        self.heartbeat_seconds = heartbeat_seconds
+        self.sweep_interval = sweep_interval
+        self.overdue_grace = overdue_grace
+        self.last_upkeep = time.monotonic()
+        self.stood_in = 0  # how often the lease keeper ran the upkeep for a loop that stood still
+        self._next_sweep = time.monotonic()
+        self._unregister: Callable[[], None] = lambda: None
+
+    # -- a round --------------------------------------------------------------------------
+
+    def poll_round(self, channel: Consuming) -> int:
+        """Deliver what is ready now and start the waits that are not pending."""
+        delivered = 0
+        if channel.queue_wait.pending is None and channel.queues_polled and channel.can_consume():
+            count, wake_in_ms = channel.consume_now()
+            delivered += count
+            if channel.can_consume():
+                channel.start_queue_wait(wake_in_ms)
+        if channel.stream_wait.pending is None and channel.fanout_polled:
+            delivered += channel.consume_fanout_now()
+            channel.start_stream_wait()
+        for wait in (channel.queue_wait, channel.stream_wait):
+            if wait.overdue(self.overdue_grace):
+                logger.warning("celery-redis-lua: a blocking wait got no reply in time; reconnecting")
+                wait.disconnect()
+        return delivered
+
+    @staticmethod
+    def on_readable(channel: Consuming, wait: BlockingRead) -> int:
+        if wait.pending is None:
+            wait.disconnect()  # nothing expected: the server closed the connection
+            return 0
+        if wait is channel.queue_wait:
+            return channel.on_queue_wait_readable()
+        return channel.on_stream_wait_readable()
+
+    # -- periodic work ----------------------------------------------------------------------
+
+    def upkeep_interval(self) -> float:
+        """Every visibility_timeout / 3 for the deadlines in flight, and three times per
+        x-expires of the shortest-lived queue consumed, so that a queue (its bindings and
+        groups) with a live consumer never expires."""
+        interval = self.heartbeat_seconds
+        for channel in list(self.channels):
+            expires = channel.shortest_expiry_ms()
+            if expires:
+                interval = min(interval, expires / 1000 / 3)
+        return interval
+
+    def run_periodic(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_upkeep >= self.upkeep_interval():
+            self.upkeep(from_loop=True)
+        if force or now >= self._next_sweep:
+            self._next_sweep = now + self.sweep_interval
+            for channel in list(self.channels):
+                channel.sweep()
+
+    def upkeep(self, *, from_loop: bool) -> None:
+        """Keep what the channels hold alive. From the lease keeper's thread (the loop stands
+        still) kombu's state is only read."""
+        self.last_upkeep = time.monotonic()
+        for channel in list(self.channels):
+            channel.upkeep(from_loop=from_loop)
+
+    def tend(self, now: float) -> None:
+        """The lease keeper's call, from its thread: stand in for a loop that stopped."""
+        if self.channels and now - self.last_upkeep > 1.5 * self.upkeep_interval():
+            self.stood_in += 1
+            self.upkeep(from_loop=False)
+
+    # -- without an event loop --------------------------------------------------------------
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        start = time.monotonic()
+        while True:
+            self.run_periodic()
+            if sum(self.poll_round(channel) for channel in list(self.channels)):
+                return
+            waits = {
+                wait.fileno(): (channel, wait)
+                for channel in list(self.channels)
+                for wait in (channel.queue_wait, channel.stream_wait)
+                if wait.pending is not None and wait.fileno() is not None
+            }
+            remaining = None if timeout is None else timeout - (time.monotonic() - start)
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError()
+            step = TICK_SECONDS if remaining is None else min(remaining, TICK_SECONDS)
+            if not waits:
+                time.sleep(min(step, 0.05))
+                continue
+            readable, _, _ = select.select(list(waits), [], [], step)
+            if sum(self.on_readable(*waits[fd]) for fd in readable):
+                return
+
+    # -- with Celery's event loop -----------------------------------------------------------
+
+    def register(self, loop: Any) -> None:
+        """Poll in the hub's ticks, read waits when their sockets are readable. After a
+        reconnect Celery registers the new connection too: this one unregisters when it
+        closes, and never removes a reader it does not own (fds get reused)."""
+        registered: dict[int, BlockingRead] = {}
+        # Deliveries made during a tick schedule Celery's work (early acks, for one) with
+        # hub.call_soon, which the hub runs only after its next poll returns; the solo pool
+        # then waited out the next timer (up to blocking_timeout) between prefetch batches.
+        # A byte on this pipe makes that poll return at once.
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_read, False)
+        os.set_blocking(wake_write, False)
+
+        def on_wake() -> None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_read, 4096)
+
+        def owned(fd: int, wait: BlockingRead) -> bool:
+            reader = loop.readers.get(fd)
+            return reader is not None and reader[1][1:] == (wait,)
+
+        def on_readable(channel: Consuming, wait: BlockingRead) -> None:
+            self.on_readable(channel, wait)
+
+        def on_tick() -> None:
+            for channel in list(self.channels):
+                if self.poll_round(channel):
+                    with contextlib.suppress(BlockingIOError):
+                        os.write(wake_write, b"!")
+                for wait in (channel.queue_wait, channel.stream_wait):
+                    fd = wait.fileno()
+                    if wait.pending is not None and fd is not None and not (
+                            registered.get(fd) is wait and owned(fd, wait)):
+                        loop.add_reader(fd, on_readable, channel, wait)
+                        registered[fd] = wait
+            for fd, wait in list(registered.items()):
+                if wait.fileno() != fd:
+                    if owned(fd, wait):
+                        loop.remove_reader(fd)
+                    del registered[fd]
+
+        def unregister() -> None:
+            loop.on_tick.discard(on_tick)
+            timer.cancel()
+            for fd, wait in list(registered.items()):
+                if owned(fd, wait):
+                    loop.remove_reader(fd)
+            registered.clear()
+            loop.remove_reader(wake_read)
+            for fd in (wake_read, wake_write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+        loop.add_reader(wake_read, on_wake)
+        loop.on_tick.add(on_tick)
+        # A weak reference: the hub's timer must not keep a closed connection's poller alive.
+        periodic = weakref.WeakMethod(self.run_periodic)
+        timer = loop.call_repeatedly(TICK_SECONDS, lambda: (run := periodic()) and run())
+        loop.call_soon(lambda: (run := periodic()) and run(force=False))
+        self._unregister = unregister
+
+    def unregister(self) -> None:
+        self._unregister()
+        self._unregister = lambda: None

@@ -1,0 +1,30 @@
+"""Settling deliveries: the one path every reject and hand-back takes (a consumer's reject,
+a decoding failure, ``basic_recover``, a delivery dropped after its channel closed, exit),
+with the log lines an operator needs when one reaches the delivery limit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Rejected
+
+logger = logging.getLogger(__name__)
+
+
+def reject(lib: ScriptLibrary, queue: str, ids: Sequence[str], *, requeue: bool,
+           counts: Sequence[int | None] | None = None) -> Rejected:
+    """Reject through the script; with ``counts`` (the x-delivery-count each was delivered
+    with) a message delivered again since is left alone (counted stale)."""
+    result = lib.reject(queue, list(ids), requeue=requeue, counts=counts)
+    if result.dead_lettered and requeue:
+        logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s and "
+                     "was dead-lettered", ", ".join(ids), queue, lib.policy.delivery_limit)
+    return result
+
+
+def hand_back(lib: ScriptLibrary, queue: str, ids: Sequence[str],
+              counts: Sequence[int | None]) -> Rejected:
+    """Give deliveries nobody will finish back to their queue, counted as a delivery."""
+    return reject(lib, queue, ids, requeue=True, counts=counts)

@@ -1,0 +1,153 @@
+"""The kombu transport: connections, and which loop consumes (kombu's ``drain_events`` or
+Celery's hub).
+
+The transport only makes connections and chooses the loop; the consuming rounds and the
+periodic work (the upkeep three times per x-expires of the shortest-lived queue consumed,
+and at least every ``visibility_timeout / 3``; the sweep every ``sweep_interval``) belong
+to the connection's :class:`~.poller.Poller`, and the lease keeper (:mod:`.leases`) stands
+in for a loop that stands still.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl as ssl_module
+from typing import Any
+
+import redis
+from kombu.transport import virtual
+from kombu.utils.objects import cached_property
+
+from _celery_redis_lua_alias import SCHEMES
+
+from ..protocol.ops import Declared
+from .channel import Channel
+from .leases import KEEPER
+from .options import TransportOptions, parse_options
+from .poller import OVERDUE_GRACE_SECONDS, Poller
+
+# URL schemes that mean TLS without certificate checks when no ssl options are given.
+SECURE_SCHEMES = frozenset({"rediss", *(s for s, target in SCHEMES.items() if target == "rediss")})
+
+
+def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    connection_errors = (
+        redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
+        redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
+        IOError, OSError, InterruptedError,
+    )
+    channel_errors = (redis.DataError, redis.exceptions.InvalidResponse, redis.ResponseError)
+    return virtual.Transport.connection_errors + connection_errors, (
+        virtual.Transport.channel_errors + channel_errors)
+
+
+class Transport(virtual.Transport):
+    """kombu transport for Redis 7+ and Valkey on the celery-redis-lua scripts."""
+
+    Channel = Channel
+    polling_interval = None  # never sleep between polls: the waits block on the server
+    default_port = 6379
+    driver_type = "redis"
+    driver_name = "celery-redis-lua"
+    connection_errors, channel_errors = _redis_errors()
+    # Only a lost connection is worth a reconnect and retry; a script refusing its input
+    # (ScriptError, a channel error) must reach the caller once, as it is.
+    recoverable_connection_errors = connection_errors
+    recoverable_channel_errors = ()
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+    )
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options: TransportOptions = parse_options(client.transport_options)
+        super().__init__(client, **kwargs)
+        self.polling_interval = None
+        # What this connection knows of its queues, shared by its channels as kombu shares
+        # its binding state: the arguments in force (from declare) and the fanout bindings.
+        self.declared: dict[str, Declared] = {}
+        self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
+        self.poller = Poller(heartbeat_seconds=self.options.policy.heartbeat_seconds,
+                             sweep_interval=self.options.sweep_interval,
+                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval)
+
+    def driver_version(self) -> str:
+        return redis.__version__
+
+    # -- connections ------------------------------------------------------------------------
+
+    @cached_property
+    def db(self) -> int:
+        vhost = self.client.virtual_host or 0
+        if isinstance(vhost, str):
+            vhost = vhost.strip("/") or 0
+        try:
+            return int(vhost)
+        except ValueError:
+            raise ValueError(f"the broker URL's database must be a number, got {vhost!r}") from None
+
+    def connection_params(self) -> dict[str, Any]:
+        conninfo, options = self.client, self.options
+        params: dict[str, Any] = {
+            "host": conninfo.hostname or "127.0.0.1",
+            "port": conninfo.port or self.default_port,
+            "username": conninfo.userid or None,
+            "password": conninfo.password or None,
+            "db": self.db,
+            "max_connections": options.max_connections,
+            "socket_timeout": options.socket_timeout,
+            "socket_connect_timeout": options.socket_connect_timeout,
+            "socket_keepalive": options.socket_keepalive,
+            "socket_keepalive_options": options.socket_keepalive_options,
+            "health_check_interval": options.health_check_interval,
+            # No retry_on_timeout: redis-py would resend a script whose reply timed out, and a
+            # resent publish stores a message twice, a resent consume strands a batch in flight.
+            "client_name": options.client_name,
+        }
+        if options.credential_provider is not None:
+            params["credential_provider"] = options.credential_provider
+            params.pop("username")
+            params.pop("password")
+        tls = conninfo.ssl or options.ssl
+        if not tls and getattr(conninfo, "transport_cls", None) in SECURE_SCHEMES:
+            tls = {"ssl_cert_reqs": ssl_module.CERT_NONE}  # as kombu does for rediss://
+        if tls:
+            params["connection_class"] = redis.SSLConnection
+            if isinstance(tls, dict):
+                params.update(tls)
+        host = params["host"]
+        if "://" in host:  # redislua+socket:///path/to/redis.sock
+            scheme, _, path = host.partition("://")
+            if scheme != "socket":
+                raise ValueError(f"unsupported broker host {host!r}; use socket:///path for a Unix socket")
+            for tcp_only in ("host", "port", "socket_connect_timeout", "socket_keepalive",
+                             "socket_keepalive_options"):
+                params.pop(tcp_only, None)
+            params["connection_class"] = redis.UnixDomainSocketConnection
+            params["path"] = "/" + path.lstrip("/")
+        return params
+
+    @cached_property
+    def pool(self) -> redis.ConnectionPool:
+        return redis.ConnectionPool(**self.connection_params())
+
+    def new_client(self) -> redis.Redis:
+        return redis.Redis(connection_pool=self.pool)
+
+    def close_connection(self, connection: Any) -> None:
+        KEEPER.forget(self.poller)
+        self.poller.unregister()
+        super().close_connection(connection)
+        if "pool" in self.__dict__:
+            self.pool.disconnect()
+
+    # -- which loop consumes ----------------------------------------------------------------
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Without an event loop (plain kombu, gevent, eventlet)."""
+        self.poller.drain_events(timeout)
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """In Celery's hub."""
+        self.poller.register(loop)

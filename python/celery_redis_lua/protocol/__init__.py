@@ -1,0 +1,3 @@
+"""The protocol layer: key names, script contracts, running scripts, one typed definition
+per script, the script library, and the kombu envelope as the scripts store it. It never
+imports kombu; producers and tools in Python use it directly."""

@@ -1,0 +1,126 @@
+"""The kombu envelope on its way in and out: what publish needs from it, and what a
+consumer sees added to it (delivery tag, x-delivery-count, redelivered).
+
+The payload stored in Redis is the envelope exactly as kombu built it; the
+additions happen on the decoded copy handed to kombu.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from .ops import Delivery
+
+TAG_SEPARATOR = "@"
+FANOUT_MARK = "fanout:"  # a fanout entry's tag: read at most once, nothing to ack
+# The latest ETA the publish script takes (unix ms, year 2286): one later would overflow
+# into the next priority band of the ready score.
+MAX_ETA_MS = 10**13 - 1
+
+
+class BadEnvelope(ValueError):
+    """A message cannot be published or delivered as it is; the text names it."""
+
+
+@dataclass(frozen=True)
+class DeliveryTag:
+    """What a delivery tag names: ``<id>@<queue>`` (ids are hex or stream ids, so the first
+    '@' separates them), with ``fanout:`` before a fanout entry's, which has nothing to ack."""
+
+    queue: str
+    id: str
+    fanout: bool = False
+
+    def __str__(self) -> str:
+        return f"{FANOUT_MARK if self.fanout else ''}{self.id}{TAG_SEPARATOR}{self.queue}"
+
+    @classmethod
+    def parse(cls, tag: object) -> DeliveryTag:
+        text = str(tag)
+        fanout = text.startswith(FANOUT_MARK)
+        message_id, _, queue = text.removeprefix(FANOUT_MARK).partition(TAG_SEPARATOR)
+        if not queue or not message_id:
+            raise BadEnvelope(f"delivery tag {text!r} was not issued by celery-redis-lua")
+        return cls(queue, message_id, fanout)
+
+
+@dataclass(frozen=True)
+class PublishArguments:
+    priority: int | str
+    eta_ms: int | None
+    ttl_ms: int | None
+
+
+def _describe(message: dict[str, Any]) -> str:
+    headers = message.get("headers") or {}
+    return f"message {headers.get('id') or message.get('properties', {}).get('correlation_id') or '?'}"
+
+
+def eta_ms(message: dict[str, Any]) -> int | None:
+    """Celery's ``eta`` header (ISO 8601) as unix ms; a naive time is taken as UTC."""
+    eta = (message.get("headers") or {}).get("eta")
+    if not eta:
+        return None
+    try:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        at = max(0, int(when.timestamp() * 1000))
+    except (TypeError, ValueError, AttributeError, OverflowError) as error:
+        raise BadEnvelope(f"{_describe(message)}: header 'eta' is not an ISO 8601 time: {eta!r}") from error
+    if at > MAX_ETA_MS:
+        raise BadEnvelope(f"{_describe(message)}: header 'eta' {eta!r} is later than the year 2286, "
+                          "the latest ETA the broker holds")
+    return at
+
+
+def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> PublishArguments:
+    """Priority, ETA and TTL of an envelope, as the publish script takes them."""
+    properties = message.get("properties") or {}
+    priority = properties.get("priority")
+    if priority is None:
+        priority = 0
+    ttl_ms = default_ttl_ms
+    expiration = properties.get("expiration")
+    if expiration is not None:
+        try:
+            own = int(expiration)
+        except (TypeError, ValueError) as error:
+            raise BadEnvelope(f"{_describe(message)}: property 'expiration' must be ms, "
+                              f"got {expiration!r}") from error
+        ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
+    return PublishArguments(priority, eta_ms(message), ttl_ms)
+
+
+def dumps(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"))
+
+
+def delivered_envelope(delivery: Delivery, *, fanout: bool = False) -> dict[str, Any]:
+    """Decode a delivered payload and add what the consumer needs to see."""
+    try:
+        message = json.loads(delivery.payload)
+        properties = message["properties"]
+    except (ValueError, TypeError, KeyError) as error:
+        raise BadEnvelope(f"message {delivery.id} in queue {delivery.queue!r} has a payload that is "
+                          f"not a kombu envelope ({error.__class__.__name__}: {error})") from error
+    if not isinstance(message, dict) or not isinstance(properties, dict):
+        raise BadEnvelope(f"message {delivery.id} in queue {delivery.queue!r} has a payload that is "
+                          "not a kombu envelope")
+    properties["delivery_tag"] = str(DeliveryTag(delivery.queue, delivery.id, fanout))
+    info = properties.setdefault("delivery_info", {})
+    info["redelivered"] = delivery.delivery_count > 0
+    if message.get("headers") is None:
+        message["headers"] = {}
+    message["headers"]["x-delivery-count"] = delivery.delivery_count
+    # The broker held the message until its ETA by the server's clock; a worker that saw
+    # the ETA again would park the task in its own memory (and `inspect scheduled`).
+    if message["headers"].get("eta"):
+        message["headers"]["x-eta"] = message["headers"]["eta"]
+        message["headers"]["eta"] = None
+    if delivery.delivery_count > 0:
+        message["redelivered"] = True
+    return message

@@ -1,0 +1,182 @@
+"""One object to call every script: a :class:`ScriptRunner`, a :class:`Keyspace` and a
+:class:`Policy`.
+
+Every operation of :mod:`.ops` is bound here as a method (``lib.ack(queue, ids)`` runs
+it; ``lib.calls.ack(queue, ids)`` builds its :class:`Call` for a pipeline). What the
+library adds is only what loops: consume and stats across cluster slots, the sweep and
+purge until nothing is left, each call staying short on the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from redis.cluster import RedisCluster
+
+from . import ops
+from .keys import Binding, Keyspace
+from .ops import (
+    EMPTY_SWEEP,
+    Consumed,
+    DeadLetter,
+    Declared,
+    FanoutBatch,
+    FanoutBound,
+    QueueStats,
+    Rejected,
+    SweepReport,
+)
+from .policy import Policy
+from .runner import Call, ScriptRunner
+
+P = ParamSpec("P")
+T = TypeVar("T")
+# Operations the library runs in loops of its own (below) rather than bound as one call;
+# a test checks that every other operation of ops is bound.
+LOOPED = frozenset({"consume", "sweep", "purge", "stats"})
+
+
+class _Bound(Generic[P, T]):
+    """An operation of :mod:`.ops` as a method: the library's keyspace and policy go first."""
+
+    def __init__(self, op: Callable[Concatenate[Keyspace, Policy, P], Call[T]]) -> None:
+        self.op = op
+        functools.update_wrapper(self, op)  # type: ignore[arg-type]
+
+    @overload
+    def __get__(self, lib: None, owner: type) -> _Bound[P, T]: ...
+    @overload
+    def __get__(self, lib: ScriptLibrary, owner: type) -> Callable[P, T]: ...
+
+    def __get__(self, lib: ScriptLibrary | None, owner: type) -> Any:
+        if lib is None:
+            return self
+        op = self.op
+
+        @functools.wraps(op)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            return lib.run(op(lib.keys, lib.policy, *args, **kwargs))
+        return run
+
+
+class Calls:
+    """``lib.calls.<op>(...)``: the :class:`Call` of an operation, to run in a pipeline."""
+
+    def __init__(self, lib: ScriptLibrary) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Callable[..., Call[Any]]:
+        try:
+            op = ops.OPERATIONS[name]
+        except KeyError:
+            raise AttributeError(f"no script operation {name!r}") from None
+        return functools.partial(op, self._lib.keys, self._lib.policy)
+
+
+class ScriptLibrary:
+    """Typed access to the scripts on one client (standalone or cluster)."""
+
+    def __init__(self, client: Any, keys: Keyspace | None = None, policy: Policy | None = None, *,
+                 visibility_ms: int | None = None) -> None:
+        self.client = client
+        self.keys = keys or Keyspace()
+        self.policy = policy or Policy()
+        if visibility_ms is not None:  # the 0.1 signature: ScriptLibrary(client, keys, visibility_ms=...)
+            self.policy = dataclasses.replace(self.policy, visibility_ms=visibility_ms)
+        self.runner = ScriptRunner(client)
+        self.calls = Calls(self)
+
+    def with_policy(self, **changes: Any) -> ScriptLibrary:
+        """The same client and keyspace under another policy (e.g. another delivery limit)."""
+        return ScriptLibrary(self.client, self.keys, dataclasses.replace(self.policy, **changes))
+
+    def run(self, call: Call[T]) -> T:
+        return self.runner.run(call)
+
+    def run_many(self, batch: Sequence[Call[Any]], *, raise_on_error: bool = True) -> list[Any]:
+        return self.runner.run_many(batch, raise_on_error=raise_on_error)
+
+    # -- one call each ----------------------------------------------------------------------
+
+    publish = _Bound(ops.publish)
+    claim = _Bound(ops.claim)
+    unpop = _Bound(ops.unpop)
+    ack = _Bound(ops.ack)
+    reject = _Bound(ops.reject)
+    extend = _Bound(ops.extend)
+    declare = _Bound(ops.declare)
+    delete = _Bound(ops.delete)
+    dead_replay = _Bound(ops.dead_replay)
+    exists = _Bound(ops.exists)
+    size = _Bound(ops.size)
+    dead_list = _Bound(ops.dead_list)
+    dead_purge = _Bound(ops.dead_purge)
+    bind = _Bound(ops.bind)
+    unbind = _Bound(ops.unbind)
+    lookup = _Bound(ops.lookup)
+    fanout_publish = _Bound(ops.fanout_publish)
+    fanout_bind = _Bound(ops.fanout_bind)
+    fanout_consume = _Bound(ops.fanout_consume)
+    fanout_unbind = _Bound(ops.fanout_unbind)
+    fanout_leave = _Bound(ops.fanout_leave)
+
+    # -- what loops ---------------------------------------------------------------------------
+
+    def slot_groups(self, queues: Sequence[str]) -> list[list[str]]:
+        """``queues`` grouped so that each group shares a cluster slot (one group when
+        the server is not a cluster), in first-seen order."""
+        if not isinstance(self.client, RedisCluster):
+            return [list(queues)] if queues else []
+        groups: dict[int, list[str]] = {}
+        for queue in queues:
+            groups.setdefault(self.keys.slot(queue), []).append(queue)
+        return list(groups.values())
+
+    def consume(self, queues: Sequence[str], count: int = 1, *, no_ack: bool = False) -> Consumed:
+        """Up to ``count`` messages across ``queues``. Priority order holds across the
+        queues of one cluster slot; on a cluster, slot groups are asked in turn."""
+        deliveries, wake, expired = [], [], 0
+        for group in self.slot_groups(queues):
+            consumed = self.run(ops.consume(self.keys, self.policy, group, count - len(deliveries),
+                                            no_ack=no_ack))
+            deliveries += consumed.deliveries
+            expired += consumed.expired
+            if consumed.wake_in_ms is not None:
+                wake.append(consumed.wake_in_ms)
+            if len(deliveries) >= count:
+                break
+        return Consumed(deliveries, min(wake) if wake else None, expired)
+
+    def sweep(self, queues: Sequence[str], *, batch: int = 1000, report_limit: int = 10,
+              max_rounds: int = 100) -> SweepReport:
+        """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up."""
+        total = EMPTY_SWEEP
+        for group in self.slot_groups(queues):
+            for _ in range(max_rounds):
+                report = self.run(ops.sweep(self.keys, self.policy, group, batch=batch,
+                                            report_limit=report_limit))
+                total += report
+                if not report.more:
+                    break
+        return dataclasses.replace(total, dropped_messages=total.dropped_messages[:report_limit])
+
+    def purge(self, queue: str, *, batch: int = 10_000) -> int:
+        purged, remaining = self.run(ops.purge(self.keys, self.policy, queue, batch=batch))
+        while remaining:
+            more, remaining = self.run(ops.purge(self.keys, self.policy, queue, batch=batch))
+            if not more:
+                break  # only the wake marker or racing in-flight entries remain
+            purged += more
+        return purged
+
+    def stats(self, queues: Sequence[str]) -> list[QueueStats]:
+        by_name = {s.queue: s for group in self.slot_groups(queues)
+                   for s in self.run(ops.stats(self.keys, self.policy, group))}
+        return [by_name[queue] for queue in queues]
+
+
+__all__ = ["Binding", "Consumed", "DeadLetter", "Declared", "FanoutBatch", "FanoutBound", "QueueStats",
+           "Rejected", "ScriptLibrary", "SweepReport"]

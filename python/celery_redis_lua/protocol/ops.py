@@ -1,0 +1,381 @@
+"""One typed definition per script: the arguments it takes, the :class:`Call` it makes, and
+the reply it decodes. No protocol logic lives here; the scripts validate their input.
+
+Every operation takes the keyspace and the policy first, so :class:`ScriptLibrary` binds
+them all the same way (``lib.ack(queue, ids)``, or ``lib.calls.ack(queue, ids)`` for a
+pipeline). A new script needs its Lua file and one function here, marked ``@operation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .keys import Binding, Keyspace
+from .policy import Policy
+from .runner import Call
+
+Payload = str | bytes
+Operation = Callable[..., Call[Any]]
+OPERATIONS: dict[str, Operation] = {}
+F = TypeVar("F", bound=Operation)
+
+
+def operation(function: F) -> F:
+    """Register ``function`` as the definition of the script of the same name."""
+    OPERATIONS[function.__name__] = function
+    return function
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _optional(value: int | None) -> str | int:
+    """``None`` travels as the empty string, which the scripts read as "not set"."""
+    return "" if value is None else value
+
+
+def _keys_of(k: Keyspace, queues: Sequence[str]) -> list[str]:
+    return [key for queue in queues for key in k.queue_keys(queue)]
+
+
+# -- what the scripts reply ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message handed to a consumer."""
+
+    queue: str
+    id: str
+    delivery_count: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Consumed:
+    deliveries: list[Delivery]
+    wake_in_ms: int | None  # ms until the earliest delayed message is due; None: none delayed
+    expired: int = 0  # messages whose TTL had passed: dead-lettered (reason 'expired') instead
+
+
+@dataclass(frozen=True)
+class Rejected:
+    requeued: int
+    dead_lettered: int
+    deleted: int
+    stale: int = 0  # fenced ids delivered again since (left alone)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A message the sweep took out of its queue: dead-lettered, or deleted."""
+
+    queue: str
+    id: str
+    delivery_count: int
+    reason: str  # 'delivery-limit' or 'expired'
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """What one or more sweep calls did. ``limit_reached`` and ``expired`` messages went to
+    the dead-letter stream, or were deleted when dead_letter_maxlen is 0."""
+
+    promoted: int
+    requeued: int
+    unclaimed: int
+    backlog: int
+    limit_reached: int
+    expired: int
+    orphans: int
+    more: bool
+    dropped_messages: list[Dropped]
+
+    def __add__(self, other: SweepReport) -> SweepReport:
+        return SweepReport(
+            self.promoted + other.promoted, self.requeued + other.requeued,
+            self.unclaimed + other.unclaimed, self.backlog + other.backlog,
+            self.limit_reached + other.limit_reached, self.expired + other.expired,
+            self.orphans + other.orphans, other.more, self.dropped_messages + other.dropped_messages,
+        )
+
+
+EMPTY_SWEEP = SweepReport(0, 0, 0, 0, 0, 0, 0, False, [])
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What declare reports: message counts, and the queue arguments now in force."""
+
+    ready: int
+    delayed: int
+    in_flight: int
+    expires_ms: int | None
+    message_ttl_ms: int | None
+    max_priority: int | None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    ready: int
+    delayed: int
+    in_flight: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    entry_id: str
+    id: str
+    reason: str
+    delivery_count: int
+    priority: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FanoutBatch:
+    next_id: str  # block on XREAD after this id: it returns as soon as there is more to read
+    entries: list[tuple[str, str, bytes]]  # (entry id, routing key, payload)
+    skipped: int = 0  # entries older than the queue's x-message-ttl, not delivered
+
+
+@dataclass(frozen=True)
+class FanoutBound:
+    created: bool  # the queue's group was made now, at the stream's end
+    groups_removed: int  # expired groups of other queues
+    consumers_removed: int  # idle consumers of this queue's group
+
+
+def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
+    """The 4-items-per-message tail of consume and claim replies."""
+    return [Delivery(queues[int(flat[i]) - 1], _text(flat[i + 1]), int(flat[i + 2]), _bytes(flat[i + 3]))
+            for i in range(0, len(flat), 4)]
+
+
+def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
+    wake = int(reply[0])
+    return Consumed(_deliveries(queues, reply[2:]), None if wake < 0 else wake, int(reply[1]))
+
+
+# -- the queue scripts (the seven keys of each queue) --------------------------------------
+
+@operation
+def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
+            eta_ms: int | None = None, ttl_ms: int | None = None) -> Call[str]:
+    """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock)."""
+    return Call("publish", k.queue_keys(queue),
+                [payload, priority, _optional(eta_ms), _optional(ttl_ms), p.visibility_ms], _text)
+
+
+@operation
+def consume(k: Keyspace, p: Policy, queues: Sequence[str], count: int = 1, *,
+            no_ack: bool = False) -> Call[Consumed]:
+    """Deliver up to ``count`` messages across ``queues`` (which must share a cluster slot;
+    :meth:`ScriptLibrary.consume` groups them)."""
+    names = list(queues)
+    return Call("consume", _keys_of(k, names), [count, p.visibility_ms, int(no_ack), p.dead_letter_maxlen],
+                lambda reply: _consumed(names, reply))
+
+
+@operation
+def claim(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, no_ack: bool = False) -> Call[Consumed]:
+    """Index and fetch what BZMPOP popped from ``queue``."""
+    return Call("claim", k.queue_keys(queue), [p.visibility_ms, int(no_ack), p.dead_letter_maxlen, *ids],
+                lambda reply: _consumed([queue], reply))
+
+
+@operation
+def unpop(k: Keyspace, p: Policy, queue: str, popped: Sequence[tuple[str, float | str]]) -> Call[int]:
+    """Put back (id, score) pairs BZMPOP popped that nobody will claim, uncounted."""
+    return Call("unpop", k.queue_keys(queue),
+                [part for message_id, score in popped for part in (score, message_id)], int)
+
+
+@operation
+def ack(k: Keyspace, p: Policy, queue: str, ids: Sequence[str]) -> Call[int]:
+    return Call("ack", k.queue_keys(queue), list(ids), int)
+
+
+def fenced(ids: Sequence[str], counts: Sequence[int | None] | None) -> list[str]:
+    """``id:delivery_count`` for each id whose count is known: reject then acts only on
+    that delivery, not on one made to another consumer after a restore."""
+    if counts is None:
+        return list(ids)
+    return [i if c is None else f"{i}:{int(c)}" for i, c in zip(ids, counts, strict=True)]
+
+
+@operation
+def reject(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, requeue: bool,
+           counts: Sequence[int | None] | None = None) -> Call[Rejected]:
+    return Call("reject", k.queue_keys(queue),
+                [int(requeue), p.delivery_limit or 0, p.dead_letter_maxlen, p.visibility_ms,
+                 *fenced(ids, counts)],
+                lambda reply: Rejected(*(int(n) for n in reply)))
+
+
+@operation
+def extend(k: Keyspace, p: Policy, queue: str, ids: Sequence[str] = ()) -> Call[int]:
+    return Call("extend", k.queue_keys(queue), [p.visibility_ms, *ids], int)
+
+
+@operation
+def sweep(k: Keyspace, p: Policy, queues: Sequence[str], *, batch: int = 1000,
+          report_limit: int = 10) -> Call[SweepReport]:
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> SweepReport:
+        counts = [int(n) for n in reply[:8]]
+        tail = reply[8:]
+        dropped = [Dropped(names[int(tail[i]) - 1], _text(tail[i + 1]), int(tail[i + 2]),
+                           _text(tail[i + 3]), _bytes(tail[i + 4])) for i in range(0, len(tail), 5)]
+        return SweepReport(*counts[:7], more=bool(counts[7]), dropped_messages=dropped)
+
+    return Call("sweep", _keys_of(k, names),
+                [p.visibility_ms, p.delivery_limit or 0, p.dead_letter_maxlen, batch, report_limit], decode)
+
+
+def _argument(value: Any) -> int | None:
+    number = int(value)
+    return None if number < 0 else number
+
+
+@operation
+def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None,
+            message_ttl_ms: int | None = None, max_priority: int | None = None) -> Call[Declared]:
+    return Call("declare", k.queue_keys(queue),
+                [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority)],
+                lambda reply: Declared(*(int(n) for n in reply[:3]), *(_argument(n) for n in reply[3:6])))
+
+
+@operation
+def purge(k: Keyspace, p: Policy, queue: str, *, batch: int = 10000) -> Call[tuple[int, int]]:
+    """One batch: (purged, remaining); :meth:`ScriptLibrary.purge` repeats it."""
+    return Call("purge", k.queue_keys(queue), [batch], lambda reply: (int(reply[0]), int(reply[1])))
+
+
+@operation
+def delete(k: Keyspace, p: Policy, queue: str) -> Call[int]:
+    return Call("delete", k.queue_keys(queue), [], int)
+
+
+@operation
+def stats(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueStats]]:
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> list[QueueStats]:
+        return [QueueStats(names[i // 4], *(int(n) for n in reply[i:i + 4])) for i in range(0, len(reply), 4)]
+
+    return Call("stats", _keys_of(k, names), [], decode)
+
+
+@operation
+def dead_replay(k: Keyspace, p: Policy, queue: str, *, count: int = 100,
+                entry_ids: Sequence[str] = ()) -> Call[list[str]]:
+    return Call("dead_replay", k.queue_keys(queue), [p.visibility_ms, count, *entry_ids],
+                lambda reply: [_text(i) for i in reply])
+
+
+# -- queue scripts with one key --------------------------------------------------------------
+
+@operation
+def exists(k: Keyspace, p: Policy, queue: str) -> Call[bool]:
+    return Call("exists", [k.meta(queue)], [], bool)
+
+
+@operation
+def size(k: Keyspace, p: Policy, queue: str) -> Call[int]:
+    return Call("size", [k.queue(queue)], [], int)
+
+
+def _dead_letter(entry: Sequence[Any]) -> DeadLetter:
+    raw = entry[1]
+    fields = {_text(raw[i]): raw[i + 1] for i in range(0, len(raw), 2)}
+    return DeadLetter(
+        _text(entry[0]), _text(fields.get("id", "")), _text(fields.get("reason", "")),
+        int(fields.get("delivery_count", 0)), int(fields.get("priority", 0)),
+        _bytes(fields.get("payload", b"")),
+    )
+
+
+@operation
+def dead_list(k: Keyspace, p: Policy, queue: str, *, count: int = 100,
+              after: str | None = None) -> Call[list[DeadLetter]]:
+    return Call("dead_list", [k.dead(queue)], [count, after or ""],
+                lambda reply: [_dead_letter(e) for e in reply])
+
+
+@operation
+def dead_purge(k: Keyspace, p: Policy, queue: str) -> Call[int]:
+    return Call("dead_purge", [k.dead(queue)], [], int)
+
+
+# -- bindings ---------------------------------------------------------------------------------
+
+@operation
+def bind(k: Keyspace, p: Policy, exchange: str, members: Iterable[str], *,
+         lifetime_ms: int | None = None) -> Call[int]:
+    return Call("bind", [k.binding(exchange)], [_optional(lifetime_ms), *members], int)
+
+
+@operation
+def unbind(k: Keyspace, p: Policy, exchange: str, members: Iterable[str]) -> Call[int]:
+    return Call("unbind", [k.binding(exchange)], list(members), int)
+
+
+@operation
+def lookup(k: Keyspace, p: Policy, exchange: str) -> Call[list[Binding]]:
+    """The live bindings of ``exchange``."""
+    return Call("lookup", [k.binding(exchange)], [], lambda reply: [k.parse_binding(m) for m in reply])
+
+
+# -- fanout streams ---------------------------------------------------------------------------
+
+def _fanout_keys(k: Keyspace, exchange: str) -> list[str]:
+    stream = k.fanout(exchange)
+    return [stream, k.fanout_groups(stream)]
+
+
+@operation
+def fanout_publish(k: Keyspace, p: Policy, exchange: str, payload: Payload, *, maxlen: int = 10_000,
+                   expires_ms: int | None = None, routing_key: str = "") -> Call[str]:
+    return Call("fanout_publish", _fanout_keys(k, exchange),
+                [payload, maxlen, _optional(expires_ms), routing_key or ""], _text)
+
+
+@operation
+def fanout_bind(k: Keyspace, p: Policy, exchange: str, queue: str, *, expires_ms: int | None = None,
+                message_ttl_ms: int | None = None, stream_expires_ms: int | None = None) -> Call[FanoutBound]:
+    return Call("fanout_bind", _fanout_keys(k, exchange),
+                [queue, _optional(expires_ms), _optional(message_ttl_ms), _optional(stream_expires_ms)],
+                lambda reply: FanoutBound(bool(int(reply[0])), int(reply[1]), int(reply[2])))
+
+
+@operation
+def fanout_consume(k: Keyspace, p: Policy, exchange: str, queue: str, consumer: str, *, count: int = 100,
+                   stream_expires_ms: int | None = None) -> Call[FanoutBatch]:
+    def decode(reply: Sequence[Any]) -> FanoutBatch:
+        entries = [(_text(reply[i]), _text(reply[i + 1]), _bytes(reply[i + 2]))
+                   for i in range(2, len(reply), 3)]
+        return FanoutBatch(_text(reply[0]), entries, int(reply[1]))
+
+    return Call("fanout_consume", _fanout_keys(k, exchange),
+                [queue, consumer, count, _optional(stream_expires_ms)], decode)
+
+
+@operation
+def fanout_unbind(k: Keyspace, p: Policy, exchange: str, queue: str) -> Call[bool]:
+    return Call("fanout_unbind", _fanout_keys(k, exchange), [queue], bool)
+
+
+@operation
+def fanout_leave(k: Keyspace, p: Policy, exchange: str, queue: str, consumer: str) -> Call[bool]:
+    return Call("fanout_leave", [k.fanout(exchange)], [queue, consumer], bool)

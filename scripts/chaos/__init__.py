@@ -1,4 +1,0 @@
-"""Chaos harness (issue 6): sustained load, seeded faults, a ledger, and a verdict.
-
-Run with ``make chaos ARGS='--profile smoke'``; see docs/RELIABILITY.md.
-"""

@@ -1,0 +1,102 @@
+"""The package's shape: a protocol layer that never imports kombu, a kombu adapter on it,
+no import cycle anywhere (TYPE_CHECKING imports included), and key names built and read
+only in the keyspace module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "celery_redis_lua"
+KEYSPACE = "celery_redis_lua.protocol.keys"
+# Pieces of key names: wherever one appears in a string (a key kind at the start of a string
+# or of an f-string part, or after a non-word character), a key name is being made or read.
+KEY_PIECE = re.compile(r"(^|[^\w\s])(queue|delayed|messages_index|meta|dead|state|message):|"
+                       r"_kombu\.binding|:groups|/\{")
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports, anywhere in the file (TYPE_CHECKING too)."""
+    package = name if name in known and _is_package(name) else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            targets.add(base)
+            targets |= {f"{base}.{alias.name}" for alias in node.names}
+    return {t for t in targets if t in known and t != name}
+
+
+def _is_package(name: str) -> bool:
+    return (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    found = modules()
+    graph = {name: imports(name, tree, set(found)) for name, tree in found.items()}
+    # Importing a module imports its package first: that is not an edge of ours.
+    graph = {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        assert name not in visiting, "import cycle: " + " -> ".join([*visiting[visiting.index(name):], name])
+        visiting.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_protocol_layer_never_imports_kombu() -> None:
+    for name, tree in modules().items():
+        if not name.startswith("celery_redis_lua.protocol"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+                assert not any(n == "kombu" or n.startswith(("kombu.", "celery")) for n in names), name
+
+
+def test_no_module_outside_the_keyspace_formats_a_key_name() -> None:
+    for name, tree in modules().items():
+        if name == KEYSPACE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and not _docstring(tree, node):
+                assert not KEY_PIECE.search(node.value), \
+                    f"{name}:{node.lineno} builds or reads a key name: {node.value!r}"
+
+
+def _docstring(tree: ast.Module, node: ast.Constant) -> bool:
+    """Docstrings and comments may name keys; code may not."""
+    for owner in ast.walk(tree):
+        body = getattr(owner, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and body[0].value is node:
+            return True
+    return False

@@ -1,0 +1,234 @@
+"""python -m tools.bench: every scenario for every peer, interleaved, repeated; medians and ratios.
+
+    python -m tools.bench              # defaults: ~10 minutes on 2 cores
+    python -m tools.bench --quick      # ~1-2 minutes
+    python -m tools.bench --peer mine=redis://host:6379/3,celery_redis_lua:Transport --peer stock=redis://host:6379/4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import ExitStack
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from tools.servers import Server, available_kinds
+
+from . import broker_mechanics, celery_level, kombu_level, report
+from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
+from .server_cost import version_of
+
+
+def options() -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.splitlines()[0])
+    kinds = list(available_kinds())
+    p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
+                   help="throwaway server for the Redis-based peers (default: redis if on PATH)")
+    p.add_argument("--peers", default="lua,stock,plus,rabbit", help="default peers to run, if available")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[,module:Class]",
+                   help="measure these instead of the default peers (name one 'stock' for ratios)")
+    p.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//")
+    p.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR",
+                   help="also run our transport from another checkout (e.g. the previous commit), "
+                        "side by side in the same run; repeatable")
+    p.add_argument("--one", metavar="SCENARIO", help=argparse.SUPPRESS)  # a --checkout peer's job
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
+    p.add_argument("--size", type=int, default=300, help="message body bytes")
+    p.add_argument("--kombu-n", type=int, default=3000)
+    p.add_argument("--prefetch", type=int, default=100, help="kombu consume prefetch_count")
+    p.add_argument("--celery-n", type=int, default=1500)
+    p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late,"
+                                         "solo_early,gevent_early")
+    p.add_argument("--threads", type=int, default=4, help="--pool=threads concurrency")
+    p.add_argument("--processes", type=int, default=2, help="--pool=prefork concurrency")
+    p.add_argument("--greenlets", type=int, default=10, help="--pool=gevent concurrency")
+    p.add_argument("--rate", type=float, default=200, help="open-loop tasks/s (threads, early ack)")
+    p.add_argument("--rate-seconds", type=float, default=6)
+    p.add_argument("--mech-n", type=int, default=3000)
+    p.add_argument("--mech-workers", default="4", help="comma-separated W levels")
+    p.add_argument("--mech-prefetch", type=int, default=4)
+    p.add_argument("--mech-timeout", type=float, default=300)
+    p.add_argument("--quick", action="store_true", help="~1-2 min: repeat 1, small N, early ack only")
+    p.add_argument("--no-docs", action="store_true", help="do not update docs/bench/latest.*")
+    o = p.parse_args()
+    if o.quick:
+        o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
+        o.variants = "threads_early,prefork_early,solo_early,gevent_early"
+    o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    o.mech_workers = [int(w) for w in o.mech_workers.split(",") if w.strip()]
+    return o
+
+
+def machine(peers: list[Peer]) -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    return {"nproc": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg_start": os.getloadavg(),
+            "servers": {p.name: version_of(p) for p in peers},
+            "packages": {name: _version(name) for name in
+                         ("kombu", "celery", "redis", "amqp", "celery-redis-lua", "celery-redis-plus")}}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except Exception:
+        return None
+
+
+def jobs(o: argparse.Namespace, peers: list[Peer]) -> list[tuple[int, str, Peer]]:
+    scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"mech_{w}" for w in o.mech_workers)]
+    return [(rep, s, p) for rep in range(1, o.repeat + 1) for s in scenarios for p in peers]
+
+
+def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
+    if peer.checkout:
+        return run_in_checkout(scenario, peer)
+    if scenario == "kombu":
+        r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
+        return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
+                   f"consume+ack {r['consume']['msgs_per_s']:7,.0f} msg/s")
+    if scenario.startswith("celery_"):
+        pool, ack = scenario.removeprefix("celery_").split("_")
+        rate = o.rate if (pool, ack) == ("threads", "early") else None
+        # solo runs one task at a time inside the event loop; a stall between prefetch
+        # batches (waiting out the blocking poll) shows here first.
+        concurrency = {"threads": o.threads, "prefork": o.processes, "solo": 1,
+                       "gevent": o.greenlets}[pool]
+        r = celery_level.run(peer, pool, ack == "late", o.celery_n, concurrency,
+                             open_loop_rate=rate, open_loop_seconds=o.rate_seconds)
+        text = f"{r['throughput']['tasks_per_s']:7,.0f} tasks/s"
+        if "open_loop" in r:
+            lat = r["open_loop"]["latency_us"]
+            text += f"  @{o.rate:.0f}/s p50 {lat['p50'] / 1000:.1f} p99 {lat['p99'] / 1000:.1f} ms"
+        return r, text
+    workers = int(scenario.removeprefix("mech_"))
+    r = broker_mechanics.run(peer, o.mech_n, workers, o.mech_prefetch, o.size, o.mech_timeout)
+    return r, f"{r['jobs_per_sec']:7,.0f} jobs/s  p99 {r['latency_us']['p99'] / 1000:.0f} ms in queue"
+
+
+def without_checkouts(argv: list[str]) -> list[str]:
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--checkout":
+            skip = True
+        elif not arg.startswith("--checkout="):
+            kept.append(arg)
+    return kept
+
+
+def run_in_checkout(scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
+    """Run one job in a subprocess with the checkout's package first on the path (its
+    workers inherit it), so two versions of the transport are measured in one run."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(peer.checkout or "") / "python"),
+                                                       str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "tools.bench", "--one", scenario, "--peer", f"{peer.name}={peer.url}",
+               *without_checkouts(sys.argv[1:])]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{peer.name} in {peer.checkout}: {done.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["result"], result["text"]
+
+
+def main() -> int:
+    o = options()
+    if o.one:  # one job of a --checkout peer, in its own process; the result on stdout
+        result, text = run_job(o, o.one, parse_peer(o.peer[0]))
+        print(json.dumps({"result": result, "text": text}, default=str))
+        return 0
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = ROOT / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    with ExitStack() as stack:
+        skipped: dict[str, str] = {}
+        if o.peer:
+            peers = [parse_peer(text) for text in o.peer]
+        else:
+            server = stack.enter_context(Server(o.server_kind))
+            peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",")])
+            peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
+        for name, why in skipped.items():
+            print(f"skipping {name}: {why}", flush=True)
+        info = machine(peers)
+        todo = jobs(o, peers)
+        print(f"{len(todo)} runs: {', '.join(f'{p.name}={p.url}' for p in peers)}; "
+              f"{info['nproc']} CPUs ({info['cpu_model']}), load {info['loadavg_start'][0]:.2f}", flush=True)
+        runs: list[dict[str, Any]] = []
+        began = time.monotonic()
+        for i, (rep, scenario, peer) in enumerate(todo, 1):
+            t0 = time.monotonic()
+            entry: dict[str, Any] = {"rep": rep, "scenario": scenario, "peer": peer.name}
+            try:
+                entry["result"], text = run_job(o, scenario, peer)
+            except Exception as error:
+                entry["error"] = f"{type(error).__name__}: {error}"
+                entry["traceback"] = traceback.format_exc()
+                text = f"FAILED {entry['error'].splitlines()[0][:200]}"
+            runs.append(entry)
+            elapsed = time.monotonic() - began
+            eta = elapsed / i * (len(todo) - i)
+            print(f"[{i:>3}/{len(todo)} rep {rep}] {scenario:<20} {peer.name:<7} {text}  "
+                  f"({time.monotonic() - t0:4.1f} s, ~{eta / 60:.1f} min left)", flush=True)
+    info["loadavg_end"] = os.getloadavg()
+    info["seconds"] = round(time.monotonic() - began, 1)
+
+    rows = report.metrics(o.variants, o.mech_workers)
+    names = [p.name for p in peers]
+    summary = report.summarize(runs, names, rows)
+    verdicts = report.targets(summary)
+    table = report.markdown(summary, rows)
+    command = "python -m tools.bench " + " ".join(sys.argv[1:])
+    mech_docs = {}
+    for peer in peers:
+        results = [dict(r["result"], rep=r["rep"]) for r in runs
+                   if r["peer"] == peer.name and r["scenario"].startswith("mech_") and "error" not in r]
+        tag = f"{peer.name}-{info['servers'].get(peer.name, '').replace(' ', '-')}"
+        mech_docs[peer.name] = broker_mechanics.document(peer, tag, stamp, o.mech_n, o.mech_workers, 0,
+                                                         results)
+        (out_dir / f"celery_bench_{peer.name}-{stamp}.json").write_text(
+            json.dumps(mech_docs[peer.name], indent=1))
+    document = {"tool": "tools/bench", "command": command, "timestamp": stamp, "machine": info,
+                "options": {k: v for k, v in vars(o).items()}, "peers": [p.describe() for p in peers],
+                "skipped": skipped, "baseline": BASELINE, "summary": summary,
+                "ratios": report.ratios(summary), "targets": verdicts, "table_markdown": table,
+                "runs": runs}
+    path = out_dir / f"bench-{stamp}.json"
+    path.write_text(json.dumps(document, indent=1, default=str))
+    png = out_dir / f"bench-{stamp}.png"
+    title = (f"{info['nproc']} CPUs, {', '.join(sorted(set(filter(None, info['servers'].values()))))}; "
+             f"medians of {o.repeat}")
+    report.chart(summary, rows, png, title)
+    print("\n" + table + "\n\nTargets (measured, never asserted):\n" + report.targets_markdown(verdicts))
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        print(f"\n{len(failed)} runs failed; see 'runs[].traceback' in {path.relative_to(ROOT)}")
+    print(f"\n-> {path.relative_to(ROOT)}, {png.relative_to(ROOT)}  ({info['seconds']:.0f} s; "
+          f"load {info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f})")
+    if not (o.quick or o.no_docs or o.peer):
+        docs = ROOT / "docs" / "bench"
+        docs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, docs / "latest.json")
+        shutil.copyfile(png, docs / "latest.png")
+        (docs / "latest.md").write_text(f"`{command}`\n\n{table}\n\n{report.targets_markdown(verdicts)}\n")
+        print("-> docs/bench/latest.json, latest.png, latest.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

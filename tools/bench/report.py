@@ -1,0 +1,179 @@
+"""Medians over repetitions, ratios to stock kombu Redis, the targets, a table and a chart."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .peers import BASELINE
+
+Getter = Callable[[dict[str, Any]], float | None]
+
+
+def _dig(run: dict[str, Any], *path: str) -> float | None:
+    value: Any = run
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1000
+
+
+def metrics(celery_variants: list[str], mech_workers: list[int]) -> list[tuple[str, str, str, Getter, bool]]:
+    """(key, label, scenario, getter, higher_is_better) of every metric in the table."""
+    rows: list[tuple[str, str, str, Getter, bool]] = [
+        ("kombu_publish", "kombu publish, msg/s", "kombu",
+         lambda r: _dig(r, "publish", "msgs_per_s"), True),
+        ("kombu_consume", "kombu consume+ack, msg/s", "kombu",
+         lambda r: _dig(r, "consume", "msgs_per_s"), True),
+    ]
+    for variant in celery_variants:
+        rows.append((f"celery_{variant}", f"Celery {variant.replace('_', ' ')}-ack, tasks/s",
+                     f"celery_{variant}", lambda r: _dig(r, "throughput", "tasks_per_s"), True))
+    for name, label in (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"), ("max", "max")):
+        rows.append((f"latency_{name}", f"open-loop latency {label}, ms", "celery_threads_early",
+                     lambda r, n=name: _ms(_dig(r, "open_loop", "latency_us", n)), False))
+    for w in mech_workers:
+        rows.append((f"mech_{w}", f"mechanics W={w}, jobs/s", f"mech_{w}",
+                     lambda r: _dig(r, "jobs_per_sec"), True))
+        rows.append((f"mech_{w}_p99", f"mechanics W={w}, p99 in queue, ms", f"mech_{w}",
+                     lambda r: _ms(_dig(r, "latency_us", "p99")), False))
+    rows += [
+        ("server_cpu", "server CPU µs/msg, publish+consume+ack", "kombu",
+         lambda r: _dig(r, "server_cpu_us_per_msg"), False),
+        ("publish_calls", "Redis commands/msg, publish", "kombu",
+         lambda r: _dig(r, "publish", "server", "calls_per_msg"), False),
+        ("consume_calls", "Redis commands/msg, consume+ack", "kombu",
+         lambda r: _dig(r, "consume", "server", "calls_per_msg"), False),
+        ("publish_requests", "requests sent/msg, publish", "kombu",
+         lambda r: _dig(r, "publish", "server", "requests_per_msg"), False),
+        ("consume_requests", "requests sent/msg, consume+ack", "kombu",
+         lambda r: _dig(r, "consume", "server", "requests_per_msg"), False),
+        ("celery_cpu", "server CPU µs/task, Celery threads early", "celery_threads_early",
+         lambda r: _dig(r, "throughput", "server", "cpu_us_per_msg"), False),
+    ]
+    return rows
+
+
+def summarize(runs: list[dict[str, Any]], peers: list[str], rows: list[tuple[str, str, str, Getter, bool]]
+              ) -> dict[str, dict[str, float | None]]:
+    """Median of each metric per peer over the repetitions that produced it."""
+    out: dict[str, dict[str, float | None]] = {}
+    for peer in peers:
+        out[peer] = {}
+        for key, _, scenario, get, _ in rows:
+            values = [v for run in runs if run["peer"] == peer and run["scenario"] == scenario
+                      and "error" not in run and (v := get(run["result"])) is not None]
+            out[peer][key] = statistics.median(values) if values else None
+    return out
+
+
+def ratios(summary: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    base = summary.get(BASELINE, {})
+    return {peer: {key: (value / base[key] if value is not None and base.get(key) else None)
+                   for key, value in values.items()} for peer, values in summary.items()}
+
+
+def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabbit: str = "rabbit"
+            ) -> list[dict[str, Any]]:
+    """The performance targets, measured: met or missed, and by how much."""
+    def check(name: str, key: str, peer: str, factor: float, higher: bool) -> dict[str, Any]:
+        mine = summary.get(ours, {}).get(key)
+        theirs = summary.get(peer, {}).get(key)
+        if mine is None or theirs is None:
+            return {"target": name, "met": None, "note": f"not measured ({ours} or {peer} missing)"}
+        bound = theirs * factor
+        met = mine >= bound if higher else mine <= bound
+        return {"target": name, "met": met, "ours": mine, "bound": bound,
+                "ratio": mine / bound if bound else None}
+    return [
+        check("kombu publish >= RabbitMQ", "kombu_publish", rabbit, 1.0, True),
+        check("kombu consume+ack >= RabbitMQ", "kombu_consume", rabbit, 1.0, True),
+        check("Celery threads early-ack >= RabbitMQ", "celery_threads_early", rabbit, 1.0, True),
+        check("server CPU/msg <= 1/2 stock", "server_cpu", BASELINE, 0.5, False),
+        check("open-loop p99 <= stock", "latency_p99", BASELINE, 1.0, False),
+    ]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def markdown(summary: dict[str, dict[str, float | None]], rows: list[tuple[str, str, str, Getter, bool]]
+             ) -> str:
+    peers = list(summary)
+    rel = ratios(summary)
+    lines = ["| metric (median) | " + " | ".join(peers) + " |", "|---|" + "---:|" * len(peers)]
+    for key, label, *_ in rows:
+        if all(summary[p][key] is None for p in peers):
+            continue
+        cells = []
+        for peer in peers:
+            cell = _fmt(summary[peer][key])
+            ratio = rel[peer][key]
+            if ratio is not None and peer != BASELINE:
+                cell += f" ({ratio:.2f}×)"
+            cells.append(cell)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_markdown(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in results:
+        if t["met"] is None:
+            lines.append(f"- {t['target']}: {t['note']}")
+            continue
+        verdict = "met" if t["met"] else "MISSED"
+        lines.append(f"- {t['target']}: {verdict} (ours {_fmt(t['ours'])} vs bound {_fmt(t['bound'])}, "
+                     f"{t['ratio']:.2f}× the bound)")
+    return "\n".join(lines)
+
+
+def chart(summary: dict[str, dict[str, float | None]], rows: list[tuple[str, str, str, Getter, bool]],
+          path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rel = ratios(summary)
+    peers = list(summary)
+    keys = [(k, label) for k, label, _, _, _ in rows
+            if not k.startswith("latency_") and not k.endswith(("_calls", "_requests"))
+            and any(rel[p][k] is not None for p in peers)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.45 * len(keys) + 2.5),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    height = 0.8 / max(1, len(peers))
+    for i, peer in enumerate(peers):
+        ys = [j + i * height for j in range(len(keys))]
+        left.barh(ys, [rel[peer][k] or 0 for k, _ in keys], height=height, label=peer)
+    left.set_yticks([j + 0.4 - height / 2 for j in range(len(keys))], [label for _, label in keys])
+    left.invert_yaxis()
+    left.axvline(1.0, color="black", linewidth=0.8)
+    left.set_xlabel(f"ratio to stock kombu Redis ({BASELINE} = 1; CPU: lower is better)")
+    left.legend(loc="lower right")
+    names = [("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"), ("max", "max")]
+    for peer in peers:
+        values = [summary[peer].get(f"latency_{n}") for n, _ in names]
+        if any(v is not None for v in values):
+            right.plot([label for _, label in names], [v or float("nan") for v in values], marker="o",
+                       label=peer)
+    right.set_yscale("log")
+    right.set_ylabel("publish -> task start, ms (log)")
+    right.set_title("open-loop delivery latency (Celery threads, early ack)")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})  # no tool URL in the PNG
+    plt.close(fig)

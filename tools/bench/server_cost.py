@@ -1,0 +1,93 @@
+"""What a run costs the server: Redis commands per message by name and CPU per message.
+
+For Redis-based peers this is the INFO commandstats and INFO cpu delta over a phase,
+with the conventions of tools/bench/lua_level.py (its ``snapshot``/``server_cost`` are
+reused: commands the harness itself sends are left out; ``requests`` are the commands
+clients sent, ``calls`` every command the server ran, a script's inner ones included).
+No CONFIG RESETSTAT and no FLUSHALL: deltas work on a server shared with anything.
+For RabbitMQ the CPU of its ``beam.smp`` process comes from /proc (read only).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tools.bench_scripts import server_cost as _redis_cost
+from tools.bench_scripts import snapshot as _redis_snapshot
+
+from .peers import Peer
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _beam_pid() -> int | None:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "comm").read_text().strip() != "beam.smp":
+                continue
+            if b"rabbit" in (proc / "cmdline").read_bytes():
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+class Probe:
+    """Snapshots of one peer's server; ``cost(before, after, n)`` per message."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.client = peer.redis_client()
+        self.beam = None if self.client is not None else (_beam_pid() if "amqp" in peer.url else None)
+
+    @property
+    def available(self) -> bool:
+        return self.client is not None or self.beam is not None
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if self.client is not None:
+            return _redis_snapshot(self.client)
+        if self.beam is not None:
+            try:
+                fields = Path(f"/proc/{self.beam}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return None
+            return {"cpu": (int(fields[11]) + int(fields[12])) / CLOCK_TICKS}  # utime + stime
+        return None
+
+    def cost(self, before: dict[str, Any] | None, after: dict[str, Any] | None, n: int) -> dict[str, Any]:
+        if before is None or after is None or n <= 0:
+            return {}
+        if self.client is not None:
+            return _redis_cost(before, after, n)
+        return {"cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
+                "note": "beam.smp utime+stime (/proc, 10 ms ticks)"}
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def version_of(peer: Peer) -> str:
+    """'redis 7.0.15', 'valkey 9.1.2', 'RabbitMQ 3.10.8' or '' when unknown."""
+    client = peer.redis_client()
+    if client is not None:
+        try:
+            info = client.info("server")
+            if "valkey_version" in info:
+                return f"valkey {info['valkey_version']}"
+            return f"redis {info.get('redis_version', '?')}"
+        finally:
+            client.close()
+    try:
+        with peer.connection() as conn:
+            conn.connect()
+            props = getattr(conn.connection, "server_properties", {}) or {}
+            product, version = props.get("product", ""), props.get("version", "")
+            parts = (v.decode() if isinstance(v, bytes) else str(v) for v in (product, version))
+            return " ".join(parts).strip()
+    except Exception:
+        return ""

@@ -1,0 +1,158 @@
+"""``python -m tools.chaos``: one chaos run, its verdict, its scorecard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tools.chaos import faults, ledger, report, verdict
+from tools.chaos.events import EventListener
+from tools.chaos.producer import Producer
+from tools.chaos.profiles import PROFILES, Profile
+from tools.chaos.workers import ChaosWorker
+from tools.servers import Server, server_version
+
+BROKERS = {"redis-aof": ("redis", "everysec"), "redis-aof-always": ("redis", "always"),
+           "valkey": ("valkey", "everysec")}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.chaos", description=__doc__)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--broker", choices=sorted(BROKERS), default="valkey")
+    parser.add_argument("--transport", choices=("ours", "stock"), default="ours")
+    parser.add_argument("--load-seconds", type=float, help="override the profile's load phase")
+    parser.add_argument("--no-acks-late", action="store_true")
+    parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
+    parser.add_argument("--verdict-of", metavar="SCORECARD",
+                        help="no run: recompute the verdict of a run from its ledger (kept in the "
+                             "scorecard's log_dir) under the current rules, as a new scorecard")
+    return parser.parse_args(argv)
+
+
+def log(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def drain(profile: Profile, ledger_url: str, server: Server, transport: str) -> float:
+    """Wait (bounded) until every submission finished and the broker holds nothing."""
+    began = time.monotonic()
+    while time.monotonic() - began < profile.drain_seconds:
+        records = ledger.read(ledger_url)
+        finished = {entry["id"] for entry in records["finish"]}
+        missing = sum(1 for entry in records["submit"] if entry["id"] not in finished)
+        state = verdict.broker_state(server.client(socket_timeout=10), transport)
+        if not missing and not state["pending"]:
+            break
+        time.sleep(1)  # polling interval of a bounded wait
+    return round(time.monotonic() - began, 1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = PROFILES[args.profile]
+    if args.load_seconds:
+        profile = replace(profile, load_seconds=args.load_seconds)
+    kind, fsync = BROKERS[args.broker]
+    log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
+    options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout}
+    if args.transport == "ours":
+        # Bindings of the expiring queue then live 60 s (its x-expires) and must be refreshed
+        # throughout; the floor is lowered so a run sees them stale at once if they are not.
+        options.update(sweep_interval=1, binding_lifetime_floor=10)
+    card: dict[str, Any] = {"run": {
+        "transport": args.transport, "broker": args.broker, "profile": args.profile,
+        "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
+        "transport_options": options, "profile_settings": profile.as_dict()}}
+    ledger_server = Server("valkey").start()
+    server = Server(kind, args=["--appendonly", "yes", "--appendfsync", fsync]).start()
+    workers: list[ChaosWorker] = []
+    producer: Producer | None = None
+    listener: EventListener | None = None
+    try:
+        scheme = "redislua" if args.transport == "ours" else "redis"
+        broker_url = f"{scheme}://127.0.0.1:{server.port}/0"
+        card["run"]["server"] = server_version(server.client())
+        env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_server.url,
+               "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
+               "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
+        for i, (pool, concurrency) in enumerate(profile.workers, 1):
+            workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
+            workers[-1].start()
+        log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
+        listener = EventListener(broker_url, options, ledger_server.url)
+        listener.start()
+        injector = faults.FaultInjector(server, workers, args.transport, profile,
+                                        ledger_server.url, args.seed)
+        plan = faults.schedule(profile, args.seed)
+        card["run"]["fault_plan"] = plan
+        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
+        began = time.monotonic()
+        producer.start()
+        for at, fault in plan:
+            time.sleep(max(0.0, began + at - time.monotonic()))  # the schedule, not a sync
+            entry = injector.inject(fault)
+            log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
+                f"{ {k: v for k, v in entry.items() if k not in ('kind', 't')} }")
+        time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))
+        producer.stop()
+        log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")
+        for worker in workers:
+            if not worker.alive:
+                worker.reap(5)
+                worker.start()
+        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, server, args.transport)
+        listener.stop()
+        state = verdict.broker_state(server.client(socket_timeout=10), args.transport)
+        records = ledger.read(ledger_server.url)
+        (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
+        card["verdict"] = verdict.compute(records, state, profile, args.transport)
+        card["faults"] = records["fault"]
+    finally:
+        if producer is not None and producer.is_alive():
+            producer.stop()
+        if listener is not None and listener.is_alive():
+            listener.stop()
+        for worker in workers:
+            worker.stop()
+        server.stop()
+        ledger_server.stop()
+    return card
+
+
+def recompute(path: Path) -> dict[str, Any]:
+    """A run's scorecard with its verdict computed again from its ledger (same faults, same
+    executions, the broker state it recorded) under the rules of this version."""
+    card = json.loads(path.read_text())
+    records = json.loads((Path(card["run"]["log_dir"]) / "ledger.json").read_text())
+    profile = Profile(**{**card["run"]["profile_settings"],
+                         "fault_gap": tuple(card["run"]["profile_settings"]["fault_gap"])})
+    previous = card["verdict"]["verdict"]
+    card["verdict"] = verdict.compute(records, card["verdict"]["broker"], profile, card["run"]["transport"])
+    card["run"]["recomputed"] = {"from": path.name, "verdict_then": previous,
+                                 "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    card = recompute(Path(args.verdict_of)) if args.verdict_of else run(args)
+    path = report.write(card)
+    if not args.no_doc:
+        path = report.keep(path)
+        report.append_doc(card, path)
+    print(report.summary(card, path))
+    return 0 if card["verdict"]["verdict"] in ("PASS", "REPORT") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The Celery app the chaos workers run (``celery -A tools.chaos.app worker``).
+
+Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
+CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
+The one task records its start (worker, pid, delivery count) and finish in the ledger.
+Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
+topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
+run also proves that an expiring queue and its binding outlive every refresh interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+import celery_redis_lua  # noqa: F401  (registers redislua://)
+from tools.chaos import ledger
+
+app = Celery("chaos", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("CHAOS_BROKER_URL", "redislua://127.0.0.1:6379/0"),
+    broker_transport_options=json.loads(os.environ.get("CHAOS_TRANSPORT_OPTIONS", "{}")),
+    task_acks_late=os.environ.get("CHAOS_ACKS_LATE", "1") == "1",
+    task_ignore_result=True,
+    worker_prefetch_multiplier=4,
+    broker_connection_retry_on_startup=True,
+    broker_connection_max_retries=None,
+    worker_hijack_root_logger=False,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+
+# x-expires longer than any fault keeps consumers away (a broker restart, a pause): the
+# queue must live as long as it has consumers, and its binding be refreshed meanwhile.
+EXPIRING_QUEUE_SECONDS = 60
+JOBS = Exchange("chaos.jobs", "topic")
+app.conf.task_queues = (
+    Queue("celery"),
+    Queue("expiring", JOBS, routing_key="jobs.#", expires=EXPIRING_QUEUE_SECONDS),
+)
+
+
+@app.task(name="chaos.work", bind=True)
+def work(self, kind: str, seconds: float) -> None:
+    request = self.request
+    info = request.delivery_info or {}
+    ledger.record("start", id=request.id, kind=kind, t=time.time(), worker=request.hostname,
+                  pid=os.getpid(), delivery_count=vars(request).get("x-delivery-count"),
+                  redelivered=info.get("redelivered"))
+    time.sleep(seconds)
+    ledger.record("finish", id=request.id, t=time.time(), worker=request.hostname, pid=os.getpid())

@@ -1,0 +1,82 @@
+"""The producer: one thread sending ``chaos.work`` at a fixed rate with a seeded mix of
+fast, slow, countdown and high-priority tasks; each accepted submission goes to the ledger
+with its eligibility time (the ETA for a countdown)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Celery
+
+from tools.chaos import ledger
+from tools.chaos.app import app as chaos_app
+from tools.chaos.profiles import Profile
+
+RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
+
+
+class Producer(threading.Thread):
+    def __init__(self, broker_url: str, transport_options: dict[str, Any], ledger_url: str,
+                 profile: Profile, seed: int) -> None:
+        super().__init__(name="chaos-producer", daemon=True)
+        self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
+        self.app.conf.broker_transport_options = transport_options
+        self.app.conf.task_queues = chaos_app.conf.task_queues  # the routes the workers bind
+        self.app.conf.broker_connection_retry_on_startup = True
+        self.ledger_url, self.profile = ledger_url, profile
+        self.rng = random.Random(seed * 7919 + 1)
+        self.halt = threading.Event()
+        self.sent = self.errors = 0
+
+    def next_task(self) -> tuple[str, float, int, float]:
+        """(kind, seconds the task runs, priority, countdown)."""
+        p, rng = self.profile, self.rng
+        kind = rng.choices(list(p.mix), weights=list(p.mix.values()))[0]
+        if kind == "slow":
+            return kind, rng.uniform(*p.slow_seconds), 0, 0.0
+        if kind == "countdown":
+            return kind, rng.uniform(0.005, 0.05), 0, rng.uniform(*p.countdown_seconds)
+        if kind == "priority":
+            return kind, rng.uniform(0.005, 0.05), 9, 0.0
+        return kind, rng.uniform(0.005, 0.05), 0, 0.0
+
+    def send(self, kind: str, seconds: float, priority: int, countdown: float) -> None:
+        task_id = str(uuid.uuid4())
+        now = time.time()
+        eligible = now + countdown
+        options: dict[str, Any] = {"task_id": task_id, "retry": True, "retry_policy": RETRY_POLICY}
+        if priority:
+            options["priority"] = priority
+        if kind == "routed":  # through the topic exchange to the queue with x-expires
+            options.update(queue="expiring", routing_key=f"jobs.{task_id[:8]}")
+        if countdown:
+            options["eta"] = datetime.fromtimestamp(eligible, tz=UTC)
+        try:
+            self.app.send_task("chaos.work", args=[kind, seconds], **options)
+        except Exception as error:
+            self.errors += 1
+            ledger.record("submit_error", self.ledger_url, id=task_id, t=time.time(), kind=kind,
+                          error=repr(error)[:300])
+            return
+        self.sent += 1
+        ledger.record("submit", self.ledger_url, id=task_id, t=now, sent=time.time(), kind=kind,
+                      priority=priority, eligible=eligible, seconds=seconds)
+
+    def run(self) -> None:
+        began, n = time.monotonic(), 0
+        while not self.halt.is_set():
+            self.send(*self.next_task())
+            n += 1
+            delay = began + n / self.profile.rate - time.monotonic()
+            if delay > 0:
+                self.halt.wait(delay)  # pacing, not synchronisation
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(120)
+        self.app.close()
