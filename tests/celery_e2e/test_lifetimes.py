@@ -124,3 +124,21 @@ def test_a_restarted_worker_does_not_run_control_commands_sent_while_it_was_down
 
 def _labels(broker: Broker) -> list[str]:
     return [e["label"] for e in broker.entries("control")]
+
+
+def test_many_greenlets_share_a_small_connection_pool(broker: Broker, producer: Celery,
+                                                      log_dir: Path) -> None:
+    """Found by the benchmark's gevent phase: 10 greenlets acking at once on the default
+    pool of 10 connections, of which each channel's blocking waits held two, failed acks
+    with 'Too many connections' and stalled the worker (576 of 600 tasks in 90 s). The
+    waits have connections of their own now, and a command waits for a free one."""
+    pytest.importorskip("gevent", reason="gevent is not installed")
+    broker.transport_options.update(max_connections=3)
+    for i in range(BACKLOG * 3):
+        producer.send_task(NOTE, (f"greenlet-{i}",))
+    worker = Worker(broker, name="greenlets", pool="gevent", concurrency=20, log_dir=log_dir)
+    with running(worker):
+        wait_for(lambda: len(broker.entries("ran")) >= BACKLOG * 3, timeout=60, what="the backlog")
+    expected = sorted(f"greenlet-{i}" for i in range(BACKLOG * 3))
+    assert sorted(e["label"] for e in broker.entries("ran")) == expected
+    assert "Too many connections" not in worker.log_path.read_text()

@@ -20,7 +20,7 @@ the INFO commandstats delta (calls and usec per command; Redis 7 and Valkey coun
 the commands a script runs too, and EVALSHA's usec includes them).
 
 The table shows medians over the repetitions and ratios to the stock protocol;
-the raw runs go to bench-results/bench_scripts-<kind>-<timestamp>.json.
+the raw runs go to bench-results/lua_level-<kind>-<timestamp>.json.
 
     python tools/bench/lua_level.py                 # defaults, ~2-3 minutes on 2 cores
     python tools/bench/lua_level.py --quick         # ~20 s smoke run
@@ -45,23 +45,23 @@ from typing import Any
 
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
-from celery_redis_lua import calls  # noqa: E402
-from celery_redis_lua.protocol.contract import ScriptRunner  # noqa: E402
+from celery_redis_lua.protocol import ops  # noqa: E402
 from celery_redis_lua.protocol.keys import Keyspace  # noqa: E402
+from celery_redis_lua.protocol.policy import Policy  # noqa: E402
+from celery_redis_lua.protocol.runner import ScriptRunner  # noqa: E402
+from tools.bench.server_cost import server_cost, snapshot  # noqa: E402
 from tools.servers import Server, available_kinds, server_version  # noqa: E402
 
 QUEUE = "bench"
 KEYS = Keyspace()
 VISIBILITY_MS = 1_800_000  # long enough that nothing is restored during a run
+POLICY = Policy(visibility_ms=VISIBILITY_MS)
 CHUNK = 1000  # publishes per pipeline in the prefill
 BRPOP_TIMEOUT = 0.1  # seconds; the queue is prefilled, so nil means empty
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"  # kombu's default key names
-SCRIPT_COMMANDS = {"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro"}
-# Commands the harness itself sends (snapshots, setup, connection handshake).
-HARNESS_COMMANDS = {"info", "config", "ping", "flushall", "script", "client", "hello", "command"}
 
 
 def kombu_like_payload(size: int = 300) -> bytes:
@@ -108,13 +108,13 @@ def _consumer(variant: str, port: int, batch: int, transaction: bool,
             latencies.append(last - began)
     else:
         runner = ScriptRunner(client)
-        consume = calls.consume(KEYS, [QUEUE], count=batch, visibility_ms=VISIBILITY_MS)
+        consume = ops.consume(KEYS, POLICY, [QUEUE], batch)
         while True:
             began = clock()
             deliveries = runner.run(consume).deliveries
             if not deliveries:
                 break
-            runner.run(calls.ack(KEYS, QUEUE, [d.id for d in deliveries]))
+            runner.run(ops.ack(KEYS, POLICY, QUEUE, [d.id for d in deliveries]))
             last = clock()
             latencies.extend([last - began] * len(deliveries))
     results.put((latencies.tobytes(), last))
@@ -122,45 +122,6 @@ def _consumer(variant: str, port: int, batch: int, transaction: bool,
 
 
 # ---------------------------------------------------------------- server-side measurement
-
-def snapshot(client: redis.Redis) -> dict[str, Any]:
-    cpu = client.info("cpu")
-    stats = client.info("commandstats")
-    return {
-        "cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
-        "cpu_main": float(cpu.get("used_cpu_sys_main_thread", 0.0))
-        + float(cpu.get("used_cpu_user_main_thread", 0.0)),
-        "commands": {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
-                     for name, v in stats.items()},
-    }
-
-
-def server_cost(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, Any]:
-    commands: dict[str, dict[str, float]] = {}
-    for name, (calls_after, usec_after) in after["commands"].items():
-        if name.split("|")[0] in HARNESS_COMMANDS:
-            continue
-        calls_before, usec_before = before["commands"].get(name, (0, 0))
-        if calls_after - calls_before:
-            commands[name] = {"calls": calls_after - calls_before, "usec": usec_after - usec_before}
-    top = {k: v for k, v in commands.items() if k in SCRIPT_COMMANDS}
-    scripted = bool(top)
-    if not scripted:
-        top = commands
-    inner = {k: v for k, v in commands.items() if k not in top}
-    return {
-        "cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
-        "cpu_main_us_per_msg": (after["cpu_main"] - before["cpu_main"]) * 1e6 / n,
-        # requests: what clients sent (EVALSHA, or the stock commands incl. MULTI/EXEC);
-        # calls: every command the server ran, a script's inner commands included.
-        "requests_per_msg": sum(v["calls"] for v in top.values()) / n,
-        "calls_per_msg": sum(v["calls"] for v in commands.values()) / n,
-        # EVALSHA's usec already includes its inner commands: do not add them twice.
-        "cmd_us_per_msg": sum(v["usec"] for v in top.values()) / n,
-        "inner_cmd_us_per_msg": sum(v["usec"] for v in inner.values()) / n if scripted else 0.0,
-        "commands": commands,
-    }
-
 
 # ---------------------------------------------------------------- one run
 
@@ -173,7 +134,7 @@ def prefill(client: redis.Redis, variant: str, n: int) -> None:
             pipe.execute()
     else:
         runner = ScriptRunner(client)
-        call = calls.publish(KEYS, QUEUE, PAYLOAD, visibility_ms=VISIBILITY_MS)
+        call = ops.publish(KEYS, POLICY, QUEUE, PAYLOAD)
         for first in range(0, n, CHUNK):
             runner.run_many([call] * min(CHUNK, n - first))
 
@@ -380,7 +341,7 @@ def main() -> int:
                        "publish_chunk": CHUNK, "visibility_ms": VISIBILITY_MS},
             "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         })
-        path = out_dir / f"bench_scripts-{kind}-{stamp}.json"
+        path = out_dir / f"lua_level-{kind}-{stamp}.json"
         path.write_text(json.dumps(result, indent=1))
         title = (f"\n{result['version']}: N={options.messages}, W={options.consumers}, "
                  f"payload {len(PAYLOAD)} B, medians of {options.repeat} "

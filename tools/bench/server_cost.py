@@ -1,9 +1,10 @@
 """What a run costs the server: Redis commands per message by name and CPU per message.
 
 For Redis-based peers this is the INFO commandstats and INFO cpu delta over a phase,
-with the conventions of tools/bench/lua_level.py (its ``snapshot``/``server_cost`` are
-reused: commands the harness itself sends are left out; ``requests`` are the commands
-clients sent, ``calls`` every command the server ran, a script's inner ones included).
+shared with tools/bench/lua_level.py: commands the harness itself sends are left out;
+``requests`` are the commands clients sent, ``calls`` every command the server ran, a
+script's inner ones included. Only redis-py and kombu are imported here, so a benchmark
+of another checkout (``--checkout``) runs it with that checkout's package.
 No CONFIG RESETSTAT and no FLUSHALL: deltas work on a server shared with anything.
 For RabbitMQ the CPU of its ``beam.smp`` process comes from /proc (read only).
 """
@@ -14,12 +15,54 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tools.bench_scripts import server_cost as _redis_cost
-from tools.bench_scripts import snapshot as _redis_snapshot
+import redis
 
 from .peers import Peer
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+HARNESS_COMMANDS = {"info", "config", "ping", "flushall", "script", "client", "hello", "command"}
+SCRIPT_COMMANDS = {"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro"}
+# Commands the harness itself sends (snapshots, setup, connection handshake).
+
+
+def snapshot(client: redis.Redis) -> dict[str, Any]:
+    cpu = client.info("cpu")
+    stats = client.info("commandstats")
+    return {
+        "cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        "cpu_main": float(cpu.get("used_cpu_sys_main_thread", 0.0))
+        + float(cpu.get("used_cpu_user_main_thread", 0.0)),
+        "commands": {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+                     for name, v in stats.items()},
+    }
+
+
+def server_cost(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, Any]:
+    commands: dict[str, dict[str, float]] = {}
+    for name, (calls_after, usec_after) in after["commands"].items():
+        if name.split("|")[0] in HARNESS_COMMANDS:
+            continue
+        calls_before, usec_before = before["commands"].get(name, (0, 0))
+        if calls_after - calls_before:
+            commands[name] = {"calls": calls_after - calls_before, "usec": usec_after - usec_before}
+    top = {k: v for k, v in commands.items() if k in SCRIPT_COMMANDS}
+    scripted = bool(top)
+    if not scripted:
+        top = commands
+    inner = {k: v for k, v in commands.items() if k not in top}
+    return {
+        "cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
+        "cpu_main_us_per_msg": (after["cpu_main"] - before["cpu_main"]) * 1e6 / n,
+        # requests: what clients sent (EVALSHA, or the stock commands incl. MULTI/EXEC);
+        # calls: every command the server ran, a script's inner commands included.
+        "requests_per_msg": sum(v["calls"] for v in top.values()) / n,
+        "calls_per_msg": sum(v["calls"] for v in commands.values()) / n,
+        # EVALSHA's usec already includes its inner commands: do not add them twice.
+        "cmd_us_per_msg": sum(v["usec"] for v in top.values()) / n,
+        "inner_cmd_us_per_msg": sum(v["usec"] for v in inner.values()) / n if scripted else 0.0,
+        "commands": commands,
+    }
+
 
 
 def _beam_pid() -> int | None:
@@ -49,7 +92,7 @@ class Probe:
 
     def snapshot(self) -> dict[str, Any] | None:
         if self.client is not None:
-            return _redis_snapshot(self.client)
+            return snapshot(self.client)
         if self.beam is not None:
             try:
                 fields = Path(f"/proc/{self.beam}/stat").read_text().rsplit(")", 1)[1].split()
@@ -62,7 +105,7 @@ class Probe:
         if before is None or after is None or n <= 0:
             return {}
         if self.client is not None:
-            return _redis_cost(before, after, n)
+            return server_cost(before, after, n)
         return {"cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
                 "note": "beam.smp utime+stime (/proc, 10 ms ticks)"}
 

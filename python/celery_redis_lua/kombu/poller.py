@@ -37,7 +37,10 @@ TICK_SECONDS = 1.0
 
 
 class BlockingRead:
-    """One dedicated connection from ``pool`` for blocking waits."""
+    """One dedicated connection for blocking waits, made with ``pool``'s settings but kept
+    outside it: a wait holds its connection for up to ``blocking_timeout``, and counted in
+    the pool, the waits of a few channels would leave too few connections for the acks of
+    many greenlets or threads (gevent stalled on 'Too many connections')."""
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.pool = pool
@@ -49,7 +52,7 @@ class BlockingRead:
 
     def _connect(self) -> Any:
         if self.connection is None:
-            self.connection = self.pool.get_connection()
+            self.connection = self.pool.connection_class(**self.pool.connection_kwargs)
             self._client_id = None
         if self.connection._sock is None:
             self.connection.connect()
@@ -104,8 +107,6 @@ class BlockingRead:
     def close(self) -> None:
         if self.connection is not None:
             self.disconnect()
-            with contextlib.suppress(Exception):
-                self.pool.release(self.connection)
             self.connection = None
 
 

@@ -26,6 +26,8 @@ from .leases import KEEPER
 from .options import TransportOptions, parse_options
 from .poller import OVERDUE_GRACE_SECONDS, Poller
 
+# How long a command waits for a free connection of the pool before it fails.
+POOL_WAIT_SECONDS = 20.0
 # URL schemes that mean TLS without certificate checks when no ssl options are given.
 SECURE_SCHEMES = frozenset({"rediss", *(s for s, target in SCHEMES.items() if target == "rediss")})
 
@@ -130,7 +132,10 @@ class Transport(virtual.Transport):
 
     @cached_property
     def pool(self) -> redis.ConnectionPool:
-        return redis.ConnectionPool(**self.connection_params())
+        """The connections commands share (acks come from many threads or greenlets at once):
+        at most max_connections, and a caller waits for a free one (up to POOL_WAIT_SECONDS)
+        instead of failing. The blocking waits have connections of their own (poller.py)."""
+        return redis.BlockingConnectionPool(timeout=POOL_WAIT_SECONDS, **self.connection_params())
 
     def new_client(self) -> redis.Redis:
         return redis.Redis(connection_pool=self.pool)

@@ -10,6 +10,7 @@ the queue named by a key, and the fields of a binding member.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -118,7 +119,9 @@ class Keyspace:
         """The hash of the queue's message states (id -> 'STATE COUNT PRIORITY EXPIRES_AT')."""
         return f"{self.prefix}state:{self._tag(queue)}"
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019  (a frozen keyspace lives as long as its queues)
     def queue_keys(self, queue: str) -> QueueKeys:
+        """Built once per queue name: every script call on a queue passes all seven."""
         return QueueKeys(
             self.queue(queue), self.delayed(queue), self.index(queue), self.meta(queue),
             self.dead(queue), self.message(queue), self.state(queue),

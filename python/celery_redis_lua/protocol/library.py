@@ -56,8 +56,7 @@ class _Bound(Generic[P, T]):
             return self
         op = self.op
 
-        @functools.wraps(op)
-        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:  # on every publish and ack: kept bare
             return lib.run(op(lib.keys, lib.policy, *args, **kwargs))
         return run
 
