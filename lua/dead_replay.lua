@@ -32,6 +32,22 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: dead_replay: ' .. message)
 end
 
+-- The id after `last_id` (nil for none): 14 hex digits of server microseconds and 2 of a
+-- counter within one, never below the last one (the same microsecond, or a clock that
+-- stepped back). Three script calls (publish, delete, publish) cannot share one
+-- microsecond, so a queue declared again after a delete or expiry never reuses an id.
+local function next_id(last_id, now_us)
+  local id_us, counter = now_us, 0
+  if last_id then
+    local last_us = tonumber(string.sub(last_id, 1, 14), 16)
+    if last_us and last_us >= now_us then
+      id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
+      if counter > 0xFF then id_us, counter = id_us + 1, 0 end
+    end
+  end
+  return string.format('%014x%02x', id_us, counter)
+end
+
 if #KEYS ~= 7 then
   return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
 end
@@ -62,23 +78,8 @@ end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-
--- The next id, as publish makes it: server microseconds (14 hex digits) and a counter (2).
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local function next_id()
-  local last_id = rcall('HGET', meta_key, 'last_id')
-  local id_us, counter = now_us, 0
-  if last_id then
-    local last_us = tonumber(string.sub(last_id, 1, 14), 16)
-    if last_us and last_us >= now_us then
-      id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
-      if counter > 0xFF then id_us, counter = id_us + 1, 0 end
-    end
-  end
-  local id = string.format('%014x%02x', id_us, counter)
-  rcall('HSET', meta_key, 'last_id', id)
-  return id
-end
+local last_id = rcall('HGET', meta_key, 'last_id') -- replayed ids follow it, as published ones do
 
 local replayed = {}
 for _, entry in ipairs(entries) do
@@ -87,7 +88,8 @@ for _, entry in ipairs(entries) do
   if fields.payload then
     local priority = tonumber(fields.priority) or 0
     if priority < 0 or priority > 255 then priority = 0 end
-    local id = next_id()
+    local id = next_id(last_id, now_us)
+    last_id = id
     rcall('HSET', message_key, id, fields.payload)
     rcall('HSET', state_key, id, 'ready 0 ' .. string.format('%d', priority) .. ' -')
     rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
@@ -96,6 +98,7 @@ for _, entry in ipairs(entries) do
   end
   rcall('XDEL', dead_key, entry[1])
 end
+if #replayed > 0 then rcall('HSET', meta_key, 'last_id', last_id) end
 if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))

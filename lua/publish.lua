@@ -46,6 +46,22 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: publish: ' .. message)
 end
 
+-- The id after `last_id` (nil for none): 14 hex digits of server microseconds and 2 of a
+-- counter within one, never below the last one (the same microsecond, or a clock that
+-- stepped back). Three script calls (publish, delete, publish) cannot share one
+-- microsecond, so a queue declared again after a delete or expiry never reuses an id.
+local function next_id(last_id, now_us)
+  local id_us, counter = now_us, 0
+  if last_id then
+    local last_us = tonumber(string.sub(last_id, 1, 14), 16)
+    if last_us and last_us >= now_us then
+      id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
+      if counter > 0xFF then id_us, counter = id_us + 1, 0 end
+    end
+  end
+  return string.format('%014x%02x', id_us, counter)
+end
+
 local function integer(value, default)
   if value == '' then return default end
   if not string.match(value, '^%-?%d+$') then return nil end
@@ -90,19 +106,7 @@ local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(me
 if max_priority and priority > max_priority then priority = max_priority end
 if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
 
--- The next id: server microseconds (14 hex digits) and a counter within one (2), never
--- below the last one. Three script calls (publish, delete, publish) cannot share one
--- microsecond, so a queue declared again after a delete or expiry never reuses an id.
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local id_us, counter = now_us, 0
-if last_id then
-  local last_us = tonumber(string.sub(last_id, 1, 14), 16)
-  if last_us and last_us >= now_us then -- the same microsecond, or a clock that stepped back
-    id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
-    if counter > 0xFF then id_us, counter = id_us + 1, 0 end
-  end
-end
-local id = string.format('%014x%02x', id_us, counter)
+local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 rcall('HSET', meta_key, 'last_id', id)
 
 local ready_at = math.max(eta, now)

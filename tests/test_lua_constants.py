@@ -48,3 +48,27 @@ def test_no_script_writes_a_score_constant_as_a_bare_literal(path: Path) -> None
         code = line.split(" -- ")[0]
         assert not any(literal in code for literal in LITERALS), f"{path.name}: {line.strip()!r}"
 
+
+
+# Helpers several scripts need, repeated for the same reason: each must read the same in
+# every script that has it (an id scheme or a state format that drifted between scripts
+# would break messages moving between them).
+SHARED_FUNCTIONS = {"parse_state": 4, "next_id": 2}  # name -> how many scripts define it
+
+
+def functions(path: Path) -> dict[str, str]:
+    """Each top-level ``local function NAME(...)`` of a script, through its closing ``end``."""
+    found, lines = {}, path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(r"local function (\w+)\(", line)
+        if match:
+            end = lines.index("end", i)
+            found[match.group(1)] = "\n".join(lines[i:end + 1])
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_FUNCTIONS))
+def test_a_helper_repeated_in_several_scripts_reads_the_same_in_each(name: str) -> None:
+    texts = {path.name: text for path in SCRIPTS if (text := functions(path).get(name))}
+    assert len(texts) == SHARED_FUNCTIONS[name], f"{name} is defined in {sorted(texts)}"
+    assert len(set(texts.values())) == 1, f"{name} differs between {sorted(texts)}"

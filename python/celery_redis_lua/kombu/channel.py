@@ -256,18 +256,14 @@ class Channel(FanoutMixin, virtual.Channel):
     def on_queue_wait_readable(self) -> int:
         """Claim what BZMPOP popped and deliver it; returns how many were delivered."""
         reply = self.queue_wait.read()
-        return self._claim_and_deliver(reply)
-
-    def _claim_and_deliver(self, reply: Any) -> int:
         return self._claim_popped(reply) if reply else 0
 
     def _claim_popped(self, reply: Any, *, closing: bool = False) -> int:
         """Claim what BZMPOP popped and deliver it if its queue is still consumed here; else
         (the channel closes, or stopped consuming that queue) put it back in line, uncounted:
         no application saw it."""
-        key, members = reply
+        key, popped = reply  # ids and scores as the server sent them: they go straight back
         queue = self.keys.queue_of(key)
-        popped = [(_text(member), _text(score)) for member, score in members]
         if closing or queue not in self.queues_polled:
             self.lib.unpop(queue, popped)
             return 0
@@ -327,12 +323,6 @@ class Channel(FanoutMixin, virtual.Channel):
         except RuntimeError:  # changed by the loop while the lease keeper read it: next time
             return []
 
-    def shortest_expiry_ms(self) -> int | None:
-        """The shortest x-expires among the queues this channel consumes or holds."""
-        queues = {*self.queues_polled, *self.fanout_polled, *self.qos.in_flight(flush=False)}
-        found = [e for e in (self._expires_ms(q) for q in queues) if e]
-        return min(found) if found else None
-
     def sweep(self) -> None:
         queues = self.queues_polled
         if not queues:
@@ -372,10 +362,6 @@ class Channel(FanoutMixin, virtual.Channel):
             self.queue_wait.close()
             self.stream_wait.close()
             self.client.close()
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _log_expired(expired: int, queues: list[str]) -> None:

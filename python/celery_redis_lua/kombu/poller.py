@@ -22,10 +22,12 @@ import os
 import select
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import redis
+
+from ..protocol.ops import Declared
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,6 @@ class Consuming(Protocol):
     def start_stream_wait(self) -> bool: ...
     def on_stream_wait_readable(self) -> int: ...
     def upkeep(self, *, from_loop: bool) -> None: ...
-    def shortest_expiry_ms(self) -> int | None: ...
     def sweep(self) -> None: ...
 
 
@@ -134,8 +135,10 @@ class Poller:
     """Owns the rounds of one connection's channels and the periodic work: the upkeep
     every ``upkeep_interval()`` and the sweep every ``sweep_interval`` seconds."""
 
-    def __init__(self, *, heartbeat_seconds: float, sweep_interval: float, overdue_grace: float) -> None:
+    def __init__(self, *, heartbeat_seconds: float, sweep_interval: float, overdue_grace: float,
+                 declared: Mapping[str, Declared]) -> None:
         self.channels: set[Consuming] = set()
+        self.declared = declared  # the connection's queues and the arguments in force
         self.heartbeat_seconds = heartbeat_seconds
         self.sweep_interval = sweep_interval
         self.overdue_grace = overdue_grace
@@ -176,14 +179,12 @@ class Poller:
 
     def upkeep_interval(self) -> float:
         """Every visibility_timeout / 3 for the deadlines in flight, and three times per
-        x-expires of the shortest-lived queue consumed, so that a queue (its bindings and
-        groups) with a live consumer never expires."""
-        interval = self.heartbeat_seconds
-        for channel in list(self.channels):
-            expires = channel.shortest_expiry_ms()
-            if expires:
-                interval = min(interval, expires / 1000 / 3)
-        return interval
+        x-expires of the shortest-lived queue the connection declared (every queue it
+        consumes or holds deliveries of whose expiry it knows), so that a queue (its bindings
+        and groups) with a live consumer never expires. Read on every round: it looks only at
+        the declared queues, never at the deliveries in flight."""
+        expiring = [d.expires_ms for d in tuple(self.declared.values()) if d.expires_ms]
+        return min(self.heartbeat_seconds, min(expiring) / 3000) if expiring else self.heartbeat_seconds
 
     def run_periodic(self, force: bool = False) -> None:
         now = time.monotonic()

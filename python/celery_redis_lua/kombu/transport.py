@@ -2,7 +2,7 @@
 Celery's hub).
 
 The transport only makes connections and chooses the loop; the consuming rounds and the
-periodic work (the upkeep three times per x-expires of the shortest-lived queue consumed,
+periodic work (the upkeep three times per x-expires of the shortest-lived queue declared,
 and at least every ``visibility_timeout / 3``; the sweep every ``sweep_interval``) belong
 to the connection's :class:`~.poller.Poller`, and the lease keeper (:mod:`.leases`) stands
 in for a loop that stands still.
@@ -72,7 +72,8 @@ class Transport(virtual.Transport):
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
         self.poller = Poller(heartbeat_seconds=self.options.policy.heartbeat_seconds,
                              sweep_interval=self.options.sweep_interval,
-                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval)
+                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval,
+                             declared=self.declared)
 
     def driver_version(self) -> str:
         return redis.__version__

@@ -187,14 +187,16 @@ def consume(k: Keyspace, p: Policy, queues: Sequence[str], count: int = 1, *,
 
 
 @operation
-def claim(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, no_ack: bool = False) -> Call[Consumed]:
-    """Index and fetch what BZMPOP popped from ``queue``."""
+def claim(k: Keyspace, p: Policy, queue: str, ids: Sequence[str | bytes], *,
+          no_ack: bool = False) -> Call[Consumed]:
+    """Index and fetch what BZMPOP popped from ``queue`` (ids as str, or as the server's bytes)."""
     return Call("claim", k.queue_keys(queue), [p.visibility_ms, int(no_ack), p.dead_letter_maxlen, *ids],
                 lambda reply: _consumed([queue], reply))
 
 
 @operation
-def unpop(k: Keyspace, p: Policy, queue: str, popped: Sequence[tuple[str, float | str]]) -> Call[int]:
+def unpop(k: Keyspace, p: Policy, queue: str,
+          popped: Sequence[tuple[str | bytes, float | str | bytes]]) -> Call[int]:
     """Put back (id, score) pairs BZMPOP popped that nobody will claim, uncounted."""
     return Call("unpop", k.queue_keys(queue),
                 [part for message_id, score in popped for part in (score, message_id)], int)
