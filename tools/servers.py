@@ -216,6 +216,153 @@ class Cluster:
         self.stop()
 
 
+@dataclass
+class SentinelServer(Server):
+    """A sentinel (the server binary with ``--sentinel``) monitoring ``master_name`` at
+    ``primary_port``; its config file is its own (sentinels rewrite theirs)."""
+
+    master_name: str = "mymaster"
+    primary_port: int = 0
+    quorum: int = 2
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 5000
+
+    def command_line(self) -> list[str]:
+        assert self.directory is not None
+        config = self.directory / "sentinel.conf"
+        name = self.master_name
+        config.write_text("\n".join([
+            f"port {self.port}", "bind 127.0.0.1", f"dir {self.directory}", "logfile sentinel.log",
+            "protected-mode no",
+            f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
+            f"sentinel parallel-syncs {name} 1", *self.args, ""]))
+        return [self.binary, str(config), "--sentinel"]
+
+    def log_tail(self, lines: int = 5) -> str:
+        assert self.directory is not None
+        log = self.directory / "sentinel.log"
+        return " | ".join(log.read_text().splitlines()[-lines:]) if log.exists() else "(no log)"
+
+
+@dataclass
+class SentinelGroup:
+    """A primary, its replicas and three sentinels monitoring it as ``master_name``: what a
+    Sentinel deployment looks like, on loopback. ``args`` go to the data servers (e.g.
+    ``["--appendonly", "yes"]``). The sentinels fail over 1 s after the primary stops
+    answering."""
+
+    kind: str = "valkey"
+    replicas: int = 1
+    sentinels: int = 3
+    master_name: str = "mymaster"
+    args: Sequence[str] = ()
+    servers: list[Server] = field(default_factory=list)
+    sentinel_servers: list[SentinelServer] = field(default_factory=list)
+
+    def start(self, timeout: float = 30.0) -> SentinelGroup:
+        try:
+            primary = Server(self.kind, args=list(self.args)).start()
+            self.servers.append(primary)
+            for _ in range(self.replicas):
+                self.servers.append(Server(self.kind, args=[
+                    *self.args, "--replicaof", "127.0.0.1", str(primary.port)]).start())
+            for _ in range(self.sentinels):
+                sentinel = SentinelServer(self.kind, master_name=self.master_name,
+                                          primary_port=primary.port, quorum=min(2, self.sentinels))
+                self.sentinel_servers.append(sentinel.start())
+            self.wait_until_settled(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"sentinel://127.0.0.1:{s.port}" for s in self.sentinel_servers]
+
+    def broker_url(self, scheme: str = "redislua+sentinel", db: int = 0) -> str:
+        """kombu's form for several sentinels: one URL each, joined by ';', db on the last."""
+        parts = [f"{scheme}://127.0.0.1:{s.port}" for s in self.sentinel_servers]
+        return ";".join(parts) + f"/{db}"
+
+    def sentinel_client(self, index: int = 0) -> redis.Redis:
+        return self.sentinel_servers[index].client(socket_timeout=5, decode_responses=True)
+
+    def primary_port(self, index: int = 0) -> int:
+        """Where sentinel ``index`` says the primary is."""
+        host_port = self.sentinel_client(index).execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
+        return int(host_port[1])
+
+    @property
+    def primary(self) -> Server:
+        port = self.primary_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def wait_until_settled(self, timeout: float = 30.0) -> Server:
+        """Until every sentinel agrees on one primary that says it is one, and every other
+        running data server replicates from it with the link up; returns the primary."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(redis.RedisError, OSError, StopIteration):
+                ports = {self.primary_port(i) for i in range(len(self.sentinel_servers))}
+                if len(ports) == 1:
+                    primary = self.primary
+                    if self._settled(primary):
+                        return primary
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sentinel group ({self.kind}) did not settle within {timeout}s")
+            time.sleep(0.05)
+
+    def _settled(self, primary: Server) -> bool:
+        if primary.client(socket_timeout=2).info("replication")["role"] != "master":
+            return False
+        running = [s for s in self.servers if s is not primary and s.process and s.process.poll() is None]
+        for replica in running:
+            info = replica.client(socket_timeout=2).info("replication")
+            if info.get("role") != "slave" or info.get("master_port") != primary.port \
+                    or info.get("master_link_status") != "up":
+                return False
+        known = {r["port"]: r for r in self.sentinel_client().sentinel_slaves(self.master_name)}
+        return all(s.port in known and not known[s.port]["is_sdown"] for s in running)
+
+    def failover(self, timeout: float = 30.0) -> Server:
+        """SENTINEL FAILOVER (a replica is promoted, the primary demoted); the new primary."""
+        old = self.primary_port()
+        self.sentinel_client().execute_command("SENTINEL", "FAILOVER", self.master_name)
+        return self._wait_for_new_primary(old, timeout)
+
+    def kill_primary(self, timeout: float = 30.0) -> tuple[Server, Server]:
+        """SIGKILL the primary; returns (the killed server, the primary the sentinels chose)."""
+        killed = self.primary
+        killed.kill()
+        return killed, self._wait_for_new_primary(killed.port, timeout)
+
+    def _wait_for_new_primary(self, old_port: int, timeout: float) -> Server:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(redis.RedisError, OSError, StopIteration):
+                if self.primary_port() != old_port:
+                    primary = self.primary
+                    if primary.client(socket_timeout=2).info("replication")["role"] == "master":
+                        return primary
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no new primary within {timeout}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for server in [*self.sentinel_servers, *self.servers]:
+            server.stop()
+
+    def __enter__(self) -> SentinelGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def available_kinds() -> Iterator[str]:
     for kind in SERVER_KINDS:
         with contextlib.suppress(ServerUnavailable):

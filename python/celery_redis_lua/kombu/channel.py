@@ -60,7 +60,7 @@ class Channel(FanoutMixin, virtual.Channel):
         self._fanout_read: set[str] = set()  # fanout queues this channel read as its consumer
         self.queue_wait = BlockingRead(self.client.connection_pool)
         self.stream_wait = BlockingRead(self.client.connection_pool)
-        self.client.ping()  # connection errors surface now, as kombu expects
+        connection.check_server(self.client)  # connection errors surface now, as kombu expects
         connection.poller.channels.add(self)
 
     # -- publishing -------------------------------------------------------------------------

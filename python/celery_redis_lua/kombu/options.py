@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..protocol.durability import Durability
 from ..protocol.keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
     DEFAULT_SEPARATOR,
@@ -61,12 +62,26 @@ class TransportOptions:
     # refresh (seconds); a consumer refreshes them three times per x-expires. Lower it only
     # to see stale bindings go sooner (tests do).
     binding_lifetime_floor: float = 300
+    # Sentinel (sentinel:// or redislua+sentinel:// URLs), as kombu's stock Sentinel channel.
+    master_name: str | None = None
+    sentinel_kwargs: dict[str, Any] | None = None
+    min_other_sentinels: int = 0
+    # Opt-in durable writes: 'replicas:N', 'aof' or 'aof+replicas:N' (protocol/durability.py);
+    # a publish not confirmed within durability_timeout seconds raises NotDurable.
+    durability: str | None = None
+    durability_timeout: float = 1.0
 
     @property
     def policy(self) -> Policy:
         """What the scripts are called with (held by each channel's script library)."""
         return Policy(visibility_ms=int(self.visibility_timeout * 1000), delivery_limit=self.delivery_limit,
-                      dead_letter_maxlen=self.dead_letter_maxlen)
+                      dead_letter_maxlen=self.dead_letter_maxlen, durability=self.durability_setting)
+
+    @property
+    def durability_setting(self) -> Durability | None:
+        if self.durability is None:
+            return None
+        return Durability.parse(self.durability, int(self.durability_timeout * 1000))
 
     def keyspace(self, db: int) -> Keyspace:
         """Key names for this connection; a fanout stream is ``P/<db>.<exchange>`` unless
@@ -151,6 +166,11 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sweep_interval": _number(0, inclusive=False),
     "consume_batch": _number(1, integer=True, high=10_000),  # the scripts' own cap
     "binding_lifetime_floor": _number(0, inclusive=False),
+    "master_name": _non_empty_str,
+    "sentinel_kwargs": _typed(dict),
+    "min_other_sentinels": _number(0, integer=True),
+    "durability": _typed(str),
+    "durability_timeout": _number(0.001, high=3600),
 }
 
 
@@ -175,6 +195,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     if "ssl" in values and values["ssl"] is False:
         values["ssl"] = None
     options = TransportOptions(**values)
+    try:
+        options.durability_setting  # noqa: B018  (its rules, reported as this option's error)
+    except ValueError as error:
+        raise OptionError(f"transport option 'durability': {error}") from None
     try:
         options.keyspace(0)  # the keyspace's rules, reported as this option's error
     except KeyspaceError as error:

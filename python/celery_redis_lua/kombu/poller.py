@@ -11,7 +11,10 @@ periodic work (the upkeep and the sweep) runs from here.
 The waits are the only commands Python sends to Redis directly (Lua cannot block). A
 wait is sent without waiting for its reply, so the loop can watch the socket;
 ``cancel()`` ends a pending wait at once with CLIENT UNBLOCK from another connection, so
-shutting down never waits out ``blocking_timeout``.
+shutting down never waits out ``blocking_timeout``. Where CLIENT UNBLOCK is refused (it is
+in ``@admin``; some managed services lack it) the wait's connection is closed instead: a
+BZMPOP that had just popped loses its reply, and those messages, popped but unclaimed,
+are put back by the sweep (counted ``unclaimed``), never lost.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class BlockingRead:
         self.sent_at = 0.0
         self.timeout = 0.0
         self._client_id: int | None = None
+        self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
 
     def _connect(self) -> Any:
         if self.connection is None:
@@ -68,9 +72,12 @@ class BlockingRead:
     def send(self, *command: Any, timeout: float) -> None:
         """Send a blocking command whose server-side timeout is ``timeout`` seconds."""
         connection = self._connect()
-        if self._client_id is None:
+        if self._client_id is None and self.can_unblock:
             connection.send_command("CLIENT", "ID")
-            self._client_id = int(connection.read_response())
+            try:
+                self._client_id = int(connection.read_response())
+            except redis.ResponseError:  # not allowed (ACL): cancel() closes the connection
+                self.can_unblock = False
         connection.send_command(*command)
         self.pending = command
         self.sent_at = time.monotonic()
@@ -83,18 +90,37 @@ class BlockingRead:
                 and time.monotonic() - self.sent_at > self.timeout + grace)
 
     def read(self) -> Any:
-        """The reply of the pending command (None when it timed out on the server)."""
+        """The reply of the pending command (None when it timed out on the server). A wait
+        the server ended with an UNBLOCKED error (its role changed: a primary demoted by a
+        failover) is a lost connection: kombu reconnects, and finds the new primary."""
         try:
             return self.connection.read_response()
+        except redis.ResponseError as error:
+            if not str(error).startswith("UNBLOCKED"):
+                raise
+            self.disconnect()
+            raise redis.ConnectionError(f"the server ended a blocking wait: {error}") from None
         finally:
             self.pending = None
 
     def cancel(self, client: redis.Redis) -> Any:
-        """End a pending wait now; returns whatever the server had already popped (or None)."""
-        if self.pending is None or self._client_id is None:
+        """End a pending wait now; returns whatever the server had already popped (or None).
+        Without CLIENT UNBLOCK the connection is closed (see the module's docstring)."""
+        if self.pending is None:
+            return None
+        if self._client_id is None or not self.can_unblock:
+            self.disconnect()
             return None
         try:
             client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+        except redis.ResponseError:  # NOPERM, or a service without it: close from now on
+            self.can_unblock = False
+            self.disconnect()
+            return None
+        except (redis.RedisError, OSError):
+            self.disconnect()
+            return None
+        try:
             return self.read()
         except (redis.RedisError, OSError):
             self.disconnect()

@@ -10,21 +10,34 @@ in for a loop that stands still.
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl as ssl_module
+import warnings
 from typing import Any
 
 import redis
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
+from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
 from ..protocol.ops import Declared
+from ..sentinel import (
+    SentinelConfigError,
+    SentinelUrls,
+    explain_master_not_found,
+    is_sentinel_url,
+    master_pool,
+    parse_sentinel_urls,
+)
 from .channel import Channel
 from .leases import KEEPER
-from .options import TransportOptions, parse_options
+from .options import OptionError, TransportOptions, parse_options
 from .poller import OVERDUE_GRACE_SECONDS, Poller
+
+logger = logging.getLogger(__name__)
 
 # How long a command waits for a free connection of the pool before it fails.
 POOL_WAIT_SECONDS = 20.0
@@ -70,6 +83,8 @@ class Transport(virtual.Transport):
         # its binding state: the arguments in force (from declare) and the fanout bindings.
         self.declared: dict[str, Declared] = {}
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
+        self._server_checked = False  # the durability setting, once per connection
+        self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
         self.poller = Poller(heartbeat_seconds=self.options.policy.heartbeat_seconds,
                              sweep_interval=self.options.sweep_interval,
                              overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval,
@@ -81,7 +96,35 @@ class Transport(virtual.Transport):
     # -- connections ------------------------------------------------------------------------
 
     @cached_property
+    def sentinel(self) -> SentinelUrls | None:
+        """The sentinels, when the broker URLs are ``sentinel://`` or ``redislua+sentinel://``
+        ones (kombu's convention: one URL per sentinel, joined by ';')."""
+        client = self.client
+        urls = [url for url in client.alt if isinstance(url, str) and is_sentinel_url(url)]
+        if not urls and is_sentinel_url(client.hostname or ""):
+            urls = [client.hostname]
+        if not urls:
+            if self.options.master_name is not None:
+                warnings.warn("transport option 'master_name' is ignored: the broker URL is not a "
+                              "sentinel:// one", RuntimeWarning, stacklevel=2)
+            return None
+        try:
+            parsed = parse_sentinel_urls(urls)
+        except SentinelConfigError as error:
+            raise ValueError(f"bad broker URL: {error}") from None
+        if self.options.master_name is None:
+            raise OptionError("transport option 'master_name' is required with sentinel:// URLs "
+                              "(the name the sentinels monitor the primary under)")
+        # kombu's failover cycling would switch this Connection to the next URL after a
+        # failed connect, and with the class route a 'sentinel://' URL means kombu's own
+        # Sentinel transport. The pool already asks every sentinel: nothing to switch to.
+        client.cycle = None
+        return parsed
+
+    @cached_property
     def db(self) -> int:
+        if self.sentinel is not None:
+            return self.sentinel.db
         vhost = self.client.virtual_host or 0
         if isinstance(vhost, str):
             vhost = vhost.strip("/") or 0
@@ -91,12 +134,12 @@ class Transport(virtual.Transport):
             raise ValueError(f"the broker URL's database must be a number, got {vhost!r}") from None
 
     def connection_params(self) -> dict[str, Any]:
-        conninfo, options = self.client, self.options
+        conninfo, options, sentinel = self.client, self.options, self.sentinel
         params: dict[str, Any] = {
             "host": conninfo.hostname or "127.0.0.1",
             "port": conninfo.port or self.default_port,
-            "username": conninfo.userid or None,
-            "password": conninfo.password or None,
+            "username": conninfo.userid or (sentinel.username if sentinel else None),
+            "password": conninfo.password or (sentinel.password if sentinel else None),
             "db": self.db,
             "max_connections": options.max_connections,
             "socket_timeout": options.socket_timeout,
@@ -113,12 +156,17 @@ class Transport(virtual.Transport):
             params.pop("username")
             params.pop("password")
         tls = conninfo.ssl or options.ssl
-        if not tls and getattr(conninfo, "transport_cls", None) in SECURE_SCHEMES:
+        secure_url = getattr(conninfo, "transport_cls", None) in SECURE_SCHEMES or (
+            sentinel is not None and sentinel.tls)
+        if not tls and secure_url:
             tls = {"ssl_cert_reqs": ssl_module.CERT_NONE}  # as kombu does for rediss://
         if tls:
             params["connection_class"] = redis.SSLConnection
             if isinstance(tls, dict):
                 params.update(tls)
+        if sentinel is not None:  # the sentinels say where the primary is
+            del params["host"], params["port"]
+            return params
         host = params["host"]
         if "://" in host:  # redislua+socket:///path/to/redis.sock
             scheme, _, path = host.partition("://")
@@ -135,8 +183,34 @@ class Transport(virtual.Transport):
     def pool(self) -> redis.ConnectionPool:
         """The connections commands share (acks come from many threads or greenlets at once):
         at most max_connections, and a caller waits for a free one (up to POOL_WAIT_SECONDS)
-        instead of failing. The blocking waits have connections of their own (poller.py)."""
+        instead of failing. The blocking waits have connections of their own (poller.py).
+        Through Sentinel, every connection asks the sentinels for the primary when it
+        connects, so a reconnect after a failover finds the new one."""
+        if self.sentinel is not None:
+            options = self.options
+            assert options.master_name is not None
+            return master_pool(self.sentinel, options.master_name, sentinel_kwargs=options.sentinel_kwargs,
+                               min_other_sentinels=options.min_other_sentinels,
+                               timeout=POOL_WAIT_SECONDS, **self.connection_params())
         return redis.BlockingConnectionPool(timeout=POOL_WAIT_SECONDS, **self.connection_params())
+
+    def check_server(self, client: redis.Redis) -> None:
+        """A new channel's first command: connection errors surface now, as kombu expects; a
+        master name no sentinel knows, or a durability setting the server cannot honour, is
+        a clear error (not retried)."""
+        try:
+            client.ping()
+        except MasterNotFoundError as error:
+            raise explain_master_not_found(self.pool, error) from None
+        durability = self.options.policy.durability
+        if durability is None or self._server_checked:
+            return
+        replicas = durability.check_server(client)
+        self._server_checked = True
+        if replicas < durability.replicas:
+            logger.warning("celery-redis-lua: durability=%r asks for %d replica(s) but the primary "
+                           "has %d connected; publishes fail (NotDurable) until enough are",
+                           durability.setting, durability.replicas, replicas)
 
     def new_client(self) -> redis.Redis:
         return redis.Redis(connection_pool=self.pool)

@@ -85,7 +85,9 @@ class ScriptLibrary:
         self.policy = policy or Policy()
         if visibility_ms is not None:  # the 0.1 signature: ScriptLibrary(client, keys, visibility_ms=...)
             self.policy = dataclasses.replace(self.policy, visibility_ms=visibility_ms)
-        self.runner = ScriptRunner(client)
+        if self.policy.durability is not None and isinstance(client, RedisCluster):
+            raise ValueError("durability is not supported on a cluster client yet")
+        self.runner = ScriptRunner(client, durability=self.policy.durability)
         self.calls = Calls(self)
 
     def with_policy(self, **changes: Any) -> ScriptLibrary:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .durability import Durability
+
 
 @dataclass(frozen=True)
 class Policy:
     visibility_ms: int = 300_000  # how long a delivery may stay unacked (and a pop unclaimed)
     delivery_limit: int | None = 20  # delivery attempts before a dead letter; None or 0: no limit
     dead_letter_maxlen: int = 10_000  # approximate cap of dead:{Q}; 0 deletes outright
+    durability: Durability | None = None  # confirm publishes and acks by WAIT/WAITAOF (opt-in)
 
     def __post_init__(self) -> None:
         if isinstance(self.visibility_ms, bool) or not isinstance(self.visibility_ms, int) \

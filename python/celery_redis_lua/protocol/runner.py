@@ -4,10 +4,15 @@ Scripts are a cache on the server, not state: a restart, a failover or SCRIPT FL
 empties it. Every path that runs a script (single call or pipeline, standalone or
 cluster) loads the script and retries once when the server answers NOSCRIPT; a call that
 met NOSCRIPT never ran, so nothing takes effect twice.
+
+With a :class:`~.durability.Durability`, a call of a script whose writes must survive a
+failover (publish, ack, ...) goes in a pipeline followed by the wait command, on one
+connection, and :class:`~.durability.NotDurable` is raised when the wait falls short.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -15,8 +20,10 @@ from typing import Any, Generic, TypeVar
 from redis.exceptions import NoScriptError, ResponseError
 
 from .contract import Script, load_scripts
+from .durability import CONFIRMED_SCRIPTS, RAISE_WHEN_SHORT, Durability
 
 ERROR_PREFIX = "celery-redis-lua:"
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -56,9 +63,11 @@ def to_script_error(script: str, error: ResponseError) -> ResponseError:
 class ScriptRunner:
     """Runs :class:`Call` objects on a redis-py client (standalone or cluster)."""
 
-    def __init__(self, client: Any, scripts: dict[str, Script] | None = None) -> None:
+    def __init__(self, client: Any, scripts: dict[str, Script] | None = None, *,
+                 durability: Durability | None = None) -> None:
         self.client = client
         self.scripts = scripts if scripts is not None else load_scripts()
+        self.durability = durability
 
     def load(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """SCRIPT LOAD the named scripts (default: all); returns name -> SHA1."""
@@ -68,6 +77,8 @@ class ScriptRunner:
         return loaded
 
     def run(self, call: Call[T]) -> T:
+        if self.durability is not None and call.script in CONFIRMED_SCRIPTS:
+            return self.run_many([call])[0]  # the call and its wait share one connection
         script = self.scripts[call.script]
         try:
             reply = self._evalsha(self.client, script, call)
@@ -86,16 +97,47 @@ class ScriptRunner:
 
         Only the calls that failed with NOSCRIPT run again (the server did not run
         them), so no call takes effect twice. With ``raise_on_error=False`` the
-        result list holds the exception in place of a failed call's reply.
+        result list holds the exception in place of a failed call's reply. With a
+        durability setting and a confirmed script among ``calls``, the pipeline ends with
+        one wait; a wait that falls short raises NotDurable (its ``results`` attribute holds
+        what the calls returned) when a publish is among them, else it is logged.
         """
         if not calls:
             return []
-        replies = self._pipeline(calls)
+        wait = self._wait_for(calls)
+        replies, waited = self._pipeline(calls, wait)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             self.load(sorted({calls[i].script for i in missing}))
-            for i, reply in zip(missing, self._pipeline([calls[i] for i in missing]), strict=True):
+            again, waited_again = self._pipeline([calls[i] for i in missing], self._wait_for(
+                [calls[i] for i in missing]))
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
+            waited = waited_again if waited_again is not None else waited
+        results = self._decode(calls, replies, raise_on_error)
+        if wait is not None:
+            self._check_wait(calls, waited, results)
+        return results
+
+    def _wait_for(self, calls: Sequence[Call[Any]]) -> Durability | None:
+        if self.durability is not None and any(c.script in CONFIRMED_SCRIPTS for c in calls):
+            return self.durability
+        return None
+
+    def _check_wait(self, calls: Sequence[Call[Any]], reply: Any, results: list[Any]) -> None:
+        assert self.durability is not None
+        if isinstance(reply, Exception):
+            raise reply
+        if self.durability.confirmed(reply):
+            return
+        error = self.durability.not_durable(
+            [c.script for c in calls if c.script in CONFIRMED_SCRIPTS], reply, results)
+        if any(c.script in RAISE_WHEN_SHORT for c in calls):
+            raise error
+        logger.warning("celery-redis-lua: %s", error)
+
+    @staticmethod
+    def _decode(calls: Sequence[Call[Any]], replies: list[Any], raise_on_error: bool) -> list[Any]:
         results: list[Any] = []
         for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, ResponseError):
@@ -111,11 +153,16 @@ class ScriptRunner:
                 results.append(call.decode(reply))
         return results
 
-    def _pipeline(self, calls: Sequence[Call[Any]]) -> list[Any]:
+    def _pipeline(self, calls: Sequence[Call[Any]],
+                  wait: Durability | None = None) -> tuple[list[Any], Any]:
+        """The replies of ``calls`` in one pipeline, and of the wait that ends it (or None)."""
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             self._evalsha(pipe, self.scripts[call.script], call)
-        return list(pipe.execute(raise_on_error=False))
+        if wait is not None:
+            pipe.execute_command(*wait.command())
+        replies = list(pipe.execute(raise_on_error=False))
+        return (replies[:-1], replies[-1]) if wait is not None else (replies, None)
 
     @staticmethod
     def _evalsha(target: Any, script: Script, call: Call[Any]) -> Any:

@@ -1,0 +1,105 @@
+"""Durable writes (opt-in): a publish, ack or reject is confirmed only once its write has
+reached N replicas (``WAIT``) or the AOF on disk (``WAITAOF``).
+
+Redis replicates asynchronously: without this, a write the primary confirmed can vanish in
+a failover (a publish lost; an ack lost, so the task runs again), and with
+``appendfsync everysec`` up to a second of writes can vanish in a power loss. The wait is
+sent in the same pipeline as the script call, on the same connection (WAIT counts the
+writes of the connection it runs on), so it costs no extra round trip; a pipeline of many
+calls gets one wait. See docs/decisions.md for what each setting protects against.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The scripts whose writes a durable setting confirms. A publish (or a replay) that falls
+# short raises NotDurable: its caller must know the message may be lost. An ack, a reject,
+# a declare or a bind that falls short is logged and stands on the primary: losing one in a
+# failover means a redelivery (counted) or a route declared again by the next consumer or
+# producer, and its caller could do nothing better. consume, claim and extend are not
+# confirmed: losing one only redelivers a message, counted.
+RAISE_WHEN_SHORT = frozenset({"publish", "fanout_publish", "dead_replay"})
+CONFIRMED_SCRIPTS = RAISE_WHEN_SHORT | {"ack", "reject", "declare", "bind"}
+_SETTING = re.compile(r"^(?:(aof)|replicas:(\d+)|aof\+replicas:(\d+))$")
+
+
+class NotDurable(Exception):
+    """A write was applied on the primary but not confirmed within ``durability_timeout``.
+
+    Deliberately not a connection error: kombu would retry the publish, and a retried
+    publish stores the message twice. Whether this message survives a failover is unknown.
+    ``results`` holds what the confirmed calls returned on the primary.
+    """
+
+    def __init__(self, message: str, results: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.results = list(results)
+
+
+class DurabilityUnavailable(ValueError):
+    """The server cannot honour the durability setting (a clear error at connect time)."""
+
+
+@dataclass(frozen=True)
+class Durability:
+    """``replicas:N`` (WAIT N), ``aof`` (WAITAOF 1 0: the primary's AOF fsynced) or
+    ``aof+replicas:N`` (WAITAOF 1 N: the primary's AOF and N replicas' AOFs fsynced)."""
+
+    setting: str
+    replicas: int
+    aof: bool
+    timeout_ms: int
+
+    @classmethod
+    def parse(cls, setting: str, timeout_ms: int) -> Durability:
+        match = _SETTING.match(setting) if isinstance(setting, str) else None
+        if not match:
+            raise ValueError(f"expected 'replicas:N', 'aof' or 'aof+replicas:N', got {setting!r}")
+        aof = bool(match.group(1)) or match.group(3) is not None
+        replicas = int(match.group(2) or match.group(3) or 0)
+        if not aof and replicas < 1:
+            raise ValueError(f"'replicas:N' needs N >= 1, got {setting!r}")
+        return cls(setting, replicas, aof, timeout_ms)
+
+    def command(self) -> tuple[Any, ...]:
+        if self.aof:
+            return ("WAITAOF", 1, self.replicas, self.timeout_ms)
+        return ("WAIT", self.replicas, self.timeout_ms)
+
+    def confirmed(self, reply: Any) -> bool:
+        if self.aof:
+            local, replicas = (int(x) for x in reply)
+            return local >= 1 and replicas >= self.replicas
+        return int(reply) >= self.replicas
+
+    def describe(self, reply: Any) -> str:
+        if self.aof:
+            local, replicas = (int(x) for x in reply)
+            return f"local AOF fsynced: {'yes' if local else 'no'}, replicas' AOFs: {replicas}"
+        return f"{int(reply)} replica(s) acknowledged"
+
+    def not_durable(self, scripts: Sequence[str], reply: Any, results: Sequence[Any]) -> NotDurable:
+        return NotDurable(
+            f"{', '.join(sorted(set(scripts)))}: the write was applied on the primary but not "
+            f"confirmed as durability={self.setting!r} within {self.timeout_ms} ms "
+            f"({self.describe(reply)}); it may or may not survive a failover or power loss", results)
+
+    def check_server(self, client: Any) -> int:
+        """At connect time: the server knows the wait command and can honour it; returns how
+        many replicas are connected now. Fewer than asked for is not refused here (a replica
+        may be restarting; each write then fails after the timeout): the caller warns."""
+        probe = ("WAITAOF", 1, 0, 1) if self.aof else ("WAIT", 0, 1)  # nothing to wait for yet
+        try:
+            reply = client.execute_command(*probe)
+        except Exception as error:
+            message = str(error)
+            if "unknown command" in message.lower():
+                message = f"{probe[0]} is not a command of this server (WAITAOF needs Redis 7.2+ or Valkey)"
+            raise DurabilityUnavailable(
+                f"transport option 'durability'={self.setting!r} cannot be honoured by this "
+                f"server: {message}") from None
+        return int(reply[1]) if self.aof else int(reply)
