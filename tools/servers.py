@@ -263,6 +263,7 @@ class SentinelGroup:
 
     def start(self, timeout: float = 30.0) -> SentinelGroup:
         try:
+            self.args = ["--repl-diskless-sync-delay", "0", *self.args]  # replicas in sync at once
             primary = Server(self.kind, args=list(self.args)).start()
             self.servers.append(primary)
             for _ in range(self.replicas):
