@@ -92,7 +92,8 @@ def test_a_publish_no_replica_confirms_raises_and_says_the_message_may_survive(p
     assert pair.primary.client().hget(Keyspace().message("q"), message_id) == b"unconfirmed"
 
 
-def test_an_ack_no_replica_confirms_stands_and_is_logged(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_ack_no_replica_confirms_stands_and_is_logged(pair: Pair,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     lib = lib_for(pair.primary, "replicas:1", timeout_ms=300)
     lib.publish("q", "work")
     (delivery,) = lib.consume(["q"], 1).deliveries

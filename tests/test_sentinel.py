@@ -14,7 +14,7 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Producer, Queue
 
-import celery_redis_lua  # noqa: F401  (registers redislua://)
+import celery_redis_lua
 from celery_redis_lua.kombu.options import OptionError
 from celery_redis_lua.sentinel import SentinelConfigError
 from conftest import require_kind
@@ -60,10 +60,10 @@ def test_both_routes_reach_the_primary_the_sentinels_name(group: SentinelGroup, 
     primary = group.primary.client()
     assert primary.dbsize() == 0  # db 3, from the last URL, as kombu's stock Sentinel takes it
     primary.execute_command("SELECT", 3)
-    assert any(b"{kept}" in key for key in primary.keys())
+    assert primary.keys("*{kept}*")
     replica = next(s for s in group.servers if s.port != group.primary.port).client()
     replica.execute_command("SELECT", 3)
-    wait_until(lambda: any(b"{kept}" in key for key in replica.keys()), what="the replica has the queue")
+    wait_until(lambda: replica.keys("*{kept}*"), what="the replica has the queue")
 
 
 def consume_until(connection: Connection, queue: Queue, got: list[Any], count: int,
@@ -101,7 +101,7 @@ def test_a_consumer_follows_the_primary_through_a_failover(group: SentinelGroup,
         if fault == "failover":
             group.failover()
         else:
-            killed, _ = group.kill_primary()
+            group.kill_primary()
         assert group.primary.port != old
         with Connection(url, transport_options=OPTIONS) as producer_conn:
             producer = Producer(producer_conn)
@@ -147,3 +147,28 @@ def test_bad_sentinel_options_name_themselves(options: dict[str, Any], message: 
 def test_bad_sentinel_urls_name_the_problem(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Connection(url, transport_options=OPTIONS).transport  # noqa: B018
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from celery_redis_lua.cli import main
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(done.value.code or 0), out, err
+
+
+def test_the_cli_follows_the_sentinels(group: SentinelGroup, capsys: pytest.CaptureFixture[str]) -> None:
+    url = group.broker_url("sentinel")
+    code, out, err = cli(capsys, "publish", "tasks.add", "--queue", "viacli", "--url", url,
+                         "--master-name", MASTER)
+    assert code == 0, err
+    group.failover()
+    group.wait_until_settled()
+    code, out, err = cli(capsys, "status", "--queue", "viacli", "--url", url, "--master-name", MASTER)
+    assert code == 0, err
+    assert out.splitlines()[1].split() == ["viacli", "1", "0", "0", "0"]
+    code, out, err = cli(capsys, "status", "--url", url, "--master-name", "nosuch")
+    assert code == 1
+    assert "no sentinel monitors a master named 'nosuch' (monitored: mymaster)" in err
+    code, out, err = cli(capsys, "status", "--url", url)
+    assert (code, err.strip()) == (1, "celery-redis-lua: error: --master-name is required with a sentinel URL")

@@ -1,12 +1,14 @@
 """``celery-redis-lua``: inspect and load the scripts, publish a task, show queues, handle dead letters.
 
 Every command takes ``--url`` (default: ``$CELERY_BROKER_URL``) and ``--prefix`` (the
-transport's ``global_keyprefix``). Failures end with one line on stderr and a non-zero exit;
-a password in a URL is never printed. The tool talks to one standalone server.
+transport's ``global_keyprefix``); Sentinel URLs (``sentinel://h1:26379;sentinel://h2:26379/0``
+or ``redislua+sentinel://...``) take ``--master-name`` too. Failures end with one line on
+stderr and a non-zero exit; a password in a URL is never printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -20,7 +22,8 @@ import redis
 
 from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
 
-from .protocol import producer
+from . import sentinel
+from .protocol import acl, producer
 from .protocol.contract import load_scripts, read_manifest
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
@@ -73,13 +76,46 @@ def redis_url(url: str) -> str:
     return f"{mapped}://{rest}"
 
 
+def sentinel_client(url: str) -> redis.Redis:
+    """A client of the primary the sentinels named in ``url`` (';'-joined) point to."""
+    urls = [part.strip() for part in url.split(";") if part.strip()]
+    for part in urls:
+        with contextlib.suppress(ValueError):
+            if urlsplit(part).password:
+                _secrets.add(urlsplit(part).password or "")
+    meta = click.get_current_context().meta
+    if not meta.get("master_name"):
+        raise CliError("--master-name is required with a sentinel URL")
+    try:
+        parsed = sentinel.parse_sentinel_urls(urls)
+    except sentinel.SentinelConfigError as error:
+        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
+    password = meta.get("sentinel_password")
+    if password:
+        _secrets.add(password)
+    params: dict[str, Any] = {"db": parsed.db, "username": parsed.username, "password": parsed.password,
+                              "socket_connect_timeout": 5, "socket_timeout": 30}
+    if parsed.tls:
+        params["connection_class"] = redis.SSLConnection
+    pool = sentinel.master_pool(parsed, meta["master_name"],
+                                sentinel_kwargs={"password": password} if password else None, **params)
+    client = redis.Redis(connection_pool=pool)
+    try:
+        client.ping()
+    except redis.sentinel.MasterNotFoundError as error:
+        raise CliError(scrub(str(sentinel.explain_master_not_found(pool, error)))) from None
+    return client
+
+
 def connect(url: str, prefix: str) -> ScriptLibrary:
     """A :class:`ScriptLibrary` on a server that answered PING."""
-    mapped = redis_url(url)
     try:
         keyspace = Keyspace(prefix)
     except KeyspaceError as error:
         raise CliError(f"bad --prefix: {error}") from None
+    if sentinel.is_sentinel_url(url.strip()):
+        return ScriptLibrary(sentinel_client(url), keyspace)
+    mapped = redis_url(url)
     try:
         client = redis.Redis.from_url(mapped, socket_connect_timeout=5, socket_timeout=30)
     except ValueError as error:
@@ -123,11 +159,23 @@ def fail(message: str, status: int = 1) -> NoReturn:
     sys.exit(status)
 
 
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    ctx.meta[param.name or ""] = value
+    return value
+
+
 def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option("--prefix", default="", help="Key prefix (global_keyprefix).")(command)
+    command = click.option("--master-name", expose_value=False, callback=_remember,
+                           envvar="CELERY_BROKER_MASTER_NAME", show_envvar=True,
+                           help="With a sentinel URL: the name the sentinels monitor.")(command)
+    command = click.option("--sentinel-password", expose_value=False, callback=_remember,
+                           envvar="CELERY_SENTINEL_PASSWORD", show_envvar=True,
+                           help="With a sentinel URL: the sentinels' own password.")(command)
     return click.option(
         "--url", envvar="CELERY_BROKER_URL", default=DEFAULT_URL, show_default=True, show_envvar=True,
-        help="redis://, rediss://, redislua://, redisluas:// or unix:///path URL.")(command)
+        help="redis://, rediss://, redislua://, redisluas://, unix:///path, or sentinel:// URLs "
+             "joined by ';'.")(command)
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -305,6 +353,26 @@ def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, pr
 def dead_purge(queue: str, url: str, prefix: str) -> None:
     """Delete every dead letter of the queue."""
     click.echo(f"purged {connect(url, prefix).dead_purge(queue)} dead letters of {queue!r}")
+
+
+@main.command("acl")
+@click.option("--role", type=click.Choice(acl.ROLES), required=True,
+              help="worker: consumes (and publishes); producer: only publishes.")
+@click.option("--user", default=None, help="ACL user name. Default: celery-<role>.")
+@click.option("--prefix", required=True, help="The transport's global_keyprefix (required).")
+@click.option("--durability", is_flag=True, help="Also WAIT and WAITAOF (the durability option).")
+@click.option("--no-unblock", is_flag=True,
+              help="Without CLIENT UNBLOCK (@admin): waits then end by closing their connection.")
+def acl_command(role: str, user: str | None, prefix: str, durability: bool, no_unblock: bool) -> None:
+    """Print the ACL SETUSER line of a least-privilege user (no server is contacted).
+
+    Replace PASSWORD, and type it at the redis-cli prompt (in a shell, quote '>PASSWORD')."""
+    try:
+        line = acl.setuser(user or f"celery-{role}", role, prefix, durability=durability,
+                           unblock=not no_unblock)
+    except ValueError as error:
+        raise CliError(f"bad --user or --prefix: {error}") from None
+    click.echo(" ".join(line))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class Sender(threading.Thread):
                 self.app.send_task("celery_e2e.app.note", (label,), retry=True,
                                    retry_policy={"max_retries": 20, "interval_start": 0.2,
                                                  "interval_step": 0.2, "interval_max": 0.5})
-            except Exception as error:  # noqa: BLE001  (NotDurable, or a failover outlasting retries)
+            except Exception as error:  # NotDurable, or a failover outlasting the retries
                 self.failed.append((label, repr(error)))
             else:
                 self.confirmed.append(label)
