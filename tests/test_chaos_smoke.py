@@ -39,3 +39,33 @@ def test_smoke_profile_passes_for_our_transport() -> None:
     assert verdict["unattributable"] == 0, detail
     assert verdict["broker_clean"], detail
     assert verdict["verdict"] == "PASS", detail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smoke_profile_passes_through_sentinel_with_durability() -> None:
+    """The same smoke run against a Sentinel group (Redis primary, replica, three sentinels)
+    with SIGKILL of the primary and SENTINEL FAILOVER in the schedule, and durable publishes:
+    nothing the broker confirmed may be lost; publishes it could not confirm are submit
+    errors, not submissions."""
+    try:
+        server_binary("redis")
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    chaos = importlib.import_module("tools.chaos.__main__")
+    card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "redis-sentinel", "--seed", "6",
+                                  "--durability", "replicas:1", "--no-doc"]))
+    verdict = card["verdict"]
+    detail = {key: verdict[key] for key in ("lost_ids", "broker", "early_examples",
+                                            "unattributable_examples", "faults_applied")}
+    assert verdict["submitted"] > 0
+    assert {"primary_kill", "sentinel_failover"} <= set(verdict["faults_applied"]), detail
+    assert verdict["failovers"] >= 2, detail
+    assert verdict["lost"] == 0, detail
+    assert verdict["pending"] == 0, detail
+    assert verdict["early"] == 0, detail
+    assert verdict["unattributable"] == 0, detail
+    assert verdict["broker_clean"], detail
+    assert verdict["verdict"] == "PASS", detail

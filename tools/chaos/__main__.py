@@ -12,15 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from tools.chaos import faults, ledger, report, verdict
+from tools.chaos.broker import BROKERS, Broker
 from tools.chaos.events import EventListener
 from tools.chaos.producer import Producer
 from tools.chaos.profiles import PROFILES, Profile
 from tools.chaos.workers import ChaosWorker
-from tools.servers import Server, server_version
-
-BROKERS = {"redis-aof": ("redis", "everysec"), "redis-aof-always": ("redis", "always"),
-           "valkey": ("valkey", "everysec")}
+from tools.servers import Server
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,57 +31,89 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--transport", choices=("ours", "stock"), default="ours")
     parser.add_argument("--load-seconds", type=float, help="override the profile's load phase")
     parser.add_argument("--no-acks-late", action="store_true")
+    parser.add_argument("--durability", metavar="SETTING",
+                        help="ours only: the 'durability' transport option ('replicas:1', 'aof', "
+                             "'aof+replicas:1'): a publish waits until the write is confirmed")
+    parser.add_argument("--durability-timeout", type=float, metavar="SECONDS",
+                        help="ours only: the 'durability_timeout' transport option (default 1.0)")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
                              "scorecard's log_dir) under the current rules, as a new scorecard")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.transport == "stock" and (args.durability or args.durability_timeout):
+        parser.error("--durability is an option of our transport only")
+    if args.durability_timeout and not args.durability:
+        parser.error("--durability-timeout needs --durability")
+    return args
 
 
 def log(message: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def drain(profile: Profile, ledger_url: str, server: Server, transport: str) -> float:
-    """Wait (bounded) until every submission finished and the broker holds nothing."""
+def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str) -> float:
+    """Wait (bounded) until every submission finished and the broker holds nothing (the
+    broker being the primary the sentinels name now, for a Sentinel group)."""
     began = time.monotonic()
     while time.monotonic() - began < profile.drain_seconds:
         records = ledger.read(ledger_url)
         finished = {entry["id"] for entry in records["finish"]}
         missing = sum(1 for entry in records["submit"] if entry["id"] not in finished)
-        state = verdict.broker_state(server.client(socket_timeout=10), transport)
-        if not missing and not state["pending"]:
+        try:
+            pending = verdict.broker_state(broker.client(socket_timeout=10), transport)["pending"]
+        except (redis.RedisError, OSError, TimeoutError):
+            pending = None  # a failover still under way: ask again
+        if not missing and pending == 0:
             break
         time.sleep(1)  # polling interval of a bounded wait
     return round(time.monotonic() - began, 1)
+
+
+def settle(broker: Broker, card: dict[str, Any]) -> None:
+    """A Sentinel group settled (its servers up, one primary, the replica online); a group
+    that does not settle is recorded, and the run goes on to its verdict."""
+    if not broker.sentinel:
+        return
+    try:
+        broker.settle(faults.SETTLE_TIMEOUT)
+    except (TimeoutError, redis.RedisError, OSError, RuntimeError) as error:
+        card["run"].setdefault("settle_errors", []).append(repr(error)[:300])
+        log(f"sentinel group did not settle: {error!r}")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = PROFILES[args.profile]
     if args.load_seconds:
         profile = replace(profile, load_seconds=args.load_seconds)
-    kind, fsync = BROKERS[args.broker]
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
-    options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout}
+    broker = Broker.create(args.broker)
+    options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout,
+                               **broker.transport_options()}
     if args.transport == "ours":
         # Bindings of the expiring queue then live 60 s (its x-expires) and must be refreshed
         # throughout; the floor is lowered so a run sees them stale at once if they are not.
         options.update(sweep_interval=1, binding_lifetime_floor=10)
+        if args.durability:
+            options["durability"] = args.durability
+        if args.durability_timeout:
+            options["durability_timeout"] = args.durability_timeout
     card: dict[str, Any] = {"run": {
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
+        "durability": args.durability,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()}}
     ledger_server = Server("valkey").start()
-    server = Server(kind, args=["--appendonly", "yes", "--appendfsync", fsync]).start()
+    broker.start()
     workers: list[ChaosWorker] = []
     producer: Producer | None = None
     listener: EventListener | None = None
     try:
-        scheme = "redislua" if args.transport == "ours" else "redis"
-        broker_url = f"{scheme}://127.0.0.1:{server.port}/0"
-        card["run"]["server"] = server_version(server.client())
+        broker_url = broker.url(args.transport)
+        card["run"]["server"] = broker.describe()
+        card["run"]["topology"] = broker.topology()
         env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_server.url,
                "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
                "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
@@ -91,9 +123,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
         listener = EventListener(broker_url, options, ledger_server.url)
         listener.start()
-        injector = faults.FaultInjector(server, workers, args.transport, profile,
+        injector = faults.FaultInjector(broker, workers, args.transport, profile,
                                         ledger_server.url, args.seed)
-        plan = faults.schedule(profile, args.seed)
+        plan = faults.schedule(profile, args.seed, faults.fault_kinds(broker.sentinel))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
         began = time.monotonic()
@@ -110,12 +142,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not worker.alive:
                 worker.reap(5)
                 worker.start()
-        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, server, args.transport)
+        settle(broker, card)  # a failover the last fault set off ends before the drain
+        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, broker, args.transport)
         listener.stop()
-        state = verdict.broker_state(server.client(socket_timeout=10), args.transport)
+        settle(broker, card)
+        if broker.sentinel:
+            card["run"]["primary_at_end"] = broker.current().port
+        state = verdict.broker_state(broker.client(socket_timeout=10), args.transport)
         records = ledger.read(ledger_server.url)
         (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
-        card["verdict"] = verdict.compute(records, state, profile, args.transport)
+        card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability)
         card["faults"] = records["fault"]
     finally:
         if producer is not None and producer.is_alive():
@@ -124,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             listener.stop()
         for worker in workers:
             worker.stop()
-        server.stop()
+        broker.stop()
         ledger_server.stop()
     return card
 
@@ -137,7 +173,8 @@ def recompute(path: Path) -> dict[str, Any]:
     profile = Profile(**{**card["run"]["profile_settings"],
                          "fault_gap": tuple(card["run"]["profile_settings"]["fault_gap"])})
     previous = card["verdict"]["verdict"]
-    card["verdict"] = verdict.compute(records, card["verdict"]["broker"], profile, card["run"]["transport"])
+    card["verdict"] = verdict.compute(records, card["verdict"]["broker"], profile, card["run"]["transport"],
+                                      card["run"].get("durability"))
     card["run"]["recomputed"] = {"from": path.name, "verdict_then": previous,
                                  "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     return card

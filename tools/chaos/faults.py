@@ -1,9 +1,17 @@
 """Faults on a seeded schedule. Each is logged to the ledger with its time, target and
 outcome. Runs in the main thread: servers die with the thread that started them
-(PR_SET_PDEATHSIG), so a broker restarted from another thread would die with it."""
+(PR_SET_PDEATHSIG), so a broker restarted from another thread would die with it.
+
+With a Sentinel broker every broker fault acts on the primary the sentinels name at that
+moment, after waiting for the group to be settled (one primary, the replica linked), so
+faults do not stack on an unfinished failover. An entry whose fault moved the primary has
+``failover: true``, the old and new primary ports, and ``writes_until``: the last moment
+the old primary could still accept a write that the new one never got (its death for a
+SIGKILL; its demotion to a replica when it was still running)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -11,8 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from tools.chaos import ledger
-from tools.chaos.profiles import FAULT_KINDS, STOCK_SKIPS, Profile
+from tools.chaos.broker import Broker
+from tools.chaos.profiles import FAULT_KINDS, SENTINEL_FAULT_KINDS, STOCK_SKIPS, Profile
 from tools.chaos.workers import ChaosWorker
 from tools.servers import Server
 
@@ -20,14 +31,28 @@ WORKER_SIGNALS = {"worker_kill": signal.SIGKILL, "worker_term": signal.SIGTERM,
                   "worker_quit": signal.SIGQUIT}
 
 
-def schedule(profile: Profile, seed: int) -> list[tuple[float, str]]:
+# A killed primary is started again this long after the SIGKILL (same port, same AOF); the
+# sentinels then make it a replica of the primary they chose.
+PRIMARY_RESTART_AFTER = 5.0
+# After a pause or a restart of the primary, how long to watch for a failover the fault set
+# off (the sentinels' down-after is 1 s; an election and a promotion take a few more).
+FAILOVER_WATCH_SECONDS = 12.0
+SETTLE_TIMEOUT = 60.0
+
+
+def fault_kinds(sentinel: bool) -> tuple[str, ...]:
+    return FAULT_KINDS + SENTINEL_FAULT_KINDS if sentinel else FAULT_KINDS
+
+
+def schedule(profile: Profile, seed: int,
+             kinds: tuple[str, ...] = FAULT_KINDS) -> list[tuple[float, str]]:
     """(seconds into the load phase, fault kind); every kind once per shuffled round."""
     rng = random.Random(seed)
     plan: list[tuple[float, str]] = []
     at, bag = profile.first_fault, []
     while at < profile.load_seconds - 5:
         if not bag:
-            bag = list(FAULT_KINDS)
+            bag = list(kinds)
             rng.shuffle(bag)
         plan.append((round(at, 2), bag.pop()))
         at += rng.uniform(*profile.fault_gap)
@@ -36,7 +61,7 @@ def schedule(profile: Profile, seed: int) -> list[tuple[float, str]]:
 
 @dataclass
 class FaultInjector:
-    server: Server
+    broker: Broker
     workers: list[ChaosWorker]
     transport: str
     profile: Profile
@@ -46,8 +71,8 @@ class FaultInjector:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed * 31 + 5)
 
-    def admin(self) -> Any:
-        return self.server.client(socket_timeout=10)
+    def admin(self, server: Server) -> Any:
+        return server.client(socket_timeout=10)
 
     def inject(self, kind: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"kind": kind, "t": time.time()}
@@ -55,21 +80,119 @@ class FaultInjector:
             entry.update(skipped=STOCK_SKIPS[kind])
         elif kind in WORKER_SIGNALS:
             entry.update(self.worker_fault(kind))
-        elif kind == "broker_restart":
-            self.server.restart()
-            entry["down_seconds"] = round(time.time() - entry["t"], 3)
-        elif kind == "client_kill":
-            admin = self.admin()
-            entry["killed"] = admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-            admin.close()
-        elif kind == "script_flush":
-            admin = self.admin()
-            admin.script_flush()
-            admin.close()
-        elif kind == "broker_pause":
-            entry.update(self.pause())
+        elif kind in SENTINEL_FAULT_KINDS and not self.broker.sentinel:
+            entry.update(skipped="needs a Sentinel broker")
+        else:
+            entry.update(self.broker_fault(kind))
         ledger.record("fault", self.ledger_url, **entry)
         return entry
+
+    def broker_fault(self, kind: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {}
+        if self.broker.sentinel:
+            began = time.monotonic()
+            try:
+                self.broker.settle(SETTLE_TIMEOUT)
+            except (TimeoutError, redis.RedisError, OSError) as error:
+                entry["settle_error"] = repr(error)[:300]
+            waited = time.monotonic() - began
+            if waited > 0.2:
+                entry["settle_wait_seconds"] = round(waited, 3)
+        server = self.broker.current()
+        entry.update(t=time.time(), server_port=server.port)
+        try:
+            if kind == "broker_restart":
+                server.restart()
+                entry["down_seconds"] = round(time.time() - entry["t"], 3)
+                entry.update(self.watch_failover(server, entry["t"]))
+            elif kind == "client_kill":
+                admin = self.admin(server)
+                entry["killed"] = admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                admin.close()
+            elif kind == "script_flush":
+                admin = self.admin(server)
+                admin.script_flush()
+                admin.close()
+            elif kind == "broker_pause":
+                entry.update(self.pause(server))
+                entry.update(self.watch_failover(server, entry["t"]))
+            elif kind == "primary_kill":
+                entry.update(self.primary_kill(entry["t"]))
+            elif kind == "sentinel_failover":
+                entry.update(self.sentinel_failover(server, entry["t"]))
+        except (TimeoutError, redis.RedisError, OSError, RuntimeError) as error:
+            entry["error"] = repr(error)[:300]
+        return entry
+
+    def primary_kill(self, t: float) -> dict[str, Any]:
+        """SIGKILL the primary; the sentinels promote the replica; the killed server is
+        started again PRIMARY_RESTART_AFTER seconds after the kill and rejoins as a replica."""
+        group = self.broker.group
+        assert group is not None
+        killed, new = group.kill_primary(timeout=SETTLE_TIMEOUT)
+        named = time.time()
+        time.sleep(max(0.0, t + PRIMARY_RESTART_AFTER - time.time()))  # the fault: down this long
+        killed.start()
+        restarted = time.time()
+        self.broker.settle(SETTLE_TIMEOUT)
+        return {"failover": True, "old_primary": killed.port, "new_primary": new.port,
+                "new_primary_seconds": round(named - t, 3), "writes_until": t,
+                "restarted_after_seconds": round(restarted - t, 3),
+                "rejoined_seconds": round(time.time() - t, 3)}
+
+    def sentinel_failover(self, old: Server, t: float) -> dict[str, Any]:
+        """SENTINEL FAILOVER: the replica is promoted at once; the old primary keeps its
+        clients (and accepts their writes) until the sentinels demote it."""
+        group = self.broker.group
+        assert group is not None
+        new = group.failover(timeout=SETTLE_TIMEOUT)
+        named = time.time()
+        demoted = self.wait_demoted(old, SETTLE_TIMEOUT)
+        self.broker.settle(SETTLE_TIMEOUT)
+        return {"failover": True, "old_primary": old.port, "new_primary": new.port,
+                "new_primary_seconds": round(named - t, 3),
+                "writes_until": demoted if demoted is not None else time.time(),
+                "old_demoted_seconds": round(demoted - t, 3) if demoted is not None else None,
+                "settled_seconds": round(time.time() - t, 3)}
+
+    def watch_failover(self, old: Server, t: float) -> dict[str, Any]:
+        """After a pause or restart of the primary: did the sentinels move it? Watched for
+        FAILOVER_WATCH_SECONDS from the fault; once they name another primary, until the
+        old server answers as a replica (the sentinels demote a live old primary on their
+        next INFO round, up to 10 s later), then until the group settles."""
+        if not self.broker.sentinel:
+            return {}
+        group = self.broker.group
+        assert group is not None
+        deadline = t + FAILOVER_WATCH_SECONDS
+        demoted = None
+        while time.time() < deadline and demoted is None:
+            demoted = self.wait_demoted(old, 0.5)
+            with contextlib.suppress(redis.RedisError, OSError):
+                if group.primary_port() != old.port:
+                    demoted = demoted or self.wait_demoted(old, SETTLE_TIMEOUT)
+                    break
+        self.broker.settle(SETTLE_TIMEOUT)
+        new = self.broker.current()
+        if demoted is None and new.port == old.port:
+            return {"failover": False, "settled_seconds": round(time.time() - t, 3)}
+        return {"failover": True, "old_primary": old.port, "new_primary": new.port,
+                "writes_until": demoted if demoted is not None else time.time(),
+                "old_demoted_seconds": round(demoted - t, 3) if demoted is not None else None,
+                "settled_seconds": round(time.time() - t, 3)}
+
+    @staticmethod
+    def wait_demoted(server: Server, timeout: float) -> float | None:
+        """When ``server`` first answered as a replica (None if not within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if server.client(socket_timeout=1).info("replication")["role"] == "slave":
+                    return time.time()
+            except (redis.RedisError, OSError):
+                pass
+            time.sleep(0.05)  # polling interval of a bounded wait
+        return None
 
     def worker_fault(self, kind: str) -> dict[str, Any]:
         worker = self.rng.choice(self.workers)
@@ -83,10 +206,10 @@ class FaultInjector:
                 "exit_seconds": round(waited, 3), "down_seconds": round(time.time() - sent, 3),
                 "exit_code": exit_code}
 
-    def pause(self) -> dict[str, Any]:
-        assert self.server.process is not None
+    def pause(self, server: Server) -> dict[str, Any]:
+        assert server.process is not None
         seconds = self.rng.uniform(*self.profile.pause_seconds)
-        pid = self.server.process.pid
+        pid = server.process.pid
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)  # the fault itself: the broker is stopped this long

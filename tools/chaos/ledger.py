@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-KINDS = ("submit", "submit_error", "start", "finish", "fault", "event")
+KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error")
 _client: dict[str, Any] = {"pid": None, "client": None}
 
 

@@ -9,6 +9,9 @@ FAULT_KINDS = (
     "worker_kill", "worker_term", "worker_quit",
     "broker_restart", "client_kill", "script_flush", "broker_pause",
 )
+# With a Sentinel broker (redis-sentinel, valkey-sentinel) these join the schedule: SIGKILL of
+# the primary (restarted a few seconds later, it rejoins as a replica) and SENTINEL FAILOVER.
+SENTINEL_FAULT_KINDS = ("primary_kill", "sentinel_failover")
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
 # Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
 STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +17,16 @@ KEPT = ROOT / "docs" / "chaos"  # the scorecards docs/RELIABILITY.md cites are c
 DOC = ROOT / "docs" / "RELIABILITY.md"
 INTRO = """# Reliability: the chaos harness
 
-`scripts/chaos/` runs real Celery workers (prefork and threads, `acks_late` on) against one
-broker server (Redis with AOF `everysec` or `always`, or Valkey with AOF `everysec`), a
+`tools/chaos/` runs real Celery workers (prefork and threads, `acks_late` on) against one
+broker server (Redis with AOF `everysec` or `always`, or Valkey with AOF `everysec`) or a
+Sentinel group (a primary, a replica and three sentinels: `--broker redis-sentinel`), a
 producer at a fixed rate (fast, slow = longer than the visibility timeout, countdown and
 high-priority tasks) and a separate Valkey ledger where every submission and every
 execution start and finish is recorded by task id. Faults come on a seeded schedule:
 SIGKILL / SIGTERM / SIGQUIT of a worker (then restarted), a broker restart (SIGKILL, start
 again on the same AOF), `CLIENT KILL TYPE normal`, `SCRIPT FLUSH`, and a broker pause
-(SIGSTOP for a few seconds, SIGCONT). Then a bounded drain, and the verdict.
+(SIGSTOP for a few seconds, SIGCONT); with a Sentinel group, also SIGKILL of the primary
+and `SENTINEL FAILOVER`. Then a bounded drain, and the verdict.
 
     make chaos ARGS='--profile smoke --broker valkey --seed 1'              # ~4 min
     make chaos ARGS='--profile long --broker redis-aof --seed 1'            # ~35 min
@@ -82,8 +86,23 @@ def summary(card: dict[str, Any], path: Path) -> str:
         else f"{k} {n}" for k, n in sorted(v["duplicates_by_fault"].items())) or "none"
     applied = ", ".join(f"{k} {n}" for k, n in sorted(v["faults_applied"].items())) or "none"
     skipped = ", ".join(v["faults_skipped"]) or "none"
+    raised = sum(1 for f in card.get("faults", []) if f.get("error") or f.get("settle_error"))
+    durability = f", durability {run['durability']}" if run.get("durability") else ""
+    if "lost_unexplained" in v and v.get("durability") and v.get("failovers"):
+        lost = (f"lost {v['lost']} (never started {v['lost_never_started']}; with durability "
+                f"{v['durability']} no loss is explained by a failover)")
+    elif "lost_unexplained" in v and (v["lost_explained_by_failover"] or v.get("failovers")):
+        by = ", ".join(f"{k} {n}" for k, n in sorted(v["lost_by_failover"].items()))
+        lost = (f"lost {v['lost']} (never started {v['lost_never_started']}; explained by "
+                f"unreplicated writes at a failover {v['lost_explained_by_failover']}"
+                f"{f' ({by})' if by else ''}; unexplained {v['lost_unexplained']})")
+    else:
+        lost = f"lost {v['lost']} (never started {v['lost_never_started']})"
+    errors = ", ".join(f"{k} {n}" for k, n in sorted(v.get("submit_errors_by_type", {}).items()))
+    refused = (f" ({errors}; of them executed anyway {v['submit_errors_executed']})"
+               if v["submit_errors"] and errors else "")
     return "\n".join([
-        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}), "
+        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}{durability}), "
         f"{run['profile']}, seed {run['seed']}: **{v['verdict']}**",
         "",
         f"Command: `{run['command']}`; scorecard `{path.relative_to(ROOT)}`.",
@@ -91,18 +110,38 @@ def summary(card: dict[str, Any], path: Path) -> str:
         *([f"Verdict recomputed from the run's ledger under the current rules "
            f"({run['recomputed']['at']}); computed then: {run['recomputed']['verdict_then']}, from "
            f"`{run['recomputed']['from']}`.", ""] if run.get("recomputed") else []),
-        f"- submitted {v['submitted']} (submit errors {v['submit_errors']}), executions "
+        f"- submitted {v['submitted']} (submit errors {v['submit_errors']}{refused}), executions "
         f"{v['executions']}, drain {run['drain_seconds_used']} s",
-        f"- faults applied: {applied}; skipped: {skipped}",
-        f"- lost {v['lost']} (never started {v['lost_never_started']}); pending {v['pending']}; "
+        f"- faults applied: {applied}; skipped: {skipped}" + (
+            f"; faults that raised {raised} (see the scorecard)" if raised else ""),
+        *([failover_line(card)] if v.get("failovers") else []),
+        f"- {lost}; pending {v['pending']}; "
         f"early {v['early']}; broker clean {'yes' if v['broker_clean'] else 'no'}",
         f"- duplicates {v['duplicates']} (by fault: {by_fault}); unattributable {v['unattributable']}",
         f"- task events: received {v.get('events_received', '-')}, lost {v.get('events_lost', '-')} "
-        f"(not explained by a fault: {v.get('events_lost_unexplained', '-')})",
+        f"(not explained by a fault: {v.get('events_lost_unexplained', '-')})"
+        + (f"; the receiver failed and was restarted {v['listener_restarts']} times "
+           f"({v['events_lost_listener_down']} events lost while it was down; first error: "
+           f"`{v['listener_errors'][0][:160]}`)" if v.get("listener_restarts") else ""),
         f"- latency eligibility->start p50 {lat['p50']} s, p95 {lat['p95']} s, "
         f"p99 {lat['p99']} s, max {lat['max']} s",
         "",
     ])
+
+
+def failover_line(card: dict[str, Any]) -> str:
+    """How the sentinel faults went: how many moved the primary, how long until a new one."""
+    moved = [f for f in card.get("faults", []) if f.get("failover")]
+    by_kind = Counter(f["kind"] for f in moved)
+    named = [f["new_primary_seconds"] for f in moved if f.get("new_primary_seconds") is not None]
+    demoted = [f["old_demoted_seconds"] for f in moved if f.get("old_demoted_seconds") is not None]
+    parts = [f"- failovers {len(moved)} ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))})"]
+    if named:
+        parts.append(f"new primary named after {min(named):.1f}-{max(named):.1f} s "
+                     f"(median {statistics.median(named):.1f} s)")
+    if demoted:
+        parts.append(f"a still-running old primary demoted after {min(demoted):.1f}-{max(demoted):.1f} s")
+    return "; ".join(parts)
 
 
 def append_doc(card: dict[str, Any], path: Path) -> None:

@@ -22,6 +22,17 @@ QUEUES = ("celery", "expiring")
 # explained by a fault between the task's eligibility and EVENT_AFTER seconds after its
 # finish (the events are flushed about then).
 EVENT_AFTER = 2.0
+# Replication is asynchronous: a write the primary confirmed can be missing on the replica
+# the sentinels promote. A lost task is explained by such a failover when durability is off
+# and its publish ran between REPLICATION_LAG seconds before the fault and the moment the
+# old primary stopped taking writes (``writes_until``: its SIGKILL, or its demotion when it
+# was still up and its clients kept writing to it), plus ms-rounding slack.
+REPLICATION_LAG = 1.0
+# When the event receiver itself failed (an exception ended it; it is started again after
+# 1 s and reconnects), the events of tasks finished meanwhile had no listener: a loss
+# explained by the receiver's restart, from EVENT_AFTER before it to this long after.
+LISTENER_DOWN = 5.0
+WRITES_UNTIL_SLACK = 0.5
 
 
 def broker_state(client: redis.Redis, transport: str) -> dict[str, Any]:
@@ -52,9 +63,16 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     """The fault that explains a duplicate: one between (just before) the previous
     execution's start and this one, at most ``window`` before it. A worker fault counts only
     if it hit the worker of the previous execution, and is preferred (it is the specific
-    cause); otherwise the earliest broker-wide fault in that span."""
+    cause); otherwise the earliest broker-wide fault in that span.
+
+    A failover (a fault entry with ``failover``) lasts from the fault to ``writes_until``,
+    when the old primary stopped serving: until then two primaries can each deliver a
+    message both hold (a countdown both promote, a message one of them already handed out)
+    and take acks the other never sees. So a failover explains a duplicate whose executions
+    span any part of that interval, not only those whose first execution came before it."""
     candidates = [f for f in faults if not f.get("skipped")
-                  and prev["t"] - 1.0 <= f["t"] <= dup["t"] and dup["t"] - f["t"] <= window]
+                  and prev["t"] - 1.0 <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
+                  and dup["t"] - f.get("writes_until", f["t"]) <= window]
     on_worker = [f for f in candidates if f["kind"] in WORKER_FAULTS
                  and f.get("target") == prev["worker"]]
     broker_wide = [f for f in candidates if f["kind"] not in WORKER_FAULTS]
@@ -68,16 +86,36 @@ def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, li
     held the task: from its eligibility to EVENT_AFTER seconds after its finish."""
     received = {entry["id"] for entry in records.get("event", [])}
     lost = [tid for tid in finishes if tid not in received]
-    unexplained = []
+    restarts = [entry["t"] for entry in records.get("listener_error", [])]
+    unexplained, while_restarting = [], 0
     for tid in lost:
         finish = finishes[tid][-1]
+        if any(t - EVENT_AFTER <= finish["t"] <= t + LISTENER_DOWN for t in restarts):
+            while_restarting += 1  # the receiver itself was down: nothing listened
+            continue
         held_from = submits[tid]["eligible"] - 1.0 if tid in submits else finish["t"] - 1.0
         if not any(held_from <= f["t"] <= finish["t"] + EVENT_AFTER and (
                 f["kind"] not in WORKER_FAULTS or f.get("target") == finish["worker"])
                 for f in faults if not f.get("skipped")):
             unexplained.append(tid)
     return {"events_received": len(received), "events_lost": len(lost),
+            "listener_restarts": len(restarts), "events_lost_listener_down": while_restarting,
+            "listener_errors": [e["error"] for e in records.get("listener_error", [])][:10],
             "events_lost_unexplained": len(unexplained), "events_lost_examples": unexplained[:20]}
+
+
+def lost_to_failover(submit: dict[str, Any], failovers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failover whose unreplicated writes explain a lost task (see REPLICATION_LAG)."""
+    for fault in failovers:
+        if fault["t"] - REPLICATION_LAG <= submit.get("sent", submit["t"]) \
+                and submit["t"] <= fault.get("writes_until", fault["t"]) + WRITES_UNTIL_SLACK:
+            return fault
+    return None
+
+
+def error_type(error: str) -> str:
+    """'NotDurable' from "NotDurable('publish: ...')"."""
+    return error.split("(", 1)[0] or error
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -88,13 +126,29 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
-            profile: Profile, transport: str) -> dict[str, Any]:
+            profile: Profile, transport: str, durability: str | None = None) -> dict[str, Any]:
+    """``durability``: the run's durability setting (ours only). Without one, a lost task
+    may be explained by a failover's unreplicated writes (lost_to_failover); with one, a
+    publish the broker confirmed was on the replica, so every loss counts against the run.
+    Tasks whose publish raised (submit errors, NotDurable among them) were never confirmed:
+    they are not lost if they never run; if they do run, their executions are counted, and
+    duplicates among them attributed like any other."""
     submits = {entry["id"]: entry for entry in records["submit"]}
+    refused = {entry["id"]: entry for entry in records["submit_error"]}
     starts, finishes = ledger.by_id(records["start"]), ledger.by_id(records["finish"])
     faults = sorted(records["fault"], key=lambda f: f["t"])
+    failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
     window = 3 * profile.visibility_timeout + profile.slow_seconds[1] + 15
     lost = [tid for tid in submits if tid not in finishes]
     never_started = [tid for tid in lost if tid not in starts]
+    lost_explained: list[dict[str, Any]] = []
+    if durability is None:
+        for tid in lost:
+            fault = lost_to_failover(submits[tid], failovers)
+            if fault is not None:
+                lost_explained.append({"id": tid, "kind": submits[tid]["kind"], "submit": submits[tid],
+                                       "started": tid in starts, "fault": fault})
+    lost_unexplained = [tid for tid in lost if tid not in {e["id"] for e in lost_explained}]
     early, latencies = [], []
     duplicates: Counter[str] = Counter()
     unattributable: list[dict[str, Any]] = []
@@ -113,13 +167,32 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                 duplicates[fault["kind"]] += 1
                 attributed.append({"id": tid, "kind": submit["kind"], "fault": fault,
                                    "prev": prev, "dup": dup})
-    unknown = [tid for tid in starts if tid not in submits]
+    for tid, refusal in refused.items():  # publish raised, the message ran anyway (maybe twice)
+        for prev, dup in itertools.pairwise(starts.get(tid, [])):
+            fault = attribute(prev, dup, faults, window)
+            if fault is None:
+                unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
+                                       "submit_error": True})
+            else:
+                duplicates[fault["kind"]] += 1
+                attributed.append({"id": tid, "kind": refusal["kind"], "fault": fault,
+                                   "prev": prev, "dup": dup, "submit_error": True})
+    unknown = [tid for tid in starts if tid not in submits and tid not in refused]
+    lost_by_fault = Counter(e["fault"]["kind"] for e in lost_explained)
     events = events_lost(records, finishes, faults, submits)
     applied = Counter(f["kind"] for f in faults if not f.get("skipped"))
     verdict = {
         "submitted": len(submits), "submit_errors": len(records["submit_error"]),
+        "submit_errors_by_type": dict(Counter(error_type(e.get("error", ""))
+                                              for e in records["submit_error"])),
+        "submit_errors_executed": sum(1 for tid in refused if tid in starts),
+        "submit_errors_finished": sum(1 for tid in refused if tid in finishes),
+        "durability": durability,
         "executions": len(records["start"]), "finished_ids": len(finishes),
         "lost": len(lost), "lost_never_started": len(never_started),
+        "lost_explained_by_failover": len(lost_explained), "lost_by_failover": dict(lost_by_fault),
+        "lost_unexplained": len(lost_unexplained), "lost_explained_examples": lost_explained[:20],
+        "failovers": len(failovers),
         "lost_ids": lost[:50], "pending": state["pending"], "broker_clean": state["clean"],
         "broker": state, "early": len(early), "early_examples": early[:20],
         "duplicates": sum(duplicates.values()) + len(unattributable),
@@ -134,7 +207,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "latency_seconds": {name: percentile(latencies, q) for name, q in
                             (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))},
     }
-    ok = (not lost and not state["pending"] and not early and not unattributable
+    ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
           and state["clean"] and not events["events_lost_unexplained"])
     verdict["verdict"] = ("PASS" if ok else "FAIL") if transport == "ours" else "REPORT"
     verdict["would_pass"] = ok
