@@ -82,6 +82,7 @@ class Server:
     directory: Path | None = None
     unix_socket: bool = False
     process: subprocess.Popen[bytes] | None = None
+    password: str | None = None  # requirepass (the default user's)
 
     def __post_init__(self) -> None:
         self.binary = server_binary(self.kind)
@@ -98,7 +99,8 @@ class Server:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,  # type: ignore[arg-type]
+                           **kwargs)
 
     def command_line(self) -> list[str]:
         line = [
@@ -108,6 +110,8 @@ class Server:
         ]
         if self.unix_socket:
             line += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.password:
+            line += ["--requirepass", self.password, "--masterauth", self.password]
         return line + list(self.args)
 
     def start(self, timeout: float = 10.0) -> Server:
@@ -226,6 +230,7 @@ class SentinelServer(Server):
     quorum: int = 2
     down_after_ms: int = 1000
     failover_timeout_ms: int = 5000
+    primary_password: str | None = None  # what the sentinel logs in to the data servers with
 
     def command_line(self) -> list[str]:
         assert self.directory is not None
@@ -237,7 +242,9 @@ class SentinelServer(Server):
             f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
             f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
             f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
-            f"sentinel parallel-syncs {name} 1", *self.args, ""]))
+            f"sentinel parallel-syncs {name} 1",
+            *([f"sentinel auth-pass {name} {self.primary_password}"] if self.primary_password else []),
+            *([f"requirepass {self.password}"] if self.password else []), *self.args, ""]))
         return [self.binary, str(config), "--sentinel"]
 
     def log_tail(self, lines: int = 5) -> str:
@@ -258,20 +265,24 @@ class SentinelGroup:
     sentinels: int = 3
     master_name: str = "mymaster"
     args: Sequence[str] = ()
+    password: str | None = None  # the data servers' requirepass (and masterauth)
+    sentinel_password: str | None = None  # the sentinels' own requirepass
     servers: list[Server] = field(default_factory=list)
     sentinel_servers: list[SentinelServer] = field(default_factory=list)
 
     def start(self, timeout: float = 30.0) -> SentinelGroup:
         try:
             self.args = ["--repl-diskless-sync-delay", "0", *self.args]  # replicas in sync at once
-            primary = Server(self.kind, args=list(self.args)).start()
+            primary = Server(self.kind, args=list(self.args), password=self.password).start()
             self.servers.append(primary)
             for _ in range(self.replicas):
                 self.servers.append(Server(self.kind, args=[
-                    *self.args, "--replicaof", "127.0.0.1", str(primary.port)]).start())
+                    *self.args, "--replicaof", "127.0.0.1", str(primary.port)], password=self.password).start())
             for _ in range(self.sentinels):
                 sentinel = SentinelServer(self.kind, master_name=self.master_name,
-                                          primary_port=primary.port, quorum=min(2, self.sentinels))
+                                          primary_port=primary.port, quorum=min(2, self.sentinels),
+                                          password=self.sentinel_password,
+                                          primary_password=self.password)
                 self.sentinel_servers.append(sentinel.start())
             self.wait_until_settled(timeout)
         except BaseException:
@@ -284,8 +295,10 @@ class SentinelGroup:
         return [f"sentinel://127.0.0.1:{s.port}" for s in self.sentinel_servers]
 
     def broker_url(self, scheme: str = "redislua+sentinel", db: int = 0) -> str:
-        """kombu's form for several sentinels: one URL each, joined by ';', db on the last."""
-        parts = [f"{scheme}://127.0.0.1:{s.port}" for s in self.sentinel_servers]
+        """kombu's form for several sentinels: one URL each, joined by ';', db on the last;
+        the data servers' password, if any, in each."""
+        login = f":{self.password}@" if self.password else ""
+        parts = [f"{scheme}://{login}127.0.0.1:{s.port}" for s in self.sentinel_servers]
         return ";".join(parts) + f"/{db}"
 
     def sentinel_client(self, index: int = 0) -> redis.Redis:

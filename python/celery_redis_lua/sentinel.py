@@ -16,6 +16,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 DEFAULT_SENTINEL_PORT = 26379
@@ -103,8 +105,11 @@ def master_pool(urls: SentinelUrls, master_name: str, *, sentinel_kwargs: dict[s
     if sentinel_kwargs is None:  # as redis-py does: the primary's socket options
         sentinel_kwargs = {k: v for k, v in connection_kwargs.items()
                            if k.startswith("socket_") and v is not None}
+    # No retries inside one sentinel query (redis-py's clients default to ten, with backoff):
+    # discovery goes on to the next sentinel at once, and kombu retries the connect.
     sentinel_kwargs = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT,
-                       "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT, **sentinel_kwargs}
+                       "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT,
+                       "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
     sentinel = Sentinel(list(urls.sentinels), min_other_sentinels=min_other_sentinels,
                         sentinel_kwargs=sentinel_kwargs)
     return BlockingSentinelPool(master_name, sentinel, is_master=True, **connection_kwargs)
@@ -115,19 +120,17 @@ def explain_master_not_found(pool: BlockingSentinelPool, error: MasterNotFoundEr
     sentinels that are unreachable or agree that the primary is down (worth retrying)."""
     name = pool.service_name
     known: set[str] = set()
-    answered = 0
+    refusals: list[str] = []
     for sentinel in pool.sentinel_manager.sentinels:
+        where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
         try:
             known.update(sentinel.sentinel_masters())
-            answered += 1
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError):
-            continue
-    if answered and name not in known:
+        except (redis.RedisError, OSError) as refused:
+            refusals.append(f"{where} ({type(refused).__name__}: {refused})")
+    if len(refusals) < len(pool.sentinel_manager.sentinels) and name not in known:
         monitored = ", ".join(sorted(known)) or "none"
         return SentinelConfigError(f"transport option 'master_name': no sentinel monitors a master "
                                    f"named {name!r} (monitored: {monitored})")
-    if not answered:
-        where = ", ".join("{host}:{port}".format_map(s.connection_pool.connection_kwargs)
-                          for s in pool.sentinel_manager.sentinels)
-        return MasterNotFoundError(f"no sentinel reachable at {where} (master {name!r})")
+    if refusals and not known:
+        return MasterNotFoundError(f"no sentinel answered for master {name!r}: {'; '.join(refusals)}")
     return error

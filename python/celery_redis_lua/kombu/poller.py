@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
 OVERDUE_GRACE_SECONDS = 5.0
+# How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to send its reply
+# before its connection is closed instead.
+UNBLOCK_GRACE_SECONDS = 0.5
 # drain_events wakes at least this often to run the periodic work; in Celery's event loop
 # a timer checks as often whether it is due.
 TICK_SECONDS = 1.0
@@ -89,11 +92,13 @@ class BlockingRead:
         return (self.pending is not None and self.timeout > 0
                 and time.monotonic() - self.sent_at > self.timeout + grace)
 
-    def read(self) -> Any:
+    def read(self, timeout: float | None = None) -> Any:
         """The reply of the pending command (None when it timed out on the server). A wait
         the server ended with an UNBLOCKED error (its role changed: a primary demoted by a
         failover) is a lost connection: kombu reconnects, and finds the new primary."""
         try:
+            if timeout is not None:
+                return self.connection.read_response(timeout=timeout)
             return self.connection.read_response()
         except redis.ResponseError as error:
             if not str(error).startswith("UNBLOCKED"):
@@ -112,7 +117,7 @@ class BlockingRead:
             self.disconnect()
             return None
         try:
-            client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+            unblocked = client.execute_command("CLIENT", "UNBLOCK", self._client_id)
         except redis.ResponseError:  # NOPERM, or a service without it: close from now on
             self.can_unblock = False
             self.disconnect()
@@ -121,7 +126,9 @@ class BlockingRead:
             self.disconnect()
             return None
         try:
-            return self.read()
+            # 0: the wait had just ended (its reply is on the way), or the server does not
+            # know the id (a proxy in front of several servers): do not wait out its block.
+            return self.read(None if unblocked else UNBLOCK_GRACE_SECONDS)
         except (redis.RedisError, OSError):
             self.disconnect()
             return None
