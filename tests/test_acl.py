@@ -77,8 +77,9 @@ def test_the_worker_user_runs_the_transport(server: Server) -> None:
         producer.publish({"n": 2}, exchange=queue.exchange, routing_key="jobs.b", priority=9,
                          declare=[queue])
     got: list[Any] = []
+    on_message = lambda body, message: (got.append(body), message.ack())  # noqa: E731
     with connection(server, "worker") as worker_conn, \
-            Consumer(worker_conn, [queue, broadcast], callbacks=[lambda body, m: (got.append(body), m.ack())]):
+            Consumer(worker_conn, [queue, broadcast], callbacks=[on_message]):
         drain(worker_conn, got, 2)
         Producer(worker_conn).publish({"n": 3}, exchange=broadcast.exchange, routing_key="",
                                       declare=[broadcast])

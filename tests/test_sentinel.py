@@ -189,4 +189,5 @@ def test_the_cli_follows_the_sentinels(group: SentinelGroup, capsys: pytest.Capt
     assert code == 1
     assert "no sentinel monitors a master named 'nosuch' (monitored: mymaster)" in err
     code, out, err = cli(capsys, "status", "--url", url)
-    assert (code, err.strip()) == (1, "celery-redis-lua: error: --master-name is required with a sentinel URL")
+    assert code == 1
+    assert err.strip() == "celery-redis-lua: error: --master-name is required with a sentinel URL"

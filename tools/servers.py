@@ -276,8 +276,8 @@ class SentinelGroup:
             primary = Server(self.kind, args=list(self.args), password=self.password).start()
             self.servers.append(primary)
             for _ in range(self.replicas):
-                self.servers.append(Server(self.kind, args=[
-                    *self.args, "--replicaof", "127.0.0.1", str(primary.port)], password=self.password).start())
+                replica_args = [*self.args, "--replicaof", "127.0.0.1", str(primary.port)]
+                self.servers.append(Server(self.kind, args=replica_args, password=self.password).start())
             for _ in range(self.sentinels):
                 sentinel = SentinelServer(self.kind, master_name=self.master_name,
                                           primary_port=primary.port, quorum=min(2, self.sentinels),
