@@ -132,7 +132,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         producer.start()
         for at, fault in plan:
             time.sleep(max(0.0, began + at - time.monotonic()))  # the schedule, not a sync
-            entry = injector.inject(fault)
+            try:
+                entry = injector.inject(fault)
+            except Exception as error:  # recorded; the run goes on to its verdict
+                entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
+                ledger.record("fault", ledger_server.url, **entry)
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in ('kind', 't')} }")
         time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))

@@ -81,7 +81,7 @@ class Broker:
         deadline = time.monotonic() + timeout
         for server in self.group.servers:
             if server.process is None or server.process.poll() is not None:
-                server.start()
+                self.start_again(server, self.current(timeout).port)
         primary = self.group.wait_until_settled(timeout)
         # The replica says its link is up before the primary counts it (a diskless sync
         # puts it online at its first REPLCONF ACK); WAIT counts only online replicas.
@@ -91,6 +91,22 @@ class Broker:
             time.sleep(0.05)  # polling interval of a bounded wait
             primary = self.group.wait_until_settled(max(1.0, deadline - time.monotonic()))
         return primary
+
+    def start_again(self, server: Server, replica_of: int | None) -> Server:
+        """Start a stopped data server on its port and AOF in the role it has to come back
+        in: a server killed as the primary comes back a primary (what its config says once
+        the sentinels have promoted it; they demote it in their next round), one killed as a
+        replica comes back replicating from ``replica_of``. Its first arguments would make
+        an originally-replica server replicate from its first primary, possibly its own
+        replica now: a loop in which no server is a primary and the group never settles."""
+        args = list(server.args)
+        while "--replicaof" in args:
+            at = args.index("--replicaof")
+            del args[at:at + 3]
+        if replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(replica_of)]
+        server.args = args
+        return server.start()
 
     def replicas_online(self, primary: Server) -> bool:
         assert self.group is not None

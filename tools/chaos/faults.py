@@ -98,11 +98,12 @@ class FaultInjector:
             waited = time.monotonic() - began
             if waited > 0.2:
                 entry["settle_wait_seconds"] = round(waited, 3)
-        server = self.broker.current()
-        entry.update(t=time.time(), server_port=server.port)
         try:
+            server = self.broker.current()
+            entry.update(t=time.time(), server_port=server.port)
             if kind == "broker_restart":
-                server.restart()
+                server.kill()
+                self.broker.start_again(server, None)  # the primary comes back a primary
                 entry["down_seconds"] = round(time.time() - entry["t"], 3)
                 entry.update(self.watch_failover(server, entry["t"]))
             elif kind == "client_kill":
@@ -132,7 +133,7 @@ class FaultInjector:
         killed, new = group.kill_primary(timeout=SETTLE_TIMEOUT)
         named = time.time()
         time.sleep(max(0.0, t + PRIMARY_RESTART_AFTER - time.time()))  # the fault: down this long
-        killed.start()
+        self.broker.start_again(killed, None)  # as its config says: a primary, demoted later
         restarted = time.time()
         self.broker.settle(SETTLE_TIMEOUT)
         return {"failover": True, "old_primary": killed.port, "new_primary": new.port,
