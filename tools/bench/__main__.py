@@ -2,6 +2,7 @@
 
     python -m tools.bench              # defaults: ~10 minutes on 2 cores
     python -m tools.bench --quick      # ~1-2 minutes
+    python -m tools.bench --durability-only   # the durability option's cost (tools/bench/durability.py)
     python -m tools.bench --peer mine=redis://host:6379/3,celery_redis_lua:Transport --peer stock=redis://host:6379/4
 """
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from importlib.metadata import version
@@ -25,7 +27,7 @@ from typing import Any
 
 from tools.servers import Server, available_kinds
 
-from . import broker_mechanics, celery_level, kombu_level, report
+from . import broker_mechanics, celery_level, durability, kombu_level, report
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
 from .server_cost import version_of
 
@@ -59,12 +61,29 @@ def options() -> argparse.Namespace:
     p.add_argument("--mech-workers", default="4", help="comma-separated W levels")
     p.add_argument("--mech-prefetch", type=int, default=4)
     p.add_argument("--mech-timeout", type=float, default=300)
+    p.add_argument("--durability", action="store_true",
+                   help="also measure the durability option (kombu level, primary + replica; "
+                        "off vs replicas:1 vs aof), written to docs/bench/durability-<date>.*")
+    p.add_argument("--durability-only", action="store_true",
+                   help="--durability and nothing else (no default peers)")
+    p.add_argument("--durability-n", type=int, default=None, help="messages per durability job "
+                   "(default: --kombu-n)")
+    p.add_argument("--durability-slow-n", type=int, default=5,
+                   help="messages for aof+replicas:1 (about a second per confirmed call with everysec)")
+    p.add_argument("--durability-slow-timeout", type=float, default=5.0,
+                   help="durability_timeout for aof+replicas:1 (the default 1 s falls short)")
+    p.add_argument("--durability-kinds", default="valkey,redis", help="server kinds, if available")
     p.add_argument("--quick", action="store_true", help="~1-2 min: repeat 1, small N, early ack only")
-    p.add_argument("--no-docs", action="store_true", help="do not update docs/bench/latest.*")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not update docs/bench/ (latest.*, durability-<date>.*)")
     o = p.parse_args()
     if o.quick:
         o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
         o.variants = "threads_early,prefork_early,solo_early,gevent_early"
+        o.durability_slow_n = min(o.durability_slow_n, 3)
+    o.durability = o.durability or o.durability_only
+    if o.durability_n is None:
+        o.durability_n = o.kombu_n
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
     o.mech_workers = [int(w) for w in o.mech_workers.split(",") if w.strip()]
     return o
@@ -89,14 +108,25 @@ def _version(name: str) -> str | None:
         return None
 
 
-def jobs(o: argparse.Namespace, peers: list[Peer]) -> list[tuple[int, str, Peer]]:
+def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Peer] = ()
+         ) -> list[tuple[int, str, Peer]]:
+    """Every repetition runs every scenario for every peer; the durability peers (kombu
+    level) end each repetition, their order rotated from one repetition to the next."""
     scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"mech_{w}" for w in o.mech_workers)]
-    return [(rep, s, p) for rep in range(1, o.repeat + 1) for s in scenarios for p in peers]
+    todo = []
+    for rep in range(1, o.repeat + 1):
+        todo += [(rep, s, p) for s in scenarios for p in peers]
+        shift = (rep - 1) % max(1, len(durability_peers))
+        rotated = [*durability_peers[shift:], *durability_peers[:shift]]
+        todo += [(rep, "durability", p) for p in rotated]
+    return todo
 
 
 def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
     if peer.checkout:
         return run_in_checkout(scenario, peer)
+    if scenario == "durability":
+        return durability.run(peer, o.prefetch, o.size)
     if scenario == "kombu":
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
@@ -146,6 +176,37 @@ def run_in_checkout(scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
     return result["result"], result["text"]
 
 
+def durability_report(o: argparse.Namespace, command: str, stamp: str, info: dict[str, Any],
+                      peers: list[Peer], meta: dict[str, dict[str, Any]], skipped: dict[str, str],
+                      runs: list[dict[str, Any]], out_dir: Path) -> None:
+    """The durability table: printed, in bench-results/ and (full runs) docs/bench/durability-<date>.*"""
+    summary = durability.summarize(runs, meta)
+    versions = {p.name: info["servers"].get(p.name, "") for p in peers}
+    table = durability.markdown(summary, versions)
+    slow = o.durability_slow_n
+    text = (f"`{command}`\n\nOur transport, kombu level ({durability.__name__}), primary + 1 replica "
+            f"on loopback; medians of {o.repeat} interleaved repetitions; n = {o.durability_n:,} messages "
+            f"per phase ({slow} for aof+replicas:1, durability_timeout {o.durability_slow_timeout:g} s), "
+            f"{o.size}-byte bodies, consume prefetch {o.prefetch}; {info['nproc']} CPUs, load "
+            f"{info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}. Ratios are to `off` on the "
+            f"same server kind; added µs/msg = 1e6/rate - 1e6/rate(off). `--durability` adds these jobs to "
+            f"the full run; `--durability-only` runs them alone.\n\n{table}\n")
+    document = {"tool": "tools/bench --durability", "command": command, "timestamp": stamp,
+                "machine": info, "options": vars(o), "peers": [p.describe() for p in peers],
+                "skipped": skipped, "summary": summary, "table_markdown": table, "runs": runs}
+    path = out_dir / f"durability-{stamp}.json"
+    path.write_text(json.dumps(document, indent=1, default=str))
+    (out_dir / f"durability-{stamp}.md").write_text(text)
+    print("\n" + text + f"\n-> {path.relative_to(ROOT)}")
+    if not (o.quick or o.no_docs):
+        docs = ROOT / "docs" / "bench"
+        docs.mkdir(parents=True, exist_ok=True)
+        day = stamp[:8]
+        shutil.copyfile(path, docs / f"durability-{day}.json")
+        (docs / f"durability-{day}.md").write_text(text)
+        print(f"-> docs/bench/durability-{day}.json, durability-{day}.md")
+
+
 def main() -> int:
     o = options()
     if o.one:  # one job of a --checkout peer, in its own process; the result on stdout
@@ -157,17 +218,27 @@ def main() -> int:
     out_dir.mkdir(exist_ok=True)
     with ExitStack() as stack:
         skipped: dict[str, str] = {}
-        if o.peer:
+        peers: list[Peer] = []
+        if o.durability_only:
+            pass
+        elif o.peer:
             peers = [parse_peer(text) for text in o.peer]
         else:
             server = stack.enter_context(Server(o.server_kind))
             peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",")])
             peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
+        dpeers: list[Peer] = []
+        dmeta: dict[str, dict[str, Any]] = {}
+        if o.durability:
+            dpeers, dmeta, dskipped = durability.start(
+                stack, [k.strip() for k in o.durability_kinds.split(",") if k.strip()],
+                o.durability_n, o.durability_slow_n, o.durability_slow_timeout)
+            skipped.update(dskipped)
         for name, why in skipped.items():
             print(f"skipping {name}: {why}", flush=True)
-        info = machine(peers)
-        todo = jobs(o, peers)
-        print(f"{len(todo)} runs: {', '.join(f'{p.name}={p.url}' for p in peers)}; "
+        info = machine([*peers, *dpeers])
+        todo = jobs(o, peers, dpeers)
+        print(f"{len(todo)} runs: {', '.join(f'{p.name}={p.url}' for p in [*peers, *dpeers])}; "
               f"{info['nproc']} CPUs ({info['cpu_model']}), load {info['loadavg_start'][0]:.2f}", flush=True)
         runs: list[dict[str, Any]] = []
         began = time.monotonic()
@@ -187,13 +258,22 @@ def main() -> int:
                   f"({time.monotonic() - t0:4.1f} s, ~{eta / 60:.1f} min left)", flush=True)
     info["loadavg_end"] = os.getloadavg()
     info["seconds"] = round(time.monotonic() - began, 1)
+    command = "python -m tools.bench " + " ".join(sys.argv[1:])
+    failed = [r for r in runs if "error" in r]
+    if dpeers:
+        durability_report(o, command, stamp, info, dpeers, dmeta, skipped,
+                          [r for r in runs if r["scenario"] == "durability"], out_dir)
+    if not peers:
+        if failed:
+            print(f"\n{len(failed)} runs failed; see 'runs[].traceback' in the JSON")
+        return 1 if failed else 0
+    runs = [r for r in runs if r["scenario"] != "durability"]
 
     rows = report.metrics(o.variants, o.mech_workers)
     names = [p.name for p in peers]
     summary = report.summarize(runs, names, rows)
     verdicts = report.targets(summary)
     table = report.markdown(summary, rows)
-    command = "python -m tools.bench " + " ".join(sys.argv[1:])
     mech_docs = {}
     for peer in peers:
         results = [dict(r["result"], rep=r["rep"]) for r in runs
@@ -215,7 +295,6 @@ def main() -> int:
              f"medians of {o.repeat}")
     report.chart(summary, rows, png, title)
     print("\n" + table + "\n\nTargets (measured, never asserted):\n" + report.targets_markdown(verdicts))
-    failed = [r for r in runs if "error" in r]
     if failed:
         print(f"\n{len(failed)} runs failed; see 'runs[].traceback' in {path.relative_to(ROOT)}")
     print(f"\n-> {path.relative_to(ROOT)}, {png.relative_to(ROOT)}  ({info['seconds']:.0f} s; "

@@ -13,7 +13,7 @@ import importlib
 import json
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +37,10 @@ class Peer:
     # Another checkout of celery-redis-lua (e.g. the previous commit): its jobs run in a
     # subprocess whose package (and its workers') comes from <checkout>/python.
     checkout: str | None = None
+    # Transport options for the connection (e.g. {"durability": "replicas:1"}), and a
+    # message count that overrides --kombu-n for this peer's kombu-level jobs.
+    options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    n: int | None = None
 
     @property
     def is_redis(self) -> bool:
@@ -51,10 +55,14 @@ class Peer:
         return redis.Redis.from_url(parts._replace(scheme=scheme).geturl())
 
     def connection(self) -> Connection:
-        return Connection(self.url, transport=self.transport) if self.transport else Connection(self.url)
+        kwargs: dict[str, Any] = {"transport_options": dict(self.options)} if self.options else {}
+        if self.transport:
+            kwargs["transport"] = self.transport
+        return Connection(self.url, **kwargs)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "transport": self.transport, "checkout": self.checkout}
+        return {"name": self.name, "url": self.url, "transport": self.transport, "checkout": self.checkout,
+                "options": self.options, "n": self.n}
 
 
 def parse_peer(text: str) -> Peer:
