@@ -1,12 +1,12 @@
 #!lua
 -- name: claim
--- version: 3
+-- version: 4
 -- summary: Index and fetch messages that a blocking BZMPOP/ZMPOP already popped from one queue.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
@@ -39,6 +39,12 @@ local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: claim: ' .. message)
+end
+
+-- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
+-- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
+local function count_in_meta(meta_key, field, n)
+  if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
 local function parse_state(value)
@@ -113,6 +119,7 @@ reply[2] = expired
 if #gone > 0 then rcall('ZREM', index_key, unpack(gone)) end
 if #deadlines > 0 then rcall('ZADD', index_key, unpack(deadlines)) end
 
+count_in_meta(meta_key, 'dropped:expired', expired)
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together

@@ -1,12 +1,12 @@
 #!lua
 -- name: consume
--- version: 2
+-- version: 3
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
@@ -59,6 +59,12 @@ local function integer(value)
 end
 
 -- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; a malformed value reads as a fresh ready message.
+-- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
+-- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
+local function count_in_meta(meta_key, field, n)
+  if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
+end
+
 local function parse_state(value)
   local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
   if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
@@ -195,6 +201,7 @@ while skips_left > 0 do
       if found and s then
         dead_letter_expired(q, id, s, found)
         expired = expired + 1
+        q.expired = (q.expired or 0) + 1
       end
       rcall('HDEL', q.message, id)
       rcall('HDEL', q.state, id)
@@ -228,6 +235,7 @@ reply[2] = expired
 
 -- 4. Consuming keeps a queue with x-expires alive, all seven keys at once.
 for _, q in ipairs(queues) do
+  count_in_meta(q.meta, 'dropped:expired', q.expired or 0)
   local expires = tonumber(rcall('HGET', q.meta, 'expires'))
   if expires then
     local at = string.format('%d', now + expires) -- one absolute time: the keys expire together

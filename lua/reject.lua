@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 3
+-- version: 4
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
@@ -46,6 +46,12 @@ end
 local function natural(value)
   if not string.match(value, '^%d+$') then return nil end
   return tonumber(value)
+end
+
+-- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
+-- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
+local function count_in_meta(meta_key, field, n)
+  if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
 local function parse_state(value)
@@ -127,6 +133,8 @@ for i, id in ipairs(ids) do
   end
 end
 
+count_in_meta(meta_key, 'redelivered', requeued)
+count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together

@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 2
+-- version: 3
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
@@ -49,6 +49,12 @@ end
 local function natural(value)
   if not string.match(value, '^%d+$') then return nil end
   return tonumber(value)
+end
+
+-- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
+-- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
+local function count_in_meta(meta_key, field, n)
+  if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
 local function parse_state(value)
@@ -103,6 +109,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local base = QUEUE_KEYS * (q - 1)
   local queue_key, delayed_key, index_key, meta_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local dead_key, message_key, state_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
+  local requeued_before, expired_before, limit_before = requeued, expired, limit_reached
 
   local function drop(id, s, payload, reason, count)
     if dead_maxlen > 0 then
@@ -182,6 +189,9 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
   if #entries == batch then more = 1 end
 
+  count_in_meta(meta_key, 'redelivered', requeued - requeued_before)
+  count_in_meta(meta_key, 'dropped:expired', expired - expired_before)
+  count_in_meta(meta_key, 'dropped:delivery-limit', limit_reached - limit_before)
   local expires = tonumber(rcall('HGET', meta_key, 'expires'))
   if expires then
     local at = string.format('%d', now + expires) -- one absolute time: the keys expire together

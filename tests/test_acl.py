@@ -48,7 +48,8 @@ def as_user(server: Server, user: str) -> redis.Redis:
 def test_the_readme_shows_what_the_acl_command_prints() -> None:
     readme = (ROOT / "README.md").read_text()
     shown = re.findall(r"^ACL SETUSER .+$", readme, flags=re.MULTILINE)
-    expected = {" ".join(setuser(f"celery-{role}", role, PREFIX)) for role in ("worker", "producer")}
+    roles = ("worker", "producer", "exporter")
+    expected = {" ".join(setuser(f"celery-{role}", role, PREFIX)) for role in roles}
     assert expected <= set(shown), "README's ACL SETUSER lines differ from `celery-redis-lua acl`"
 
 

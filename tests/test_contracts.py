@@ -30,10 +30,10 @@ ARGV_CHECKED = NAMES
 REDIS_TYPES = {"ZSET", "HASH", "STREAM", "STRING", "LIST", "SET"}
 FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge",
                 "fanout_unbind", "fanout_leave"}
-READ_ONLY = {"size", "stats", "dead_list", "exists"}
+READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists"}
 # Every script that works on a queue's messages takes the same seven keys per queue.
 QUEUE_SCRIPTS = {"publish", "consume", "claim", "unpop", "ack", "reject", "extend", "sweep",
-                 "declare", "purge", "delete", "stats", "dead_replay"}
+                 "declare", "purge", "delete", "stats", "metrics", "dead_replay"}
 QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state"]
 QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
                       "P dead:{Q}", "P message:{Q}", "P state:{Q}"]
@@ -117,7 +117,7 @@ def test_queue_scripts_take_the_same_seven_keys(name: str) -> None:
     assert [k.name for k in c.keys] == QUEUE_KEY_NAMES
     assert [k.pattern for k in c.keys] == QUEUE_KEY_PATTERNS
     assert [k.type for k in c.keys] == ["ZSET", "ZSET", "ZSET", "HASH", "STREAM", "HASH", "HASH"]
-    assert c.keys_per_queue == (name in {"consume", "sweep", "stats"})
+    assert c.keys_per_queue == (name in {"consume", "sweep", "stats", "metrics"})
 
 
 def test_no_script_takes_a_message_key_prefix_any_more() -> None:
@@ -163,6 +163,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
         "delete": (ops.delete(k, p, "wq2"), 1),
         "size": (ops.size(k, p, "wq1"), 1),
         "stats": (ops.stats(k, p, QUEUES), 2),
+        "metrics": (ops.metrics(k, p, QUEUES), 2),
         "dead_list": (ops.dead_list(k, p, "wq1"), 1),
         "dead_replay": (ops.dead_replay(k, p, "wq1", entry_ids=["1-0", "2-0"]), 1),
         "dead_purge": (ops.dead_purge(k, p, "wq1"), 1),

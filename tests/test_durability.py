@@ -32,6 +32,14 @@ class Pair:
         wait_until(lambda: self.replica.client().info("replication")["master_link_status"] == "up"
                    and self.primary.client().info("replication").get("slave0", {}).get("state") == "online",
                    timeout=20, what="the replica in sync")
+        # Redis 7.0 calls a new replica online a moment before it acknowledges writes.
+        wait_until(self.confirms_a_write, timeout=20, what="the replica acknowledges a write")
+
+    def confirms_a_write(self) -> bool:
+        pipe = self.primary.client().pipeline(transaction=False)
+        pipe.set("probe", "1")
+        pipe.execute_command("WAIT", 1, 200)
+        return pipe.execute()[1] == 1
 
     def stop(self) -> None:
         self.replica.stop(signal.SIGKILL)

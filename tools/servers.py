@@ -77,7 +77,7 @@ class Server:
     """One server process; ``start()`` waits until it answers PING."""
 
     kind: str = "valkey"
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free one (chosen again if another process takes it first)
     args: Sequence[str] = ()
     directory: Path | None = None
     unix_socket: bool = False
@@ -86,6 +86,9 @@ class Server:
 
     def __post_init__(self) -> None:
         self.binary = server_binary(self.kind)
+        self._port_given = self.port != 0  # a restart keeps the port it first started on
+        if not self.port:
+            self.port = free_port()
         if self.directory is None:
             self.directory = Path(tempfile.mkdtemp(prefix=f"crl-{self.kind}-"))
 
@@ -115,6 +118,20 @@ class Server:
         return line + list(self.args)
 
     def start(self, timeout: float = 10.0) -> Server:
+        for attempt in range(3):
+            try:
+                started = self._start(timeout)
+                self._port_given = True
+                return started
+            except RuntimeError as error:
+                # Another process took the free port between our check and the bind: a
+                # port we chose ourselves can be chosen again.
+                if "Address already in use" not in str(error) or self._port_given or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> Server:
         self.process = subprocess.Popen(
             self.command_line(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent, cwd=self.directory,

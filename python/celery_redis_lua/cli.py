@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from itertools import takewhile
 from typing import Any, NoReturn
@@ -355,9 +357,38 @@ def dead_purge(queue: str, url: str, prefix: str) -> None:
     click.echo(f"purged {connect(url, prefix).dead_purge(queue)} dead letters of {queue!r}")
 
 
+@main.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True,
+              help="HTTP port of /metrics (celery-exporter's).")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--queue", "queues", multiple=True,
+              help="Repeatable. Default: every queue (meta keys and binding tables, rediscovered).")
+@click.option("--discover-interval", type=click.FloatRange(min=1), default=30, show_default=True,
+              help="Seconds between queue discoveries (SCAN).")
+@connection_options
+def exporter(port: int, address: str, queues: tuple[str, ...], discover_interval: float, url: str,
+             prefix: str) -> None:
+    """Serve Prometheus metrics of the queues (celery_queue_length and celery_redis_lua_*)."""
+    from . import exporter as metrics_exporter  # prometheus_client only when serving
+
+    lib = connect(url, prefix)
+    try:
+        server, _ = metrics_exporter.serve(lib, port=port, address=address, queues=queues,
+                                                discover_interval=discover_interval)
+    except OSError as error:
+        raise CliError(f"cannot listen on {address}:{port}: {error.strerror or error}") from None
+    click.echo(f"serving metrics of {mask(url)} on http://{address}:{port}/metrics", err=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        while not stop.wait(3600):
+            pass
+    server.shutdown()
+
+
 @main.command("acl")
 @click.option("--role", type=click.Choice(acl.ROLES), required=True,
-              help="worker: consumes (and publishes); producer: only publishes.")
+              help="worker: consumes (and publishes); producer: only publishes; exporter: reads metrics.")
 @click.option("--user", default=None, help="ACL user name. Default: celery-<role>.")
 @click.option("--prefix", required=True, help="The transport's global_keyprefix (required).")
 @click.option("--durability", is_flag=True, help="Also WAIT and WAITAOF (the durability option).")

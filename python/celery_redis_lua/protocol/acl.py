@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 from .contract import Script, load_scripts
 
-ROLES = ("worker", "producer")
+ROLES = ("worker", "producer", "exporter")
 # What Python sends itself, by role: CLIENT SETNAME only with client_name, SELECT only for a
 # db other than 0; CLIENT ID and UNBLOCK end a blocking wait at once (without UNBLOCK the
 # wait's connection is closed instead). Not CLIENT SETINFO: redis-py sends it on connect and
@@ -24,6 +24,8 @@ DIRECT: Mapping[str, tuple[str, ...]] = {
     "worker": ("ping", "evalsha", "script|load", "select", "client|setname", "bzmpop", "xread",
                "client|id", "client|unblock"),
     "producer": ("ping", "evalsha", "script|load", "select", "client|setname"),
+    # celery-redis-lua exporter: the metrics script, and SCAN and ZRANGE to discover queues.
+    "exporter": ("ping", "evalsha", "script|load", "select", "client|setname", "scan", "zrange"),
 }
 DURABILITY_COMMANDS = ("wait", "waitaof")
 # The scripts a producer runs: kombu declares the queue (declare, and its size), binds it,
@@ -49,7 +51,8 @@ def commands_for(role: str, *, durability: bool = False, unblock: bool = True,
     direct = [c for c in DIRECT[role] if unblock or c != "client|unblock"]
     if durability:
         direct += DURABILITY_COMMANDS
-    inside = script_commands(scripts, None if role == "worker" else PRODUCER_SCRIPTS)
+    names = {"worker": None, "producer": PRODUCER_SCRIPTS, "exporter": ("metrics",)}[role]
+    inside = script_commands(scripts, names)
     return direct + sorted(inside - set(direct))
 
 

@@ -92,7 +92,11 @@ class Durability:
         """At connect time: the server knows the wait command and can honour it; returns how
         many replicas are connected now. Fewer than asked for is not refused here (a replica
         may be restarting; each write then fails after the timeout): the caller warns."""
-        probe = ("WAITAOF", 1, 0, 1) if self.aof else ("WAIT", 0, 1)  # nothing to wait for yet
+        # A fresh connection's wait counts the replicas that acknowledged the primary's offset
+        # as of now; they report once a second, so give it up to a second (Redis 7.0 answered
+        # 0 to an instant probe while its replica was in sync).
+        timeout = min(self.timeout_ms, 1000)
+        probe = ("WAITAOF", 1, self.replicas, timeout) if self.aof else ("WAIT", self.replicas, timeout)
         try:
             reply = client.execute_command(*probe)
         except Exception as error:

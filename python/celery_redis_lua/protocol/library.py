@@ -25,6 +25,7 @@ from .ops import (
     Declared,
     FanoutBatch,
     FanoutBound,
+    QueueMetrics,
     QueueStats,
     Rejected,
     SweepReport,
@@ -36,7 +37,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 # Operations the library runs in loops of its own (below) rather than bound as one call;
 # a test checks that every other operation of ops is bound.
-LOOPED = frozenset({"consume", "sweep", "purge", "stats"})
+LOOPED = frozenset({"consume", "sweep", "purge", "stats", "metrics"})
 
 
 class _Bound(Generic[P, T]):
@@ -178,6 +179,13 @@ class ScriptLibrary:
                    for s in self.run(ops.stats(self.keys, self.policy, group))}
         return [by_name[queue] for queue in queues]
 
+    def metrics(self, queues: Sequence[str]) -> list[QueueMetrics]:
+        """One metrics call per cluster slot group (one in all on a standalone server)."""
+        by_name = {m.queue: m for group in self.slot_groups(queues)
+                   for m in self.run(ops.metrics(self.keys, self.policy, group))}
+        return [by_name[queue] for queue in queues]
 
-__all__ = ["Binding", "Consumed", "DeadLetter", "Declared", "FanoutBatch", "FanoutBound", "QueueStats",
+
+__all__ = ["Binding", "Consumed", "DeadLetter", "Declared", "FanoutBatch", "FanoutBound", "QueueMetrics",
+           "QueueStats",
            "Rejected", "ScriptLibrary", "SweepReport"]

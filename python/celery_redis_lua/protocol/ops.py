@@ -132,6 +132,31 @@ class QueueStats:
 
 
 @dataclass(frozen=True)
+class QueueMetrics:
+    """What a dashboard shows of one queue, from one snapshot (metrics.lua). Times are the
+    server's unix ms; ``oldest_ready_at`` and ``next_eta`` are None when there is none."""
+
+    queue: str
+    now: int
+    ready: int
+    delayed: int
+    in_flight: int
+    dead: int
+    oldest_ready_at: int | None
+    next_eta: int | None
+    redelivered: int
+    dropped: dict[str, int]
+
+    @property
+    def oldest_ready_age_ms(self) -> int | None:
+        return None if self.oldest_ready_at is None else max(0, self.now - self.oldest_ready_at)
+
+    @property
+    def next_eta_in_ms(self) -> int | None:
+        return None if self.next_eta is None else max(0, self.next_eta - self.now)
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     entry_id: str
     id: str
@@ -277,6 +302,27 @@ def stats(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueStats
         return [QueueStats(names[i // 4], *(int(n) for n in reply[i:i + 4])) for i in range(0, len(reply), 4)]
 
     return Call("stats", _keys_of(k, names), [], decode)
+
+
+@operation
+def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMetrics]]:
+    names = list(queues)
+
+    def optional(value: Any) -> int | None:
+        return None if int(value) < 0 else int(value)
+
+    def decode(reply: Sequence[Any]) -> list[QueueMetrics]:
+        now, rows = int(reply[0]), reply[1:]
+        found = []
+        for i in range(0, len(rows), 8):
+            ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped = rows[i:i + 8]
+            found.append(QueueMetrics(
+                names[i // 8], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
+                optional(eta), int(redelivered),
+                {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)}))
+        return found
+
+    return Call("metrics", _keys_of(k, names), [], decode)
 
 
 @operation

@@ -1,0 +1,80 @@
+#!lua flags=no-writes
+-- name: metrics
+-- version: 1
+-- summary: What a dashboard shows per queue: counts, the oldest ready message, the next ETA, and the counters.
+-- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+--   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
+--   delayed  ZSET    P delayed:{Q}         delayed messages (score: ETA, unix ms)
+--   index    ZSET    P messages_index:{Q}  ready and in-flight messages
+--   meta     HASH    P meta:{Q}            counters 'redelivered' and 'dropped:<reason>'
+--   dead     STREAM  P dead:{Q}            dead letters
+--   message  HASH    P message:{Q}         id -> payload (not read)
+--   state    HASH    P state:{Q}           id -> state (not read)
+-- ARGV: none
+-- returns: array: the server's time (unix ms), then 8 items per queue: ready, delayed,
+--   in_flight, dead, oldest_ready_at (unix ms at which the oldest ready message became
+--   ready, -1 for none), next_eta (unix ms of the earliest delayed message, -1 for none),
+--   redelivered (counter), and an array of reason, count pairs of messages dropped
+--   (dead-lettered, or deleted when dead_letter_maxlen is 0) since the queue was created
+-- errors:
+--   ERR celery-redis-lua: metrics: expected 7 keys per queue, got N
+-- why: one call answers a scrape for a group of queues, from one consistent snapshot.
+--   The work is bounded whatever the backlog: the counts are O(log N) as in stats; the
+--   oldest ready message is the earliest of the head of each priority band present
+--   (ready scores sort by band first), found by one O(log N) range per band, at most 256;
+--   the next ETA is the head of the delayed set. Counters are kept by reject, sweep,
+--   consume and claim where they redeliver or drop a message.
+
+local rcall = redis.call
+local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
+local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
+local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, not the wake marker
+local QUEUE_KEYS = 7
+
+if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then
+  return redis.error_reply('ERR celery-redis-lua: metrics: expected 7 keys per queue, got ' .. #KEYS)
+end
+
+-- The earliest ready time among the heads of the priority bands (-1: nothing ready).
+local function oldest_ready_at(queue_key)
+  local oldest, low = -1, '-inf'
+  for _ = 1, 256 do
+    local head = rcall('ZRANGE', queue_key, low, READY_MAX, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+    if #head == 0 then break end
+    local score = tonumber(head[2])
+    local band = math.floor(score / PRIORITY_FACTOR)
+    local at = score - band * PRIORITY_FACTOR
+    if oldest < 0 or at < oldest then oldest = at end
+    low = string.format('%d', (band + 1) * PRIORITY_FACTOR) -- the next band's first score
+  end
+  return oldest
+end
+
+local time = rcall('TIME')
+local reply = {tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)}
+for q = 1, #KEYS / QUEUE_KEYS do
+  local base = QUEUE_KEYS * (q - 1)
+  local queue_key, meta_key = KEYS[base + 1], KEYS[base + 4]
+  local ready = rcall('ZCOUNT', queue_key, '-inf', READY_MAX)
+  local eta = rcall('ZRANGE', KEYS[base + 2], 0, 0, 'WITHSCORES')
+  local dropped = {}
+  local fields = rcall('HGETALL', meta_key) -- a handful of arguments and counters
+  local redelivered = 0
+  for i = 1, #fields, 2 do
+    if fields[i] == 'redelivered' then
+      redelivered = tonumber(fields[i + 1])
+    elseif string.sub(fields[i], 1, 8) == 'dropped:' then
+      dropped[#dropped + 1] = string.sub(fields[i], 9)
+      dropped[#dropped + 1] = tonumber(fields[i + 1])
+    end
+  end
+  reply[#reply + 1] = ready
+  reply[#reply + 1] = rcall('ZCARD', KEYS[base + 2])
+  reply[#reply + 1] = math.max(0, rcall('ZCARD', KEYS[base + 3]) - ready)
+  reply[#reply + 1] = rcall('XLEN', KEYS[base + 5])
+  reply[#reply + 1] = ready > 0 and oldest_ready_at(queue_key) or -1
+  reply[#reply + 1] = #eta > 0 and tonumber(eta[2]) or -1
+  reply[#reply + 1] = redelivered
+  reply[#reply + 1] = dropped
+end
+return reply

@@ -1,0 +1,133 @@
+"""``celery-redis-lua exporter``: Prometheus metrics of every queue, from the metrics script.
+
+``celery_queue_length{queue_name=...}`` means what celery-exporter's does on kombu's stock
+Redis transport (``LLEN``: messages ready to be delivered; not delayed, not in flight), so
+existing dashboards, the celery-mixin alerts and KEDA's Prometheus scaler work unchanged.
+The ``celery_redis_lua_*`` families say what only this broker knows. A scrape costs one
+metrics call per group of queues sharing a cluster slot (one in all on a standalone
+server), each bounded whatever the backlog; queues are discovered by a SCAN of their meta
+keys and the binding tables, at most every ``discover_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import redis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .protocol.library import ScriptLibrary
+from .protocol.ops import QueueMetrics
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "celery_redis_lua"
+
+
+def discover_queues(lib: ScriptLibrary) -> list[str]:
+    """Queue names from their ``P meta:{Q}`` keys and from every binding table's members."""
+    client = lib.client
+    names = {lib.keys.queue_of(key) for key in client.scan_iter(match=lib.keys.meta_pattern(), count=1000)}
+    for key in client.scan_iter(match=_glob_escape(lib.keys.binding("")) + "*", count=1000):
+        for member in client.zrange(key, 0, -1):
+            queue = lib.keys.parse_binding(member).queue
+            if queue:
+                names.add(queue)
+    return sorted(names)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+class QueueCollector(Collector):
+    """Collects on every scrape; a broker that cannot be reached makes ``*_up`` 0."""
+
+    def __init__(self, lib: ScriptLibrary, queues: Sequence[str] = (), *,
+                 discover_interval: float = 30.0) -> None:
+        self.lib = lib
+        self.fixed = list(queues)
+        self.discover_interval = discover_interval
+        self._known: list[str] = []
+        self._discovered_at = float("-inf")
+        self._lock = threading.Lock()  # the HTTP server may scrape from several threads
+
+    def queues(self) -> list[str]:
+        if self.fixed:
+            return self.fixed
+        if time.monotonic() - self._discovered_at >= self.discover_interval:
+            self._known = discover_queues(self.lib)
+            self._discovered_at = time.monotonic()
+        return self._known
+
+    def collect(self) -> Iterator[Metric]:
+        began = time.perf_counter()
+        with self._lock:
+            try:
+                names = self.queues()
+                found = self.lib.metrics(names) if names else []
+                up = 1
+            except (redis.RedisError, OSError) as error:
+                logger.warning("celery-redis-lua exporter: scrape failed: %s", error)
+                found, up = [], 0
+        yield from families(found)
+        yield _gauge("up", "1 when the last scrape reached the broker.", [], [([], up)])
+        yield _gauge("scrape_duration_seconds", "How long the last scrape took.", [],
+                     [([], time.perf_counter() - began)])
+
+
+def _gauge(name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]) -> Metric:
+    family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
+
+
+def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
+    """The metric families of one scrape."""
+    length = GaugeMetricFamily("celery_queue_length", "Messages ready to be delivered (what LLEN "
+                               "counts on kombu's stock Redis transport).", labels=["queue_name"])
+    for m in found:
+        length.add_metric([m.queue], m.ready)
+    yield length
+    per_queue = [
+        ("ready", "Messages ready to be delivered.", lambda m: m.ready),
+        ("delayed", "Messages waiting for their ETA or countdown.", lambda m: m.delayed),
+        ("in_flight", "Messages delivered and not yet acked.", lambda m: m.in_flight),
+        ("dead_letters", "Entries in the queue's dead-letter stream.", lambda m: m.dead),
+        ("oldest_ready_age_seconds", "Since the oldest ready message became ready (0: none).",
+         lambda m: (m.oldest_ready_age_ms or 0) / 1000),
+    ]
+    for name, doc, value in per_queue:
+        yield _gauge(f"queue_{name}", doc, ["queue"], (([m.queue], value(m)) for m in found))
+    due = [([m.queue], m.next_eta_in_ms / 1000) for m in found if m.next_eta_in_ms is not None]
+    yield _gauge("queue_next_eta_seconds", "Until the earliest delayed message is due (absent: none).",
+                 ["queue"], due)
+    redelivered = CounterMetricFamily(f"{PREFIX}_queue_redeliveries", "Messages redelivered (timed out "
+                                      "or rejected with requeue), since the queue was created.",
+                                      labels=["queue"])
+    dropped = CounterMetricFamily(f"{PREFIX}_queue_dropped", "Messages dead-lettered (or deleted when "
+                                  "dead_letter_maxlen is 0) by reason, since the queue was created.",
+                                  labels=["queue", "reason"])
+    for m in found:
+        redelivered.add_metric([m.queue], m.redelivered)
+        for reason, count in sorted(m.dropped.items()):
+            dropped.add_metric([m.queue, reason], count)
+    yield redelivered
+    yield dropped
+
+
+def serve(lib: ScriptLibrary, *, port: int, address: str, queues: Sequence[str] = (),
+          discover_interval: float = 30.0) -> Any:
+    """Start the HTTP server (a thread) on ``address:port``; returns (server, thread)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(QueueCollector(lib, queues, discover_interval=discover_interval))
+    return start_http_server(port, addr=address, registry=registry)
