@@ -179,10 +179,12 @@ class ScriptLibrary:
                    for s in self.run(ops.stats(self.keys, self.policy, group))}
         return [by_name[queue] for queue in queues]
 
-    def metrics(self, queues: Sequence[str]) -> list[QueueMetrics]:
-        """One metrics call per cluster slot group (one in all on a standalone server)."""
+    def metrics(self, queues: Sequence[str], *, per_call: int = 16) -> list[QueueMetrics]:
+        """One metrics call per ``per_call`` queues of one cluster slot group: each call looks
+        at up to 256 priority bands per queue, and a short call never holds the server up."""
         by_name = {m.queue: m for group in self.slot_groups(queues)
-                   for m in self.run(ops.metrics(self.keys, self.policy, group))}
+                   for first in range(0, len(group), per_call)
+                   for m in self.run(ops.metrics(self.keys, self.policy, group[first:first + per_call]))}
         return [by_name[queue] for queue in queues]
 
 
