@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 2
+-- version: 3
 -- summary: Acknowledge messages of one queue: delete them and every trace of them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not touched)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; the message's task-id index entries go too
 -- ARGV:
 --   1.. id  string   message ids to acknowledge
 -- returns: integer, how many of the messages still existed
@@ -23,6 +23,21 @@
 --   Every queue script takes the same seven keys, so a caller builds them in one place.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: ack: ' .. message)
@@ -42,7 +57,8 @@ local function variadic(command, key)
   return total
 end
 
+for _, id in ipairs(ARGV) do forget_task(KEYS[7], id) end
 variadic('ZREM', KEYS[3])
 variadic('ZREM', KEYS[1])
-variadic('HDEL', KEYS[6])
-return variadic('HDEL', KEYS[7])
+variadic('HDEL', KEYS[7])
+return variadic('HDEL', KEYS[6])

@@ -1,6 +1,6 @@
 #!lua
 -- name: claim
--- version: 4
+-- version: 5
 -- summary: Index and fetch messages that a blocking BZMPOP/ZMPOP already popped from one queue.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
@@ -35,6 +35,21 @@
 --   second run skips what the first one took, a re-sent claim delivers nothing twice.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
@@ -97,11 +112,13 @@ for _, id in ipairs(ids) do
     end
     if payload and s then expired = expired + 1 end
     rcall('HDEL', message_key, id)
+    forget_task(state_key, id)
     rcall('HDEL', state_key, id)
     gone[#gone + 1] = id
   elseif s.state ~= 'unacked' then -- 'unacked': restored meanwhile and delivered to another consumer
     if no_ack then
       rcall('HDEL', message_key, id)
+      forget_task(state_key, id)
       rcall('HDEL', state_key, id)
       gone[#gone + 1] = id
     else

@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 3
+-- version: 4
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -36,6 +36,21 @@
 --   variadic where they can be, which keeps the server's cost per message low.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
@@ -204,6 +219,7 @@ while skips_left > 0 do
         q.expired = (q.expired or 0) + 1
       end
       rcall('HDEL', q.message, id)
+      forget_task(q.state, id)
       rcall('HDEL', q.state, id)
       gone[q] = gone[q] or {}
       table.insert(gone[q], id)
@@ -211,6 +227,7 @@ while skips_left > 0 do
     else
       if no_ack then
         rcall('HDEL', q.message, id)
+        forget_task(q.state, id)
         rcall('HDEL', q.state, id)
         gone[q] = gone[q] or {}
         table.insert(gone[q], id)

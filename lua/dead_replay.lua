@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 2
+-- version: 3
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -48,6 +48,16 @@ local function next_id(last_id, now_us)
   return string.format('%014x%02x', id_us, counter)
 end
 
+-- The Celery task id of a payload (headers.id of a protocol 2 envelope), so a replayed
+-- message is in the task-id index again; nil for anything else.
+local function task_of(payload)
+  local ok, decoded = pcall(cjson.decode, payload)
+  local headers = ok and type(decoded) == 'table' and decoded.headers
+  local task = type(headers) == 'table' and headers.id
+  if type(task) == 'string' and task ~= '' and #task <= 256 then return task end
+  return nil
+end
+
 if #KEYS ~= 7 then
   return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
 end
@@ -91,6 +101,8 @@ for _, entry in ipairs(entries) do
     local id = next_id(last_id, now_us)
     last_id = id
     rcall('HSET', message_key, id, fields.payload)
+    local task = task_of(fields.payload)
+    if task then rcall('HSET', state_key, 'task:' .. task, id, 'tid:' .. id, task) end
     rcall('HSET', state_key, id, 'ready 0 ' .. string.format('%d', priority) .. ' -')
     rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
     rcall('ZADD', index_key, string.format('%d', now + visibility), id)

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: delete
--- version: 2
+-- version: 3
 -- summary: Delete a queue: every message (ready, delayed, in flight), its arguments and its dead letters.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments and last_id
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT', and the task-id index
 -- ARGV: none
 -- returns: integer, how many messages the queue held
 -- errors:
@@ -26,6 +26,6 @@ if #KEYS ~= 7 then
   return redis.error_reply('ERR celery-redis-lua: delete: expected 7 keys (queue, delayed, index, meta, dead, ' ..
                            'message, state), got ' .. #KEYS)
 end
-local held = rcall('HLEN', KEYS[7])
+local held = rcall('HLEN', KEYS[6]) -- payloads only (the state hash also holds the task-id index)
 for i = 1, 7 do rcall('UNLINK', KEYS[i]) end
 return held

@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 2
+-- version: 3
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -9,23 +9,25 @@
 --   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority) and last_id
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; the task-id index 'task:<task id>' -> id, 'tid:<id>' -> task id
 -- ARGV:
 --   1  payload        string, non-empty                    the kombu envelope, stored unchanged
 --   2  priority       integer 0..255                       higher is delivered first; '' means 0; capped by the queue's max_priority
 --   3  eta_ms         integer 0..9999999999999             absolute unix ms by the server's clock; '' or 0 means now
 --   4  ttl_ms         integer > 0 or -1                    message TTL in ms, counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
 --   5  visibility_ms  integer > 0                          how long a ready message may sit popped but unclaimed before the sweep restores it
+--   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
 -- returns: bulk string, the new message id: 16 hex digits, 14 of server unix microseconds and 2 of a counter
 -- errors:
 --   ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
---   ERR celery-redis-lua: publish: expected 5 arguments, got N
+--   ERR celery-redis-lua: publish: expected 5 or 6 arguments, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
 --   ERR celery-redis-lua: publish: eta_ms must be an integer in 0..9999999999999, got 'V'
 --   ERR celery-redis-lua: publish: ttl_ms must be a positive integer or -1, got 'V'
 --   ERR celery-redis-lua: publish: visibility_ms must be a positive integer, got 'V'
+--   ERR celery-redis-lua: publish: task_id must be at most 256 bytes, got N
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
@@ -71,7 +73,7 @@ end
 if #KEYS ~= 7 then
   return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
 end
-if #ARGV ~= 5 then return fail('expected 5 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 and #ARGV ~= 6 then return fail('expected 5 or 6 arguments, got ' .. #ARGV) end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local message_key, state_key = KEYS[6], KEYS[7]
 local open = string.find(queue_key, '{', 1, true)
@@ -97,6 +99,9 @@ if not visibility or visibility <= 0 then
   return fail("visibility_ms must be a positive integer, got '" .. ARGV[5] .. "'")
 end
 
+local task_id = ARGV[6] or ''
+if #task_id > 256 then return fail('task_id must be at most 256 bytes, got ' .. #task_id) end
+
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
@@ -112,6 +117,9 @@ rcall('HSET', meta_key, 'last_id', id)
 local ready_at = math.max(eta, now)
 local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
 rcall('HSET', message_key, id, payload)
+if task_id ~= '' then -- a later message of the same task id (a retry) takes the index over
+  rcall('HSET', state_key, 'task:' .. task_id, id, 'tid:' .. id, task_id)
+end
 if eta > now then
   rcall('HSET', state_key, id, 'delayed 0 ' .. priority .. ' ' .. expires_at)
   rcall('ZADD', delayed_key, string.format('%d', eta), id)

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: purge
--- version: 2
+-- version: 3
 -- summary: Delete a batch of the ready and delayed messages of one queue; in-flight messages are left alone.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -21,6 +21,21 @@
 --   allow-oom, because purging frees memory.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
@@ -53,6 +68,7 @@ for _, key in ipairs({KEYS[1], KEYS[2]}) do
   variadic('ZREM', key, ids)
   variadic('ZREM', KEYS[3], messages)
   variadic('HDEL', KEYS[6], messages)
+  for _, id in ipairs(messages) do forget_task(KEYS[7], id) end
   variadic('HDEL', KEYS[7], messages)
   purged = purged + #messages
   if purged >= batch then break end

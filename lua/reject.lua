@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 4
+-- version: 5
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -37,6 +37,21 @@
 --   next consume or sweep dead-letters it with reason 'expired'.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 
 local function fail(message)
@@ -122,6 +137,7 @@ for i, id in ipairs(ids) do
         deleted = deleted + 1
       end
       rcall('HDEL', message_key, id)
+      forget_task(state_key, id)
       rcall('HDEL', state_key, id)
       rcall('ZREM', queue_key, id)
       rcall('ZREM', index_key, id)
@@ -129,6 +145,7 @@ for i, id in ipairs(ids) do
   else
     rcall('ZREM', index_key, id) -- already gone (acked elsewhere, expired, or its queue deleted)
     rcall('HDEL', message_key, id)
+    forget_task(state_key, id)
     rcall('HDEL', state_key, id)
   end
 end

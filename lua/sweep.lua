@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 3
+-- version: 4
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -38,6 +38,21 @@
 --   remove the entry). allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 local QUEUE_KEYS = 7
@@ -117,6 +132,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
             'delivery_count', count, 'priority', s.priority, 'payload', payload)
     end
     rcall('HDEL', message_key, id)
+    forget_task(state_key, id)
     rcall('HDEL', state_key, id)
     rcall('ZREM', queue_key, id)
     rcall('ZREM', index_key, id)
@@ -157,6 +173,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       rcall('ZREM', index_key, id)
       rcall('ZREM', queue_key, id)
       rcall('HDEL', message_key, id)
+      forget_task(state_key, id)
       rcall('HDEL', state_key, id)
       orphans = orphans + 1
     elseif s.state ~= 'unacked' and ttl_at and ttl_at <= now then

@@ -28,12 +28,12 @@ SCRIPTS = sorted(ROOT.glob("lua/*.lua"))
 NAMES = [p.stem for p in SCRIPTS]
 ARGV_CHECKED = NAMES
 REDIS_TYPES = {"ZSET", "HASH", "STREAM", "STRING", "LIST", "SET"}
-FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge",
+FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge", "cancel",
                 "fanout_unbind", "fanout_leave"}
-READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists"}
+READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists", "locate"}
 # Every script that works on a queue's messages takes the same seven keys per queue.
 QUEUE_SCRIPTS = {"publish", "consume", "claim", "unpop", "ack", "reject", "extend", "sweep",
-                 "declare", "purge", "delete", "stats", "metrics", "dead_replay"}
+                 "declare", "purge", "delete", "stats", "metrics", "dead_replay", "locate", "cancel"}
 QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state"]
 QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
                       "P dead:{Q}", "P message:{Q}", "P state:{Q}"]
@@ -164,6 +164,8 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
         "size": (ops.size(k, p, "wq1"), 1),
         "stats": (ops.stats(k, p, QUEUES), 2),
         "metrics": (ops.metrics(k, p, QUEUES), 2),
+        "locate": (ops.locate(k, p, "wq1", "task-1"), 1),
+        "cancel": (ops.cancel(k, p, "wq1", "task-1"), 1),
         "dead_list": (ops.dead_list(k, p, "wq1"), 1),
         "dead_replay": (ops.dead_replay(k, p, "wq1", entry_ids=["1-0", "2-0"]), 1),
         "dead_purge": (ops.dead_purge(k, p, "wq1"), 1),

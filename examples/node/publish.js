@@ -8,7 +8,7 @@
 // $CRL_PUBLISH_LUA); it is called with EVALSHA, and loaded once on NOSCRIPT. Its header
 // is the contract: KEYS queue, delayed, messages_index, meta, dead, message, state of the
 // queue (every queue script takes these seven); ARGV payload, priority, eta_ms, ttl_ms,
-// visibility_ms.
+// visibility_ms, task_id.
 'use strict';
 
 const crypto = require('node:crypto');
@@ -160,6 +160,7 @@ async function main() {
     const payload = JSON.stringify(envelope(opts, etaMs));
     await evalScript(client, source, sha, keys, [
       payload, String(opts.priority), etaMs ? String(etaMs) : '', '', opts['visibility-ms'],
+      opts.id, // the task id: indexed, so `celery-redis-lua where` and `cancel` find the message
     ]);
     process.stdout.write(`${opts.id}\n`);
   } catch (error) {

@@ -87,7 +87,7 @@ payload+='"headers":'$headers',"properties":'$properties'}'
 tag="{$queue}"
 keys=("${prefix}queue:$tag" "${prefix}delayed:$tag" "${prefix}messages_index:$tag" "${prefix}meta:$tag"
       "${prefix}dead:$tag" "${prefix}message:$tag" "${prefix}state:$tag")
-argv=("$payload" "$priority" "$eta_ms" '' "$visibility_ms")
+argv=("$payload" "$priority" "$eta_ms" '' "$visibility_ms" "$id")  # the task id: for where/cancel
 sha=$(sha1sum <"$script") && sha=${sha%% *}
 
 # EVALSHA with the file's SHA1; on NOSCRIPT (a fresh, restarted or flushed server) load

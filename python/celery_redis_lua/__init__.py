@@ -5,6 +5,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from _celery_redis_lua_alias import ALIASES
 
 from .kombu.transport import Transport
+from .locate import cancel, where
 from .protocol.contract import Script, load_scripts
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
@@ -33,5 +34,5 @@ for _scheme, _target in ALIASES.items():
 __all__ = [
     "Call", "Consumed", "DeadLetter", "Declared", "Delivery", "Dropped", "Keyspace", "KeyspaceError",
     "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner",
-    "SweepReport", "Transport", "load_scripts",
+    "SweepReport", "Transport", "cancel", "load_scripts", "where",
 ]

@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from itertools import takewhile
 from typing import Any, NoReturn
@@ -25,6 +26,7 @@ import redis
 from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
 
 from . import sentinel
+from .locate import cancel_task, locate_task, task_of
 from .protocol import acl, producer
 from .protocol.contract import load_scripts, read_manifest
 from .protocol.keys import Keyspace, KeyspaceError
@@ -284,14 +286,9 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
         eta_ms = seconds * 1000 + micros // 1000 + round(countdown * 1000)
     envelope = producer.build_envelope(task_name, args, kwargs, task_id=task_id, queue=queue,
                                        priority=priority, eta_ms=eta_ms)
-    lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms)
+    lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms,
+                task_id=envelope["headers"]["id"])
     click.echo(envelope["headers"]["id"])
-
-
-def discover_queues(lib: ScriptLibrary) -> list[str]:
-    """Queue names from ``P meta:{Q}`` keys (SCAN, a read; fine for an operator's tool)."""
-    keys = lib.client.scan_iter(match=lib.keys.meta_pattern(), count=1000)
-    return sorted({lib.keys.queue_of(key) for key in keys})
 
 
 @main.command()
@@ -300,7 +297,7 @@ def discover_queues(lib: ScriptLibrary) -> list[str]:
 def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
     """Ready, delayed, in-flight and dead-lettered messages per queue."""
     lib = connect(url, prefix)
-    names = list(queues) or discover_queues(lib)
+    names = list(queues) or lib.queue_names()
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
@@ -311,15 +308,6 @@ def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
 @main.group()
 def dead() -> None:
     """Dead letters of a queue: list, replay, purge."""
-
-
-def task_of(payload: bytes) -> tuple[str, str]:
-    """(task name, task id) of a Celery envelope; ('-', '-') for anything else."""
-    try:
-        headers = json.loads(payload)["headers"]
-        return str(headers.get("task") or "-"), str(headers.get("id") or "-")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return "-", "-"
 
 
 @dead.command("list")
@@ -355,6 +343,68 @@ def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, pr
 def dead_purge(queue: str, url: str, prefix: str) -> None:
     """Delete every dead letter of the queue."""
     click.echo(f"purged {connect(url, prefix).dead_purge(queue)} dead letters of {queue!r}")
+
+
+def _task_id(value: str) -> str:
+    if not value or len(value.encode()) > 256:
+        raise CliError(f"TASK_ID must be 1 to 256 bytes, got {len(value.encode())}")
+    return value
+
+
+def _when(ms: int | None, now_ms: int) -> str:
+    if ms is None or ms < 0:
+        return "-"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(ms / 1000))} UTC ({(ms - now_ms) / 1000:+.1f} s)"
+
+
+@main.command("where")
+@click.argument("task_id")
+@click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@connection_options
+def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
+    """Where a task is: ready, delayed, in flight, dead-lettered, or not in the broker."""
+    lib = connect(url, prefix)
+    found = locate_task(lib, _task_id(task_id), queues)
+    if as_json:
+        click.echo(json.dumps(found.as_dict()))
+        return
+    seconds, micros = lib.client.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+    lines = {
+        "ready": f"ready in {found.queue!r}: priority {found.priority}, about {found.ahead} message(s) ahead",
+        "delayed": f"delayed in {found.queue!r}: due {_when(found.eta_ms, now)}",
+        "in_flight": f"in flight from {found.queue!r}: delivery {found.delivery_count}, taken back "
+                     f"{_when(found.deadline_ms, now)} unless acked",
+        "dead": f"dead-lettered in {found.queue!r}: reason {found.reason}, entry {found.dead_entry} "
+                f"(replay: {PROG} dead replay {found.queue} {found.dead_entry})",
+        "absent": "not in the broker: acked, expired, purged, never published, or published "
+                  "without its task id",
+    }
+    click.echo(f"{task_id}: {lines[found.state]}")
+
+
+@main.command("cancel")
+@click.argument("task_id")
+@click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@connection_options
+def cancel_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
+    """Take a ready or delayed task out of its queue so it never runs (kept as a dead letter,
+    reason 'cancelled'). A task in flight is left alone: exit 2; not found: exit 3."""
+    done = cancel_task(connect(url, prefix), _task_id(task_id), queues)
+    if as_json:
+        click.echo(json.dumps({"task_id": task_id, "outcome": done.outcome, "queue": done.queue or None,
+                               "message_id": done.id, "was": done.was}))
+    elif done.outcome == "cancelled":
+        click.echo(f"{task_id}: cancelled ({done.was} in {done.queue!r}); kept as a dead letter, reason "
+                   f"'cancelled'")
+    elif done.outcome == "in_flight":
+        click.echo(f"{task_id}: in flight from {done.queue!r}: left alone (revoke it in Celery)")
+    else:
+        click.echo(f"{task_id}: not ready or delayed in any queue: nothing cancelled")
+    if done.outcome != "cancelled":
+        sys.exit(2 if done.outcome == "in_flight" else 3)
 
 
 @main.command()

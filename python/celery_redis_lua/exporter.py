@@ -29,22 +29,6 @@ logger = logging.getLogger(__name__)
 PREFIX = "celery_redis_lua"
 
 
-def discover_queues(lib: ScriptLibrary) -> list[str]:
-    """Queue names from their ``P meta:{Q}`` keys and from every binding table's members."""
-    client = lib.client
-    names = {lib.keys.queue_of(key) for key in client.scan_iter(match=lib.keys.meta_pattern(), count=1000)}
-    for key in client.scan_iter(match=_glob_escape(lib.keys.binding("")) + "*", count=1000):
-        for member in client.zrange(key, 0, -1):
-            queue = lib.keys.parse_binding(member).queue
-            if queue:
-                names.add(queue)
-    return sorted(names)
-
-
-def _glob_escape(text: str) -> str:
-    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
-
-
 class QueueCollector(Collector):
     """Collects on every scrape; a broker that cannot be reached makes ``*_up`` 0."""
 
@@ -61,7 +45,7 @@ class QueueCollector(Collector):
         if self.fixed:
             return self.fixed
         if time.monotonic() - self._discovered_at >= self.discover_interval:
-            self._known = discover_queues(self.lib)
+            self._known = self.lib.queue_names()
             self._discovered_at = time.monotonic()
         return self._known
 

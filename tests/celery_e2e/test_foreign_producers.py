@@ -157,3 +157,18 @@ def test_foreign_countdown_waits_in_the_broker_and_args_reach_the_task(
     print(f"2 s countdown from a foreign producer ran {after:.3f}s after send")
     assert after >= 2.0, f"ran {after:.3f}s after send, before its countdown"
     assert (entry["id"], entry["delivery_count"], entry["redelivered"]) == (later, 0, False)
+
+
+def test_where_finds_a_foreign_task_ready_then_delayed(publish: Publish,
+                                                       servers: tuple[Server, Server]) -> None:
+    """The foreign producers pass the task id to publish, so the index knows their tasks."""
+    from celery_redis_lua.locate import locate_task
+
+    lib = ScriptLibrary(servers[0].client(), Keyspace())
+    ready = publish("celery_e2e.app.note", '["now"]', priority=3)
+    later = publish("celery_e2e.app.note", '["later"]', countdown=600)
+    found = locate_task(lib, ready)
+    assert (found.state, found.queue, found.priority) == ("ready", QUEUE, 3)
+    delayed = locate_task(lib, later)
+    assert delayed.state == "delayed" and delayed.eta_ms is not None
+    assert delayed.eta_ms / 1000 - server_time(servers[0].client()) > 590

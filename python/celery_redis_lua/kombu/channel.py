@@ -68,7 +68,7 @@ class Channel(FanoutMixin, virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         args = publish_arguments(message, self.options.message_ttl_ms)
         self.lib.publish(queue, dumps(message), priority=args.priority,
-                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms)
+                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms, task_id=args.task_id)
 
     # -- queues and bindings ----------------------------------------------------------------
 

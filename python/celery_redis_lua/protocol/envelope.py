@@ -52,11 +52,15 @@ class PublishArguments:
     priority: int | str
     eta_ms: int | None
     ttl_ms: int | None
+    task_id: str | None = None  # the Celery task id (headers.id), indexed for where/cancel
 
 
 def _describe(message: dict[str, Any]) -> str:
     headers = message.get("headers") or {}
     return f"message {headers.get('id') or message.get('properties', {}).get('correlation_id') or '?'}"
+
+
+MAX_TASK_ID_BYTES = 256  # publish.lua's limit
 
 
 def eta_ms(message: dict[str, Any]) -> int | None:
@@ -92,7 +96,16 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
             raise BadEnvelope(f"{_describe(message)}: property 'expiration' must be ms, "
                               f"got {expiration!r}") from error
         ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
-    return PublishArguments(priority, eta_ms(message), ttl_ms)
+    return PublishArguments(priority, eta_ms(message), ttl_ms, task_id(message))
+
+
+def task_id(message: dict[str, Any]) -> str | None:
+    """The Celery task id (protocol 2: ``headers.id``) when it is one the index can take;
+    anything else (kombu messages, another protocol) is published unindexed."""
+    found = (message.get("headers") or {}).get("id")
+    if isinstance(found, str) and 0 < len(found.encode()) <= MAX_TASK_ID_BYTES:
+        return found
+    return None
 
 
 def dumps(message: dict[str, Any]) -> str:

@@ -28,6 +28,10 @@ def fanout_prefix_for(option: bool | str, db: int) -> str:
     return option or ""
 
 
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
 class KeyspaceError(ValueError):
     """A prefix or a name cannot be turned into a valid key."""
 
@@ -137,8 +141,7 @@ class Keyspace:
 
     def meta_pattern(self) -> str:
         """A SCAN MATCH pattern for every queue's meta key (queue discovery)."""
-        head = self.meta("x")[:-len("x}")]
-        return "".join(f"\\{c}" if c in "*?[]\\" else c for c in head) + "*}"
+        return _glob_escape(self.meta("x")[:-len("x}")]) + "*}"
 
     def slot(self, queue: str) -> int:
         """The cluster slot that holds every key of ``queue``."""
@@ -148,6 +151,10 @@ class Keyspace:
 
     def binding(self, exchange: str) -> str:
         return f"{self.prefix}_kombu.binding.{exchange}"
+
+    def binding_pattern(self) -> str:
+        """A SCAN MATCH pattern for every binding table."""
+        return _glob_escape(self.binding("")) + "*"
 
     def binding_member(self, routing_key: str, pattern: str, queue: str) -> str:
         return self.separator.join([routing_key or "", pattern or "", queue or ""])

@@ -112,6 +112,8 @@ class ScriptLibrary:
     declare = _Bound(ops.declare)
     delete = _Bound(ops.delete)
     dead_replay = _Bound(ops.dead_replay)
+    locate = _Bound(ops.locate)
+    cancel = _Bound(ops.cancel)
     exists = _Bound(ops.exists)
     size = _Bound(ops.size)
     dead_list = _Bound(ops.dead_list)
@@ -126,6 +128,17 @@ class ScriptLibrary:
     fanout_leave = _Bound(ops.fanout_leave)
 
     # -- what loops ---------------------------------------------------------------------------
+
+    def queue_names(self) -> list[str]:
+        """Every queue with a meta key, and every queue named in a binding table (a SCAN of
+        the keyspace: an operator's call, not one for a hot path)."""
+        client = self.client
+        names = {self.keys.queue_of(key)
+                 for key in client.scan_iter(match=self.keys.meta_pattern(), count=1000)}
+        for key in client.scan_iter(match=self.keys.binding_pattern(), count=1000):
+            names.update(b.queue for b in (self.keys.parse_binding(m) for m in client.zrange(key, 0, -1))
+                         if b.queue)
+        return sorted(names)
 
     def slot_groups(self, queues: Sequence[str]) -> list[list[str]]:
         """``queues`` grouped so that each group shares a cluster slot (one group when

@@ -157,6 +157,32 @@ class QueueMetrics:
 
 
 @dataclass(frozen=True)
+class Located:
+    """Where a task's message is in one queue (locate.lua). ``state`` is 'ready', 'delayed',
+    'in_flight' or 'missing'; ``detail`` is the messages ahead (ready), the ETA (delayed) or
+    the deadline (in flight), in the server's unix ms."""
+
+    queue: str
+    state: str
+    id: str | None = None
+    delivery_count: int | None = None
+    priority: int | None = None
+    expires_at: int | None = None
+    detail: int | None = None
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What cancel.lua did: 'cancelled' (``was`` 'ready' or 'delayed'), 'in_flight' (left
+    alone) or 'missing'."""
+
+    queue: str
+    outcome: str
+    id: str | None = None
+    was: str | None = None
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     entry_id: str
     id: str
@@ -195,10 +221,12 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
 
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
-            eta_ms: int | None = None, ttl_ms: int | None = None) -> Call[str]:
-    """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock)."""
+            eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None) -> Call[str]:
+    """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock); ``task_id``
+    (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it."""
     return Call("publish", k.queue_keys(queue),
-                [payload, priority, _optional(eta_ms), _optional(ttl_ms), p.visibility_ms], _text)
+                [payload, priority, _optional(eta_ms), _optional(ttl_ms), p.visibility_ms, task_id or ""],
+                _text)
 
 
 @operation
@@ -323,6 +351,30 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
         return found
 
     return Call("metrics", _keys_of(k, names), [], decode)
+
+
+@operation
+def locate(k: Keyspace, p: Policy, queue: str, task_id: str) -> Call[Located]:
+    def decode(reply: Sequence[Any]) -> Located:
+        state = _text(reply[0])
+        if state == "missing":
+            return Located(queue, state)
+        expires = _text(reply[4])
+        return Located(queue, state, _text(reply[1]), int(reply[2]), int(reply[3]),
+                       None if expires == "-" else int(expires), int(reply[5]))
+
+    return Call("locate", k.queue_keys(queue), [task_id], decode)
+
+
+@operation
+def cancel(k: Keyspace, p: Policy, queue: str, task_id: str) -> Call[Cancelled]:
+    def decode(reply: Sequence[Any]) -> Cancelled:
+        outcome = _text(reply[0])
+        if outcome == "missing":
+            return Cancelled(queue, outcome)
+        return Cancelled(queue, outcome, _text(reply[1]), _text(reply[2]) if outcome == "cancelled" else None)
+
+    return Call("cancel", k.queue_keys(queue), [task_id, p.dead_letter_maxlen], decode)
 
 
 @operation

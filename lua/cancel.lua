@@ -1,0 +1,106 @@
+#!lua flags=allow-oom
+-- name: cancel
+-- version: 1
+-- summary: Take a task's ready or delayed message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
+-- KEYS: 7
+--   queue    ZSET    P queue:{Q}           ready messages
+--   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   meta     HASH    P meta:{Q}            queue arguments; counter 'dropped:cancelled' (HINCRBY)
+--   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
+--   message  HASH    P message:{Q}         id -> payload
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; 'task:<task id>' -> id
+-- ARGV:
+--   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
+--   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
+-- returns: array {outcome, id, state}: outcome 'cancelled' (state: 'ready' or 'delayed', the
+--   message is gone and dead-lettered), 'in_flight' (a consumer holds it: nothing changed;
+--   revoke the task in Celery), or {'missing'} (no message of that task id in this queue)
+-- errors:
+--   ERR celery-redis-lua: cancel: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: cancel: expected 2 arguments, got N
+--   ERR celery-redis-lua: cancel: task_id must be a non-empty string of at most 256 bytes
+--   ERR celery-redis-lua: cancel: dead_letter_maxlen must be an integer >= 0, got 'V'
+-- why: atomic, so a message is either cancelled or delivered, never both: a consumer that
+--   takes it first makes it in flight, and cancel leaves a delivery alone (the delivery
+--   count would otherwise be lost, and Celery's revoke covers a running task). A
+--   countdown waits in the broker (Celery workers forget revokes after 3 hours and on
+--   restart), so this is how a revoked countdown is kept from running. The dead letter can
+--   be replayed (dead_replay). allow-oom: it frees memory.
+
+local rcall = redis.call
+local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
+
+local function fail(message)
+  return redis.error_reply('ERR celery-redis-lua: cancel: ' .. message)
+end
+
+-- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
+-- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
+local function count_in_meta(meta_key, field, n)
+  if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
+end
+
+local function parse_state(value)
+  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+end
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
+-- its entries with it; a newer message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id)
+  local task = redis.call('HGET', state_key, 'tid:' .. id)
+  if task then
+    local by_task = 'task:' .. task
+    if redis.call('HGET', state_key, by_task) == id then
+      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
+    else
+      redis.call('HDEL', state_key, 'tid:' .. id)
+    end
+  end
+end
+
+if #KEYS ~= 7 then
+  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+end
+if #ARGV ~= 2 then return fail('expected 2 arguments, got ' .. #ARGV) end
+local task_id = ARGV[1]
+if task_id == '' or #task_id > 256 then return fail('task_id must be a non-empty string of at most 256 bytes') end
+if not string.match(ARGV[2], '^%d+$') then
+  return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[2] .. "'")
+end
+local dead_maxlen = tonumber(ARGV[2])
+local queue_key, delayed_key, index_key, meta_key, dead_key, message_key, state_key = unpack(KEYS)
+
+local id = rcall('HGET', state_key, 'task:' .. task_id)
+local raw = id and rcall('HGET', state_key, id)
+if not raw then return {'missing'} end
+local s = parse_state(raw)
+if s.state == 'unacked' then return {'in_flight', id, s.state} end
+
+local payload = rcall('HGET', message_key, id)
+if payload and dead_maxlen > 0 then
+  rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', 'cancelled',
+        'delivery_count', s.count, 'priority', s.priority, 'payload', payload)
+end
+rcall('ZREM', queue_key, id)
+rcall('ZREM', delayed_key, id)
+rcall('ZREM', index_key, id)
+rcall('HDEL', message_key, id)
+forget_task(state_key, id)
+rcall('HDEL', state_key, id)
+if s.state == 'delayed' and rcall('ZCARD', delayed_key) == 0 then
+  rcall('ZREM', queue_key, WAKE_MEMBER) -- the wake marker lives only while something is delayed
+end
+count_in_meta(meta_key, 'dropped:cancelled', 1)
+
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+if expires then
+  local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+end
+return {'cancelled', id, s.state}

@@ -1,0 +1,149 @@
+"""Where is my task, and cancel in the broker: the task-id index publish keeps, each state
+locate reports, the drops that take a message's index entries with it, cancel (ready,
+delayed, in flight, missing), and the CLI commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from celery_redis_lua import ScriptLibrary
+from celery_redis_lua.locate import cancel_task, locate_task
+from helpers import server_now_ms, wait_for_server_time
+from tools.servers import Server
+
+
+def envelope(task_id: str) -> str:
+    return json.dumps({"body": "", "headers": {"id": task_id, "task": "tasks.add"}, "properties": {}})
+
+
+def publish(lib: ScriptLibrary, queue: str, task_id: str, **kwargs: object) -> str:
+    return lib.publish(queue, envelope(task_id), task_id=task_id, **kwargs)  # type: ignore[arg-type]
+
+
+def index_fields(lib: ScriptLibrary, queue: str) -> set[bytes]:
+    return {f for f in lib.client.hkeys(lib.keys.state(queue)) if f.startswith((b"task:", b"tid:"))}
+
+
+def test_each_state_is_reported(lib: ScriptLibrary) -> None:
+    now = server_now_ms(lib.client)
+    publish(lib, "w", "first", priority=1)
+    publish(lib, "w", "second", priority=1)
+    publish(lib, "w", "urgent", priority=9)
+    publish(lib, "w", "later", eta_ms=now + 60_000)
+    assert locate_task(lib, "second").state == "ready"
+    assert locate_task(lib, "second").ahead == 2  # 'urgent' and 'first'
+    assert locate_task(lib, "urgent").ahead == 0
+    later = locate_task(lib, "later")
+    assert (later.state, later.eta_ms, later.queue) == ("delayed", now + 60_000, "w")
+    (held,) = lib.consume(["w"], 1).deliveries  # urgent
+    running = locate_task(lib, "urgent")
+    assert (running.state, running.message_id, running.delivery_count) == ("in_flight", held.id, 0)
+    assert running.deadline_ms is not None and running.deadline_ms > now
+    lib.ack("w", [held.id])
+    assert locate_task(lib, "urgent").state == "absent"
+    assert locate_task(lib, "never-sent").state == "absent"
+
+
+def test_a_dead_letter_is_found_with_its_reason(lib: ScriptLibrary) -> None:
+    publish(lib, "d", "doomed")
+    (delivery,) = lib.consume(["d"], 1).deliveries
+    lib.reject("d", [delivery.id], requeue=False)
+    found = locate_task(lib, "doomed")
+    assert (found.state, found.reason, found.queue) == ("dead", "rejected", "d")
+    assert found.message_id == delivery.id
+    (replayed,) = lib.dead_replay("d", entry_ids=[found.dead_entry or ""])
+    back = locate_task(lib, "doomed")  # the replay indexes the new message under its task id
+    assert (back.state, back.message_id) == ("ready", replayed)
+
+
+def test_every_drop_takes_the_index_entries_with_it(lib: ScriptLibrary) -> None:
+    """Acked, rejected, expired (consume and sweep), purged: no entry is left behind."""
+    short = lib.with_policy(visibility_ms=30, delivery_limit=1)
+    for name in ("acked", "rejected", "expired", "timed-out", "purged"):
+        publish(short, "drops", name, ttl_ms=1 if name == "expired" else None)
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 5)
+    by_task = {}
+    for delivery in short.consume(["drops"], 10).deliveries:
+        by_task[json.loads(delivery.payload)["headers"]["id"]] = delivery.id
+    assert set(by_task) == {"acked", "rejected", "timed-out", "purged"}  # 'expired' was dropped
+    short.ack("drops", [by_task["acked"]])
+    short.reject("drops", [by_task["rejected"]], requeue=False)
+    short.ack("drops", [by_task["purged"]])
+    publish(short, "drops", "purged-ready")
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 40)
+    short.sweep(["drops"])  # 'timed-out': its second attempt would exceed delivery_limit 1
+    short.purge("drops")
+    assert index_fields(lib, "drops") == set()
+    states = [locate_task(lib, t).state for t in ("acked", "timed-out", "purged-ready")]
+    assert states == ["absent", "dead", "absent"]
+
+
+def test_a_retry_published_under_the_same_task_id_keeps_its_entry(lib: ScriptLibrary) -> None:
+    """Celery's retry publishes the same task id before the first delivery is acked."""
+    publish(lib, "r", "retried")
+    (first,) = lib.consume(["r"], 1).deliveries
+    second = publish(lib, "r", "retried", eta_ms=server_now_ms(lib.client) + 60_000)
+    lib.ack("r", [first.id])
+    found = locate_task(lib, "retried")
+    assert (found.state, found.message_id) == ("delayed", second)
+
+
+def test_cancel_takes_ready_and_delayed_messages_and_leaves_deliveries(lib: ScriptLibrary) -> None:
+    now = server_now_ms(lib.client)
+    publish(lib, "c", "countdown", eta_ms=now + 60_000)
+    publish(lib, "c", "queued")
+    publish(lib, "c", "running", priority=9)
+    (running,) = lib.consume(["c"], 1).deliveries
+    assert cancel_task(lib, "running").outcome == "in_flight"
+    assert lib.stats(["c"])[0].in_flight == 1  # untouched
+    done = cancel_task(lib, "countdown")
+    assert (done.outcome, done.was, done.queue) == ("cancelled", "delayed", "c")
+    assert cancel_task(lib, "queued").was == "ready"
+    assert cancel_task(lib, "queued").outcome == "missing"
+    [stats] = lib.stats(["c"])
+    assert (stats.ready, stats.delayed, stats.in_flight, stats.dead) == (0, 0, 1, 2)
+    assert lib.client.zrange(lib.keys.queue("c"), 0, -1) == []  # the wake marker went too
+    assert {d.reason for d in lib.dead_list("c")} == {"cancelled"}
+    assert lib.metrics(["c"])[0].dropped == {"cancelled": 2}
+    lib.ack("c", [running.id])
+    assert index_fields(lib, "c") == set()
+
+
+@pytest.mark.parametrize("script", ["locate", "cancel"])
+def test_a_bad_task_id_is_refused_by_name(lib: ScriptLibrary, script: str) -> None:
+    from celery_redis_lua.protocol.runner import ScriptError
+    with pytest.raises(ScriptError, match="task_id must be a non-empty string of at most 256 bytes"):
+        getattr(lib, script)("q", "x" * 257)
+    with pytest.raises(ScriptError, match="publish: task_id must be at most 256 bytes, got 257"):
+        lib.publish("q", "payload", task_id="x" * 257)
+    assert lib.stats(["q"])[0].ready == 0  # nothing half-written
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_cli_where_and_cancel(valkey_server: Server) -> None:
+    client = valkey_server.client()
+    client.flushall()
+    url = valkey_server.url
+    published = cli("publish", "tasks.add", "--queue", "jobs", "--countdown", "600", "--url", url)
+    assert published.returncode == 0, published.stderr
+    task_id = published.stdout.strip()
+    shown = cli("where", task_id, "--url", url)
+    assert shown.returncode == 0 and f"{task_id}: delayed in 'jobs': due " in shown.stdout
+    as_json = json.loads(cli("where", task_id, "--json", "--url", url).stdout)
+    assert (as_json["state"], as_json["queue"]) == ("delayed", "jobs")
+    cancelled = cli("cancel", task_id, "--url", url)
+    assert cancelled.returncode == 0 and "cancelled (delayed in 'jobs')" in cancelled.stdout
+    dead = cli("where", task_id, "--url", url)
+    assert "dead-lettered in 'jobs': reason cancelled" in dead.stdout
+    again = cli("cancel", task_id, "--json", "--url", url)
+    assert again.returncode == 3 and json.loads(again.stdout)["outcome"] == "missing"
+    bad = cli("where", "", "--url", url)
+    assert bad.returncode == 1 and "TASK_ID must be 1 to 256 bytes" in bad.stderr
