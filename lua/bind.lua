@@ -1,9 +1,9 @@
 #!lua
 -- name: bind
--- version: 2
+-- version: 3
 -- summary: Add or refresh bindings in an exchange's binding table, scored with the unix time at which each goes stale.
 -- KEYS: 1
---   table    ZSET    P _kombu.binding.<exchange>   member routing_key SEP pattern SEP queue -> stale-at unix ms (+inf: never)
+--   table    ZSET    P binding:<exchange>           member routing_key SEP pattern SEP queue -> stale-at unix ms (+inf: never)
 -- ARGV:
 --   1   lifetime_ms  integer > 0 or ''   how long the binding lives without a refresh; '' means forever (+inf)
 --   2.. member       string              routing_key .. sep .. pattern .. sep .. queue, as kombu encodes it

@@ -1,9 +1,9 @@
 #!lua flags=allow-oom
 -- name: lookup
--- version: 1
+-- version: 2
 -- summary: List the live bindings of an exchange, pruning those that went stale.
 -- KEYS: 1
---   table    ZSET    P _kombu.binding.<exchange>   member routing_key SEP pattern SEP queue -> stale-at unix ms
+--   table    ZSET    P binding:<exchange>           member routing_key SEP pattern SEP queue -> stale-at unix ms
 -- ARGV: none
 -- returns: array of members (routing_key SEP pattern SEP queue), in member order
 -- errors:

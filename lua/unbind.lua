@@ -1,9 +1,9 @@
 #!lua flags=allow-oom
 -- name: unbind
--- version: 1
+-- version: 2
 -- summary: Remove bindings from an exchange's binding table.
 -- KEYS: 1
---   table    ZSET    P _kombu.binding.<exchange>   member routing_key SEP pattern SEP queue -> stale-at unix ms
+--   table    ZSET    P binding:<exchange>           member routing_key SEP pattern SEP queue -> stale-at unix ms
 -- ARGV:
 --   1.. member  string   routing_key .. sep .. pattern .. sep .. queue
 -- returns: integer, how many members were removed

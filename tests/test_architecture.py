@@ -13,7 +13,7 @@ KEYSPACE = "celery_redis_lua.protocol.keys"
 # Pieces of key names: wherever one appears in a string (a key kind at the start of a string
 # or of an f-string part, or after a non-word character), a key name is being made or read.
 KEY_PIECE = re.compile(r"(^|[^\w\s])(queue|delayed|messages_index|meta|dead|state|message):|"
-                       r"_kombu\.binding|:groups|/\{")
+                       r"binding:|:groups|/\{")
 
 
 def modules() -> dict[str, ast.Module]:

@@ -1,6 +1,6 @@
 """Bindings: stale-at scores by the server's clock, lookup prunes stale members, table TTL.
 
-A binding table is ``P _kombu.binding.<exchange>``, a ZSET of
+A binding table is ``P binding:<exchange>``, a ZSET of
 ``routing_key SEP pattern SEP queue`` scored with the unix ms at which the binding goes
 stale (``+inf`` for queues without expiry, else now + the lifetime the caller gives: the
 script takes it as it is, and the transport is the one that floors it). The table key

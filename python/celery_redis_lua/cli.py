@@ -436,6 +436,36 @@ def exporter(port: int, address: str, queues: tuple[str, ...], discover_interval
     server.shutdown()
 
 
+@main.command()
+@click.option("--from", "source_url", required=True,
+              help="kombu's stock Redis transport's broker URL (redis://, rediss://, unix://).")
+@click.option("--from-prefix", default="", help="Stock kombu's global_keyprefix there.")
+@click.option("--queue", "queues", multiple=True,
+              help="Repeatable. Default: every queue in stock kombu's binding tables.")
+@click.option("--dry-run", is_flag=True, help="Count what would move; change nothing.")
+@connection_options
+def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run: bool, url: str,
+            prefix: str) -> None:
+    """Move the messages waiting in kombu's stock Redis transport into ours, exactly once and
+    in their order (rerun it after an interruption). Stop the stock workers first."""
+    from .migrate import Migration
+
+    lib = connect(url, prefix)
+    source = connect(source_url, "").client
+    report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=dry_run)
+    if dry_run:
+        rows = sorted(report.planned.items())
+        click.echo(table(["queue", "messages"], rows) if rows else "nothing to migrate")
+        return
+    for queue, count in sorted(report.moved.items()):
+        click.echo(f"{queue}: {count} message(s) moved")
+    if report.finished:
+        click.echo(f"finished {report.finished} message(s) an interrupted run had taken")
+    for line in report.skipped:
+        click.echo(f"skipped: {line}", err=True)
+    click.echo(f"moved {report.total} message(s)")
+
+
 @main.command("acl")
 @click.option("--role", type=click.Choice(acl.ROLES), required=True,
               help="worker: consumes (and publishes); producer: only publishes; exporter: reads metrics.")

@@ -123,6 +123,11 @@ class Keyspace:
         """The hash of the queue's message states (id -> 'STATE COUNT PRIORITY EXPIRES_AT')."""
         return f"{self.prefix}state:{self._tag(queue)}"
 
+    def migrated(self, queue: str) -> str:
+        """What ``celery-redis-lua migrate`` moved into ``queue`` (message identities), so a
+        rerun after a crash publishes nothing twice; deleted when a migration completes."""
+        return f"{self.prefix}migrated:{self._tag(queue)}"
+
     @functools.lru_cache(maxsize=4096)  # noqa: B019  (a frozen keyspace lives as long as its queues)
     def queue_keys(self, queue: str) -> QueueKeys:
         """Built once per queue name: every script call on a queue passes all seven."""
@@ -150,7 +155,9 @@ class Keyspace:
     # -- exchanges ------------------------------------------------------------------------
 
     def binding(self, exchange: str) -> str:
-        return f"{self.prefix}_kombu.binding.{exchange}"
+        # Not kombu's '_kombu.binding.<exchange>': stock kombu keeps SETs there, and a rolling
+        # switch runs both transports on one database (no key of ours is one of stock's).
+        return f"{self.prefix}binding:{exchange}"
 
     def binding_pattern(self) -> str:
         """A SCAN MATCH pattern for every binding table."""
