@@ -147,3 +147,11 @@ def test_the_cli_where_and_cancel(valkey_server: Server) -> None:
     assert again.returncode == 3 and json.loads(again.stdout)["outcome"] == "missing"
     bad = cli("where", "", "--url", url)
     assert bad.returncode == 1 and "TASK_ID must be 1 to 256 bytes" in bad.stderr
+
+
+@pytest.mark.parametrize("command", [["where", "t"], ["cancel", "t"], ["status"]])
+def test_a_bad_queue_name_is_one_line_naming_it(valkey_server: Server, command: list[str]) -> None:
+    done = cli(*command, "--queue", "}x", "--url", valkey_server.url)
+    assert done.returncode == 1
+    expected = "celery-redis-lua: error: bad --queue: queue name must not start with '}', got '}x'"
+    assert done.stderr.strip() == expected

@@ -154,6 +154,8 @@ class OneLineGroup(click.Group):
             fail("aborted")
         except redis.RedisError as error:  # a script's own error reply reads "<script>: <problem>"
             fail(str(error).removeprefix(ERROR_PREFIX).strip())
+        except KeyspaceError as error:  # a --queue that cannot be a queue's name
+            fail(f"bad --queue: {error}")
         sys.exit(status if isinstance(status, int) else 0)
 
 
@@ -451,6 +453,8 @@ def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run:
     from .migrate import Migration
 
     lib = connect(url, prefix)
+    for queue in queues:
+        lib.keys.queue(queue)  # a name that cannot be a queue's fails here, before anything moves
     source = connect(source_url, "").client
     report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=dry_run)
     if dry_run:
