@@ -87,19 +87,25 @@ def test_expired_and_timed_out_messages_are_counted(lib: ScriptLibrary) -> None:
     assert (m.dropped, m.redelivered, m.ready) == ({"expired": 1}, 1, 1)
 
 
-def test_one_snapshot_under_load_equals_stats(standalone: redis.Redis, valkey_server: Server) -> None:
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_one_snapshot_under_load_equals_stats(request: pytest.FixtureRequest, kind: str) -> None:
     """metrics and stats in one MULTI see the same state while a producer and a consumer run."""
+    from conftest import require_kind
+    require_kind(kind)
+    server = request.getfixturevalue(f"{kind}_server")
+    standalone = server.client(socket_timeout=10)
+    standalone.flushall()
     lib = ScriptLibrary(standalone, Keyspace("load:"), Policy(visibility_ms=60_000))
     lib.runner.load()
     stop = threading.Event()
 
     def produce() -> None:
-        worker = ScriptLibrary(valkey_server.client(), lib.keys)
+        worker = ScriptLibrary(server.client(), lib.keys)
         while not stop.is_set():
             worker.run_many([worker.calls.publish("busy", "x", priority=i % 10) for i in range(20)])
 
     def consume() -> None:
-        worker = ScriptLibrary(valkey_server.client(), lib.keys)
+        worker = ScriptLibrary(server.client(), lib.keys)
         while not stop.is_set():
             for delivery in worker.consume(["busy"], 15).deliveries:
                 worker.ack("busy", [delivery.id])
