@@ -153,5 +153,5 @@ def test_the_cli_where_and_cancel(valkey_server: Server) -> None:
 def test_a_bad_queue_name_is_one_line_naming_it(valkey_server: Server, command: list[str]) -> None:
     done = cli(*command, "--queue", "}x", "--url", valkey_server.url)
     assert done.returncode == 1
-    expected = "celery-redis-lua: error: bad --queue: queue name must not start with '}', got '}x'"
+    expected = "celery-redis-lua: error: bad --queue value: queue name must not start with '}', got '}x'"
     assert done.stderr.strip() == expected

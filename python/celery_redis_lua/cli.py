@@ -155,7 +155,7 @@ class OneLineGroup(click.Group):
         except redis.RedisError as error:  # a script's own error reply reads "<script>: <problem>"
             fail(str(error).removeprefix(ERROR_PREFIX).strip())
         except KeyspaceError as error:  # a --queue that cannot be a queue's name
-            fail(f"bad --queue: {error}")
+            fail(f"bad --queue value: {error}")
         sys.exit(status if isinstance(status, int) else 0)
 
 

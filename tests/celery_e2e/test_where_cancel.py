@@ -44,7 +44,7 @@ def test_a_running_task_is_left_alone(broker: Broker, producer: Celery, log_dir:
         assert celery_redis_lua.where(producer, task.id).state == "in_flight"
         done = celery_redis_lua.cancel(producer, task.id)
         assert (done.outcome, done.queue) == ("in_flight", "celery")
-        wait_for(lambda: broker.entries("finished"), timeout=30, what="the task finished")
-        wait_for(lambda: celery_redis_lua.where(producer, task.id).state == "absent", timeout=10,
+        wait_for(lambda: broker.entries("finished"), timeout=60, what="the task finished")
+        wait_for(lambda: celery_redis_lua.where(producer, task.id).state == "absent", timeout=30,
                  what="acked")
     assert [e["label"] for e in broker.entries("finished")] == ["long"]
