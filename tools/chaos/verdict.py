@@ -79,6 +79,16 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     return (on_worker or broker_wide or [None])[0]
 
 
+def publish_retried(submit: dict[str, Any], faults: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A broker-wide fault that hit while the task's publish was in flight (between the
+    producer's call and its return): the script ran, the reply was lost with the
+    connection, and kombu's retry published the message again, so two copies were stored
+    and each ran once. Such a duplicate's first execution comes after the fault, which the
+    rule of ``attribute`` does not cover."""
+    return next((f for f in faults if not f.get("skipped") and f["kind"] not in WORKER_FAULTS
+                 and submit["t"] - 0.05 <= f["t"] <= submit.get("sent", submit["t"])), None)
+
+
 def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, list[dict[str, Any]]],
                 faults: list[dict[str, Any]], submits: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Tasks that finished but whose ``task-succeeded`` event never reached the receiver;
@@ -94,7 +104,9 @@ def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, li
             while_restarting += 1  # the receiver itself was down: nothing listened
             continue
         held_from = submits[tid]["eligible"] - 1.0 if tid in submits else finish["t"] - 1.0
-        if not any(held_from <= f["t"] <= finish["t"] + EVENT_AFTER and (
+        # a failover lasts until the old primary stops serving (writes_until): an event
+        # published to it meanwhile is gone with its demotion
+        if not any(held_from <= f.get("writes_until", f["t"]) and f["t"] <= finish["t"] + EVENT_AFTER and (
                 f["kind"] not in WORKER_FAULTS or f.get("target") == finish["worker"])
                 for f in faults if not f.get("skipped")):
             unexplained.append(tid)
@@ -152,6 +164,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     early, latencies = [], []
     duplicates: Counter[str] = Counter()
     unattributable: list[dict[str, Any]] = []
+    publish_retries = 0
     attributed: list[dict[str, Any]] = []
     for tid, submit in submits.items():
         runs = starts.get(tid, [])
@@ -161,6 +174,14 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                   if run["t"] < submit["eligible"] - EARLY_TOLERANCE]
         for prev, dup in itertools.pairwise(runs):
             fault = attribute(prev, dup, faults, window)
+            retried = fault is None and publish_retried(submit, faults)
+            if retried:
+                fault = retried
+                attributed.append({"id": tid, "kind": submit["kind"], "fault": fault, "prev": prev,
+                                   "dup": dup, "publish_retried": True})
+                duplicates[fault["kind"]] += 1
+                publish_retries += 1
+                continue
             if fault is None:
                 unattributable.append({"id": tid, "kind": submit["kind"], "prev": prev, "dup": dup})
             else:
@@ -197,6 +218,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "broker": state, "early": len(early), "early_examples": early[:20],
         "duplicates": sum(duplicates.values()) + len(unattributable),
         "duplicates_by_fault": dict(duplicates), "unattributable": len(unattributable),
+        "duplicates_of_retried_publishes": publish_retries,
         "unattributable_examples": unattributable[:20],
         "attributed_examples": attributed[:30],
         "executions_not_submitted": len(unknown),
