@@ -200,7 +200,9 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                                    "prev": prev, "dup": dup, "submit_error": True})
     unknown = [tid for tid in starts if tid not in submits and tid not in refused]
     lost_by_fault = Counter(e["fault"]["kind"] for e in lost_explained)
-    events = events_lost(records, finishes, faults, submits)
+    # a task whose publish raised was held from that publish (it has no eligibility time)
+    held = {**{tid: {"eligible": e["t"]} for tid, e in refused.items()}, **submits}
+    events = events_lost(records, finishes, faults, held)
     applied = Counter(f["kind"] for f in faults if not f.get("skipped"))
     verdict = {
         "submitted": len(submits), "submit_errors": len(records["submit_error"]),
