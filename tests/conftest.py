@@ -122,15 +122,21 @@ def standalone(valkey_server: Server) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture(scope="session")
-def redis_cli() -> str:
-    """redis-cli from PATH (tests that replay documented sessions need it; CI must have it)."""
-    path = shutil.which("redis-cli")
+def require_tool(name: str, package: str, why: str) -> str:
+    """``name`` from PATH; without it the test is skipped, saying why and what installs it,
+    and under CI (which installs it: .ci/run) that is a failure instead."""
+    path = shutil.which(name)
     if not path:
         if os.environ.get("CI"):
-            pytest.fail("CI must run the redis-cli tests: redis-cli is not on PATH")
-        pytest.skip("redis-cli is not on PATH (apt-get install redis-tools)")
+            pytest.fail(f"CI must {why}: {name} is not on PATH (apt-get install {package})")
+        pytest.skip(f"{name} is not on PATH (apt-get install {package}): cannot {why}")
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_cli() -> str:
+    """redis-cli from PATH (tests that replay documented sessions need it)."""
+    return require_tool("redis-cli", "redis-tools", "run the redis-cli tests")
 
 
 @pytest.fixture(params=["valkey", "redis"])

@@ -21,7 +21,6 @@ import os
 import py_compile
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from fnmatch import fnmatch
@@ -31,6 +30,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+
+from conftest import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "compose"
@@ -45,12 +46,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")
 
 
 def tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must validate examples/compose/: apt-get install {package}")
-        pytest.skip(f"{name} is not on PATH (apt-get install {package}): examples/compose/ not validated")
-    return path
+    return require_tool(name, package, "validate examples/compose/")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -259,13 +258,8 @@ def test_a_port_in_use_is_a_clear_error(valkey_server: Server) -> None:
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if not path:
-        import os
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the Prometheus test: apt-get install prometheus")
-        pytest.skip("prometheus is not on PATH (apt-get install prometheus)")
-    return path
+    from conftest import require_tool
+    return require_tool("prometheus", "prometheus", "scrape the exporter with a real Prometheus")
 
 
 def test_a_real_prometheus_scrapes_the_queue_lengths(prometheus_binary: str, tmp_path: Path,

@@ -359,15 +359,21 @@ def _when(ms: int | None, now_ms: int) -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(ms / 1000))} UTC ({(ms - now_ms) / 1000:+.1f} s)"
 
 
+def task_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """TASK_ID, --queue and --json, as where and cancel take them."""
+    command = connection_options(command)
+    command = click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")(command)
+    command = click.option("--queue", "queues", multiple=True,
+                           help="Repeatable. Default: every queue (SCAN).")(command)
+    return click.argument("task_id", callback=lambda ctx, param, value: _task_id(value))(command)
+
+
 @main.command("where")
-@click.argument("task_id")
-@click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
-@connection_options
+@task_options
 def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
     """Where a task is: ready, delayed, in flight, dead-lettered, or not in the broker."""
     lib = connect(url, prefix)
-    found = locate_task(lib, _task_id(task_id), queues)
+    found = locate_task(lib, task_id, queues)
     if as_json:
         click.echo(json.dumps(found.as_dict()))
         return
@@ -387,14 +393,11 @@ def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str
 
 
 @main.command("cancel")
-@click.argument("task_id")
-@click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
-@connection_options
+@task_options
 def cancel_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
     """Take a ready or delayed task out of its queue so it never runs (kept as a dead letter,
     reason 'cancelled'). A task in flight is left alone: exit 2; not found: exit 3."""
-    done = cancel_task(connect(url, prefix), _task_id(task_id), queues)
+    done = cancel_task(connect(url, prefix), task_id, queues)
     if as_json:
         click.echo(json.dumps({"task_id": task_id, "outcome": done.outcome, "queue": done.queue or None,
                                "message_id": done.id, "was": done.was}))
