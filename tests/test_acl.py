@@ -33,6 +33,9 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         for user, role, unblock in (("worker", "worker", True), ("producer", "producer", True),
                                     ("nounblock", "worker", False)):
             admin.execute_command(*setuser(user, role, PREFIX, password=PASSWORD, unblock=unblock))
+        # A service that refuses CLIENT ID too (a proxy without per-connection ids).
+        no_id = setuser("noid", "worker", PREFIX, password=PASSWORD, unblock=False)
+        admin.execute_command(*no_id, "-client|id")
         yield started
 
 
@@ -106,11 +109,12 @@ def test_what_a_user_was_not_given_is_refused(server: Server, user: str, command
         as_user(server, user).execute_command(*command)
 
 
-def test_without_client_unblock_a_wait_on_old_queues_ends_at_once(server: Server) -> None:
+@pytest.mark.parametrize("user", ["nounblock", "noid"])
+def test_without_client_unblock_a_wait_on_old_queues_ends_at_once(server: Server, user: str) -> None:
     """Adding a queue ends the pending BZMPOP (its keys name the old set): with CLIENT
-    UNBLOCK refused, by closing the wait's connection. A message to the new queue then
-    arrives long before blocking_timeout."""
-    with connection(server, "nounblock", blocking_timeout=30) as conn:
+    UNBLOCK (or CLIENT ID) refused, by closing the wait's connection. A message to the new
+    queue then arrives long before blocking_timeout."""
+    with connection(server, user, blocking_timeout=30) as conn:
         got: list[Any] = []
         first = Consumer(conn, [Queue("old")], callbacks=[lambda body, m: (got.append(body), m.ack())])
         first.consume()

@@ -19,7 +19,7 @@ from celery_redis_lua.kombu.options import OptionError
 from celery_redis_lua.sentinel import SentinelConfigError
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import SentinelGroup, free_port
+from tools.servers import SentinelGroup, Server, free_port
 
 MASTER = "mymaster"
 OPTIONS = {"master_name": MASTER}
@@ -191,3 +191,19 @@ def test_the_cli_follows_the_sentinels(group: SentinelGroup, capsys: pytest.Capt
     code, out, err = cli(capsys, "status", "--url", url)
     assert code == 1
     assert err.strip() == "celery-redis-lua: error: --master-name is required with a sentinel URL"
+
+
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_a_wait_ended_by_a_role_change_is_a_lost_connection(kind: str) -> None:
+    """A primary turned replica (REPLICAOF, as a manual switch or a cluster failover does it
+    without Sentinel's CLIENT KILL) ends blocked commands with an UNBLOCKED error: kombu
+    must see a lost connection to reconnect, not a channel error that stops the consumer."""
+    require_kind(kind)
+    with Server(kind) as primary, Server(kind) as other, \
+            Connection(f"redislua://127.0.0.1:{primary.port}/0", transport_options={"blocking_timeout": 30}) \
+            as connection, Consumer(connection, [Queue("blocked")], callbacks=[]):
+        with contextlib.suppress(socket.timeout):
+            connection.drain_events(timeout=0.5)  # the channel is now blocked in BZMPOP
+        primary.client().execute_command("REPLICAOF", "127.0.0.1", other.port)
+        with pytest.raises(redis.ConnectionError, match="the server ended a blocking wait: UNBLOCKED"):
+            connection.drain_events(timeout=10)
