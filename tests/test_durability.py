@@ -111,6 +111,15 @@ def test_an_ack_no_replica_confirms_stands_and_is_logged(pair: Pair,
     assert lib.stats(["q"])[0].in_flight == 0
 
 
+def test_fanout_publishes_are_not_waited_for(pair: Pair) -> None:
+    """Events, heartbeats and remote control: transient, and sent every few seconds."""
+    lib = lib_for(pair.primary, "replicas:1", timeout_ms=300)
+    before = wait_calls(pair.primary)
+    with stopped(pair.replica):
+        lib.fanout_publish("celeryev", "heartbeat", maxlen=100)  # neither raises nor waits
+    assert wait_calls(pair.primary) == before
+
+
 def test_one_wait_per_pipeline_not_per_message(pair: Pair) -> None:
     lib = lib_for(pair.primary, "replicas:1", timeout_ms=5000)
     before = wait_calls(pair.primary)
