@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 3
+-- version: 4
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -17,7 +17,8 @@
 --   4  ttl_ms         integer > 0 or -1                    message TTL in ms, counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
 --   5  visibility_ms  integer > 0                          how long a ready message may sit popped but unclaimed before the sweep restores it
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
--- returns: bulk string, the new message id: 16 hex digits, 14 of server unix microseconds and 2 of a counter
+-- returns: bulk string, the new message id: 16 hex digits, 14 of server unix microseconds and 2 of a counter;
+--   with a task_id whose indexed message holds the same payload, that message's id (nothing is written)
 -- errors:
 --   ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
 --   ERR celery-redis-lua: publish: expected 5 or 6 arguments, got N
@@ -36,7 +37,10 @@
 --   its TTL at the latest, so the sweep dead-letters it if it expires unconsumed. A
 --   delayed one leaves a wake marker in the queue (scored above every ready message) so a
 --   consumer blocked on BZMPOP wakes up and learns when to look again. A queue with
---   x-expires has all seven keys expire together, messages included.
+--   x-expires has all seven keys expire together, messages included. A publish of a task id
+--   whose message is still in the queue with the very same payload stores nothing: kombu
+--   retries a publish whose reply a dropped connection lost, and the first copy may have
+--   landed (a Celery retry carries other headers, so it is a new message).
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -110,6 +114,13 @@ local meta = rcall('HMGET', meta_key, 'expires', 'message_ttl', 'max_priority', 
 local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
 if max_priority and priority > max_priority then priority = max_priority end
 if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
+
+-- The same message again (kombu retrying a publish whose reply a dropped connection lost):
+-- the copy already stored is the answer, not a second one.
+if task_id ~= '' then
+  local stored = rcall('HGET', state_key, 'task:' .. task_id)
+  if stored and rcall('HGET', message_key, stored) == payload then return stored end
+end
 
 local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 rcall('HSET', meta_key, 'last_id', id)

@@ -16,12 +16,13 @@ from helpers import server_now_ms, wait_for_server_time
 from tools.servers import Server
 
 
-def envelope(task_id: str) -> str:
-    return json.dumps({"body": "", "headers": {"id": task_id, "task": "tasks.add"}, "properties": {}})
+def envelope(task_id: str, retries: int = 0) -> str:
+    return json.dumps({"body": "", "headers": {"id": task_id, "task": "tasks.add", "retries": retries},
+                       "properties": {}})
 
 
-def publish(lib: ScriptLibrary, queue: str, task_id: str, **kwargs: object) -> str:
-    return lib.publish(queue, envelope(task_id), task_id=task_id, **kwargs)  # type: ignore[arg-type]
+def publish(lib: ScriptLibrary, queue: str, task_id: str, retries: int = 0, **kwargs: object) -> str:
+    return lib.publish(queue, envelope(task_id, retries), task_id=task_id, **kwargs)  # type: ignore[arg-type]
 
 
 def index_fields(lib: ScriptLibrary, queue: str) -> set[bytes]:
@@ -86,10 +87,24 @@ def test_a_retry_published_under_the_same_task_id_keeps_its_entry(lib: ScriptLib
     """Celery's retry publishes the same task id before the first delivery is acked."""
     publish(lib, "r", "retried")
     (first,) = lib.consume(["r"], 1).deliveries
-    second = publish(lib, "r", "retried", eta_ms=server_now_ms(lib.client) + 60_000)
+    second = publish(lib, "r", "retried", retries=1, eta_ms=server_now_ms(lib.client) + 60_000)
     lib.ack("r", [first.id])
     found = locate_task(lib, "retried")
     assert (found.state, found.message_id) == ("delayed", second)
+
+
+def test_a_publish_sent_again_is_stored_once(lib: ScriptLibrary) -> None:
+    """kombu retries a publish whose reply a dropped connection lost; the first copy may have
+    landed: the same task id with the same payload is that copy, ready or in flight."""
+    first = publish(lib, "again", "resent")
+    assert publish(lib, "again", "resent") == first
+    (held,) = lib.consume(["again"], 1).deliveries
+    assert publish(lib, "again", "resent") == first  # in flight: still the same message
+    assert lib.stats(["again"])[0].in_flight == 1 and lib.stats(["again"])[0].ready == 0
+    other = publish(lib, "again", "resent", retries=1)  # another payload: a new message
+    assert other != first
+    lib.ack("again", [held.id])
+    assert lib.stats(["again"])[0].ready == 1
 
 
 def test_cancel_takes_ready_and_delayed_messages_and_leaves_deliveries(lib: ScriptLibrary) -> None:
