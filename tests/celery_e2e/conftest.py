@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,10 @@ def broker_kind(request: pytest.FixtureRequest) -> str:
 def servers(broker_kind: str) -> Iterator[tuple[Server, Server]]:
     """A broker server of the kind under test, and a Valkey for results and the ledger."""
     with Server(broker_kind) as broker_server, Server("valkey") as result_server:
-        yield broker_server, result_server
+        try:
+            yield broker_server, result_server
+        finally:
+            retire_producers()
 
 
 @pytest.fixture
@@ -44,7 +49,30 @@ def make_producer(broker: Broker) -> Celery:
                  set_as_current=False)
     app.conf.broker_transport_options = broker.transport_options
     app.conf.broker_connection_retry_on_startup = True
+    _PRODUCERS.add(app)
     return app
+
+
+# Every producer a test made, so that its result subscriptions end while the servers still run.
+_PRODUCERS: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+
+def retire_producers() -> None:
+    """End the producers' result subscriptions before their servers stop.
+
+    An AsyncResult left alive unsubscribes when the garbage collector finalizes it; against
+    a stopped result server Celery then retries for 20 s inside the collector, in whatever
+    later test it runs, and the tracebacks it formats there re-enter ``ast`` (Python 3.11's
+    traceback carets), which breaks an ``ast.parse`` that test was running.
+    """
+    gc.collect()  # finalize the test's results while their server still answers
+    for app in list(_PRODUCERS):
+        consumer = getattr(app.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
+            consumer.subscribed_to.clear()  # a result finalized later has nothing to unsubscribe
+        app.close()
+    _PRODUCERS.clear()
 
 
 @pytest.fixture

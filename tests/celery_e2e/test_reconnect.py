@@ -17,6 +17,10 @@ def test_worker_consumes_promptly_after_its_connections_are_killed(
     admin = servers[0].client()
     with running(Worker(broker, pool="threads", log_dir=log_dir)) as (worker,):
         for round_ in range(4):
+            # Kill once the worker is in its blocking wait: a kill that lands earlier only
+            # takes idle pool connections, which redis-py reopens without Celery noticing.
+            wait_for(lambda: any("b" in c["flags"] for c in admin.client_list()),
+                     timeout=30, what="the worker blocked in its wait")
             killed = admin.client_kill_filter(_type="normal", skipme=True)
             assert killed > 0
             wait_for(lambda r=round_: worker.log_path.read_bytes().count(b"Connected to") >= r + 2,
