@@ -25,6 +25,7 @@ QUEUE = "bad"
 EXCHANGE = "bad-exchange"
 MEMBER = "rk\x06\x16\x06\x16bad"
 FANOUT = "bad-fanout"
+MIGRATED = "migrated-task"  # an identity in the queue's migration record: a bad call keeps it
 VIS = 60_000
 POLICY = Policy(visibility_ms=VIS, delivery_limit=5, dead_letter_maxlen=100)  # what the valid calls pass
 FANOUT_PREFIX = "/0."  # the transport's fanout stream names
@@ -56,6 +57,7 @@ def seed(lib: ScriptLibrary, target: Target) -> Seeded:
     assert lib.reject(QUEUE, [dead], requeue=False).dead_lettered == 1
     lib.bind(EXCHANGE, [MEMBER], lifetime_ms=600_000)
     lib.fanout_publish(FANOUT, "fan", maxlen=100, expires_ms=600_000)
+    lib.migrated(QUEUE, "mark", MIGRATED)
     # Last: a delayed message that is already due, so a script that promoted (or swept)
     # before validating would change the database.
     eta = server_now_ms(target.client) + 20
@@ -112,9 +114,10 @@ BASE: dict[str, Build] = {
     "funbind": lambda k, s: ops.fanout_unbind(k, POLICY, FANOUT, "bound"),
     "fleave": lambda k, s: ops.fanout_leave(k, POLICY, FANOUT, "bound", "me"),
     "unpop": lambda k, s: ops.unpop(k, POLICY, QUEUE, [(s.ready, "3000000000000000")]),
+    "mig": lambda k, s: ops.migrated(k, POLICY, QUEUE, "forget", MIGRATED),
 }
 (pub, con, rej, ext, ack, claim, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
- unpop) = BASE.values()
+ unpop, mig) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -278,6 +281,13 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "dead-replay-count-zero": (argv(arg(replay, 2, 0), 2), ("count", "'0'")),
     "dead-replay-visibility-zero": (arg(replay, 1, 0), ("visibility_ms", "'0'")),
     "dead-replay-6-keys": (keys(replay, 6), ("expected 7 keys", "got 6")),
+    "migrated-action-word": (arg(mig, 1, "drop"), ("action must be mark, forget or clear", "drop")),
+    "migrated-clear-with-identity": (arg(mig, 1, "clear"), ("clear takes no identity",)),
+    "migrated-forget-empty": (arg(mig, 2, ""), ("take one identity (a non-empty string)",)),
+    "migrated-mark-no-identity": (argv(arg(mig, 1, "mark"), 1), ("take one identity",)),
+    "migrated-forget-3-args": (lambda k, s: replace(mig(k, s), args=["forget", "a", "b"]),
+                               ("take one identity",)),
+    "migrated-2-keys": (keys(mig, 2), ("expected 1 key (record)", "got 2")),
 }
 
 

@@ -169,6 +169,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
         "dead_list": (ops.dead_list(k, p, "wq1"), 1),
         "dead_replay": (ops.dead_replay(k, p, "wq1", entry_ids=["1-0", "2-0"]), 1),
         "dead_purge": (ops.dead_purge(k, p, "wq1"), 1),
+        "migrated": (ops.migrated(k, p, "wq1", "mark", "task-1"), 1),
     }
     return built
 

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -122,6 +123,38 @@ def test_a_killed_migration_run_again_moves_each_message_once(stock_and_ours: tu
     assert len(moved) == 3000 and {tid for _, tid in moved} == expected  # none lost, none twice
     assert source.llen("celery") == 0 and not source.keys("_crl.migrating:*")
     assert not ours.client().keys("migrated:*")
+
+
+def test_the_destination_is_written_only_by_scripts(stock_and_ours: tuple[Server, Server]) -> None:
+    """DESIGN rule 1 holds for migrate: MONITOR on our server sees Python send no writing
+    command itself; the messages and their records are written inside the scripts."""
+    stock, ours = stock_and_ours
+    app = stock_app(stock)
+    for i in range(6):
+        send(app, f"m{i}", priority=(0, 9)[i % 2])
+    seen: list[dict] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        with ours.client().monitor() as monitor:
+            watching.set()
+            for command in monitor.listen():
+                if command["command"] == "ECHO end-of-migration":
+                    return
+                seen.append(command)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert watching.wait(10)
+    report = Migration(stock.client(), ScriptLibrary(ours.client(), Keyspace())).run()
+    ours.client().echo("end-of-migration")
+    watcher.join(10)
+    assert report.total == 6 and not watcher.is_alive()
+    direct = {c["command"].split()[0].upper() for c in seen if c["client_type"] != "lua"}
+    allowed = {"EVALSHA", "SCRIPT", "HGET", "MULTI", "EXEC", "PING", "CLIENT", "HELLO", "SELECT"}
+    assert direct <= allowed, direct  # reads and housekeeping
+    inside = [c["command"].split()[0].upper() for c in seen if c["client_type"] == "lua"]
+    assert inside.count("HSETNX") == 6 and "DEL" in inside  # marked one by one, cleared at the end
 
 
 def test_stock_and_ours_share_one_database(stock_and_ours: tuple[Server, Server]) -> None:

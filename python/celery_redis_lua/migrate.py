@@ -10,8 +10,8 @@ routing key]). Each message moves in three steps, any of which a crash may inter
    a holding list of our own, ``<prefix>_crl.migrating:<priority>:<queue>``, atomically (the
    list's name says where it goes);
 2. on the destination, one MULTI publishes it (the publish script, its task id indexed) and
-   records its identity (task id, or a SHA1 of the payload) in ``P migrated:{Q}``: both or
-   neither;
+   records its identity (task id, or a SHA1 of the payload) in ``P migrated:{Q}`` (the
+   ``migrated`` script): both or neither;
 3. on the source, LREM takes it out of the holding list.
 
 A rerun first finishes what the holding list holds: a message whose identity is recorded is
@@ -33,7 +33,6 @@ from typing import Any
 
 import redis
 
-from .protocol import ops
 from .protocol.envelope import BadEnvelope, publish_arguments
 from .protocol.library import ScriptLibrary
 
@@ -111,7 +110,6 @@ class Migration:
         if dry_run:
             self.report.planned = self.plan(names)
             return self.report
-        self.lib.runner.load(["publish"])  # so the publish inside MULTI cannot meet NOSCRIPT
         self._finish_holding(resumed=True)
         for queue in names:
             for step, key in self.lists_of(queue):
@@ -122,7 +120,7 @@ class Migration:
         self._move_unacked()
         if not any(True for _ in self.held()):
             for queue in list(self.report.moved):
-                self.lib.client.delete(self.lib.keys.migrated(queue))
+                self.lib.migrated(queue, "clear")
         return self.report
 
     def _finish_holding(self, *, resumed: bool = False) -> None:
@@ -139,24 +137,22 @@ class Migration:
         message = json.loads(raw)
         payload = raw.decode()
         identity = _identity(message, payload)
-        record = self.lib.keys.migrated(queue)
-        if self.lib.client.hget(record, identity) is None:
+        if self.lib.client.hget(self.lib.keys.migrated(queue), identity) is None:
             try:
                 args = publish_arguments(message, None)
             except BadEnvelope as error:
                 args = None
                 self.report.skipped.append(f"{queue}: {error}; published without ETA or TTL")
-            call = ops.publish(self.lib.keys, self.lib.policy, queue, payload, priority=priority,
-                               eta_ms=args.eta_ms if args else None, ttl_ms=args.ttl_ms if args else None,
-                               task_id=args.task_id if args else None)
-            script = self.lib.runner.scripts["publish"]
-            pipe = self.lib.client.pipeline(transaction=True)  # the message and its record: both or neither
-            pipe.execute_command("EVALSHA", script.sha1, len(call.keys), *call.keys, *call.args)
-            pipe.hset(record, identity, "1")
-            message_id, _ = pipe.execute(raise_on_error=False)
-            if isinstance(message_id, Exception):  # refused (e.g. NOSCRIPT after a failover)
-                self.lib.client.hdel(record, identity)
-                raise message_id
+            publish = self.lib.calls.publish(queue, payload, priority=priority,
+                                             eta_ms=args.eta_ms if args else None,
+                                             ttl_ms=args.ttl_ms if args else None,
+                                             task_id=args.task_id if args else None)
+            # The message and its record in one MULTI: another client sees both or neither.
+            published, _ = self.lib.runner.run_transaction(
+                [publish, self.lib.calls.migrated(queue, "mark", identity)])
+            if isinstance(published, Exception):  # refused (e.g. NOSCRIPT after a failover)
+                self.lib.migrated(queue, "forget", identity)
+                raise published
             self.report.moved[queue] = self.report.moved.get(queue, 0) + 1
         elif resumed:
             self.report.finished += 1

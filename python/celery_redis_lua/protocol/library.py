@@ -118,6 +118,7 @@ class ScriptLibrary:
     size = _Bound(ops.size)
     dead_list = _Bound(ops.dead_list)
     dead_purge = _Bound(ops.dead_purge)
+    migrated = _Bound(ops.migrated)
     bind = _Bound(ops.bind)
     unbind = _Bound(ops.unbind)
     lookup = _Bound(ops.lookup)

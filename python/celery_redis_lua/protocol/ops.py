@@ -418,6 +418,12 @@ def dead_purge(k: Keyspace, p: Policy, queue: str) -> Call[int]:
     return Call("dead_purge", [k.dead(queue)], [], int)
 
 
+@operation
+def migrated(k: Keyspace, p: Policy, queue: str, action: str, identity: str | None = None) -> Call[int]:
+    """``migrate``'s record of what it published into ``queue``: mark, forget or clear."""
+    return Call("migrated", [k.migrated(queue)], [action] if identity is None else [action, identity], int)
+
+
 # -- bindings ---------------------------------------------------------------------------------
 
 @operation

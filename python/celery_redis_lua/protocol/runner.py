@@ -119,6 +119,18 @@ class ScriptRunner:
             self._check_wait(calls, waited, results)
         return results
 
+    def run_transaction(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Run ``calls`` in one MULTI (their keys in one slot): another client sees all of them
+        or none. The scripts are loaded first; a call the server refuses (NOSCRIPT after a
+        failover, a bad argument, out of memory) does not undo the others, so its place in
+        the result list holds the error and the caller compensates. No durability wait.
+        """
+        self.load(sorted({call.script for call in calls}))
+        pipe = self.client.pipeline(transaction=True)
+        for call in calls:
+            self._evalsha(pipe, self.scripts[call.script], call)
+        return self._decode(calls, list(pipe.execute(raise_on_error=False)), raise_on_error=False)
+
     def _wait_for(self, calls: Sequence[Call[Any]]) -> Durability | None:
         if self.durability is not None and any(c.script in CONFIRMED_SCRIPTS for c in calls):
             return self.durability
