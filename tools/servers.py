@@ -362,8 +362,18 @@ class SentinelGroup:
     def failover(self, timeout: float = 30.0) -> Server:
         """SENTINEL FAILOVER (a replica is promoted, the primary demoted); the new primary."""
         old = self.primary_port()
-        self.sentinel_client().execute_command("SENTINEL", "FAILOVER", self.master_name)
-        return self._wait_for_new_primary(old, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.sentinel_client().execute_command("SENTINEL", "FAILOVER", self.master_name)
+                break
+            except redis.ResponseError as error:
+                # NOGOODSLAVE: the sentinel has not yet seen the replica's link come up (it
+                # asks every 10 s, less on a busy machine); ask again until the deadline.
+                if not str(error).startswith("NOGOODSLAVE") or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+        return self._wait_for_new_primary(old, max(1.0, deadline - time.monotonic()))
 
     def kill_primary(self, timeout: float = 30.0) -> tuple[Server, Server]:
         """SIGKILL the primary; returns (the killed server, the primary the sentinels chose)."""

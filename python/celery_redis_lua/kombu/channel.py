@@ -22,6 +22,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery
+from .acks import ACKS
 from .fanout import FanoutMixin
 from .leases import KEEPER
 from .poller import BlockingRead
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 MIN_BLOCK_SECONDS = 0.005
 # The claim script takes at most this many ids per call.
 MAX_CLAIM = 1000
+# A closing channel waits at most this long for a batch of its acks already on the wire.
+CLOSE_ACK_TIMEOUT_SECONDS = 10.0
 # The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
 FANOUT_PATTERN = "fanout"
 
@@ -356,6 +359,7 @@ class Channel(FanoutMixin, virtual.Channel):
             self._claim_popped(popped, closing=True)
         self.stream_wait.cancel(self.client)
         self._leave_fanout(list(self._fanout_read))
+        ACKS.flush(self.lib, timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
         try:
             super().close()
         finally:

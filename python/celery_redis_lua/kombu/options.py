@@ -70,6 +70,9 @@ class TransportOptions:
     # a publish not confirmed within durability_timeout seconds raises NotDurable.
     durability: str | None = None
     durability_timeout: float = 1.0
+    # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
+    # others to share its round trip. 0 sends each batch as soon as the ack thread runs.
+    ack_flush_delay: float = 0.0
 
     @property
     def policy(self) -> Policy:
@@ -171,6 +174,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "min_other_sentinels": _number(0, integer=True),
     "durability": _typed(str),
     "durability_timeout": _number(0.001, high=3600),
+    "ack_flush_delay": _number(0, high=1),  # longer would stretch what a crash can replay
 }
 
 

@@ -14,6 +14,7 @@ from kombu.transport import virtual
 
 from ..protocol.envelope import DeliveryTag
 from ..protocol.library import ScriptLibrary
+from .acks import ACKS
 from .orphans import ORPHANS, RETRYABLE
 from .settle import hand_back, reject
 
@@ -30,18 +31,12 @@ class QoS(virtual.QoS):
         return self.channel.lib
 
     def ack(self, delivery_tag: str) -> None:
-        """Ack through the script. An ack that meets a lost connection is kept and sent again
-        (orphans.py) instead of failing: the task is done, it must not run again."""
+        """Ack through the script, in a batch with the acks around it (acks.py). An ack that
+        meets a lost connection is kept and sent again (orphans.py) instead of failing: the
+        task is done, it must not run again."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
-            try:
-                self.lib.ack(tag.queue, [tag.id])
-            except RETRYABLE as error:
-                logger.warning("celery-redis-lua: ack of %s failed (%s); sending it again once "
-                               "the broker is reachable", delivery_tag, error)
-                ORPHANS.ack_later(self.lib, tag.queue, tag.id)
-            else:
-                ORPHANS.settle(self.lib, tag.queue, tag.id)
+            ACKS.add(self.lib, tag.queue, tag.id, wait=self.channel.options.ack_flush_delay)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:

@@ -1,0 +1,162 @@
+"""Acks in batches: one ``ack`` script call per queue carries the acks of many deliveries.
+
+``message.ack()`` hands its delivery to :data:`ACKS` and returns; one daemon thread per
+process sends what has gathered, every queue's ids of one channel in one pipeline (one
+round trip). While a batch is on the wire the next acks gather, so under load a round trip
+carries many acks; an ack that comes alone leaves as soon as the thread runs (Python hands
+it the GIL within its switch interval, 5 ms), or ``ack_flush_ms`` after it when that option
+asks to wait for company.
+
+What this costs, and why it is safe:
+- The caller does not wait for the server: an ack gathered but not yet sent dies with a
+  crashing process. Its message then comes back after the visibility timeout and runs
+  again, exactly as when a crash beats a synchronous ack to the wire; the window is the
+  few milliseconds a batch waits.
+- A batch that meets a lost connection is not dropped: its acks go to the orphans
+  registry, which sends them again once the broker answers (before the deadline lapses,
+  the task does not run twice).
+- A channel that closes sends its acks first and waits for a batch of its own on the
+  wire (:meth:`AckBatcher.flush`), and the process does the same at exit, so a warm
+  shutdown leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..protocol.library import ScriptLibrary
+from .orphans import ORPHANS, RETRYABLE
+
+logger = logging.getLogger(__name__)
+
+# At exit, the acks still gathered get this long to reach an unreachable broker.
+EXIT_BUDGET_SECONDS = 10.0
+
+
+@dataclass
+class Batch:
+    """The acks of one channel (one script library) waiting to be sent."""
+
+    due: float  # monotonic time at which the batch goes (first ack + ack_flush_ms)
+    ids: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # queue -> ids
+
+
+class AckBatcher:
+    def __init__(self) -> None:
+        self._reset()
+        self._hooks = False
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[ScriptLibrary, Batch] = {}
+        self._sending: set[ScriptLibrary] = set()  # libraries whose batch is on the wire
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def add(self, lib: ScriptLibrary, queue: str, message_id: str, *, wait: float = 0.0) -> None:
+        """Gather one ack; it is sent within ``wait`` seconds (plus the thread's wake-up)."""
+        with self._cond:
+            batch = self._pending.get(lib)
+            if batch is None:
+                batch = self._pending[lib] = Batch(time.monotonic() + wait)
+            batch.ids[queue].append(message_id)
+            self._start()
+            self._cond.notify_all()
+
+    def flush(self, lib: ScriptLibrary, timeout: float | None = None) -> None:
+        """Send ``lib``'s gathered acks now, from this thread, after any batch of ``lib``
+        already on the wire (a channel closing: its acks go before it does); a batch on the
+        wire to a broker that does not answer is waited for at most ``timeout`` seconds."""
+        with self._cond:
+            self._cond.wait_for(lambda: lib not in self._sending, timeout)
+            batch = self._pending.pop(lib, None)
+            if batch is None:
+                return
+            self._sending.add(lib)
+        self._send(lib, batch)
+
+    def pending(self, lib: ScriptLibrary) -> int:
+        """How many of ``lib``'s acks are gathered or on the wire (tests, and the upkeep)."""
+        with self._cond:
+            batch = self._pending.get(lib)
+            return sum(map(len, batch.ids.values())) if batch else 0
+
+    def _start(self) -> None:
+        """Start the sending thread (called with the lock held)."""
+        if not self._hooks:  # installed on first use, not on import
+            self._hooks = True
+            os.register_at_fork(after_in_child=self._reset)  # the parent's acks are the parent's
+            atexit.register(self._flush_all_at_exit)
+        if self._thread is None and os.getpid() == self._pid:
+            self._thread = threading.Thread(target=self._run, name="celery-redis-lua-acks", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                lib, batch = self._next_due()
+                self._sending.add(lib)
+            self._send(lib, batch)
+
+    def _next_due(self) -> tuple[ScriptLibrary, Batch]:
+        """Wait (lock held) for the first batch that is due and not already on the wire."""
+        while True:
+            now = time.monotonic()
+            ready = [(b.due, id(lib), lib) for lib, b in self._pending.items() if lib not in self._sending]
+            if ready:
+                due, _, lib = min(ready)
+                if due <= now:
+                    return lib, self._pending.pop(lib)
+                self._cond.wait(due - now)
+            else:
+                self._cond.wait()
+
+    def _send(self, lib: ScriptLibrary, batch: Batch) -> None:
+        """One ack call per queue, in one pipeline. Runs with ``lib`` marked as sending."""
+        try:
+            queues = list(batch.ids.items())
+            try:
+                results = lib.run_many([lib.calls.ack(queue, ids) for queue, ids in queues],
+                                       raise_on_error=False)
+            except Exception as error:  # this thread must go on; see _settled
+                results = [error] * len(queues)
+            for (queue, ids), result in zip(queues, results, strict=True):
+                self._settled(lib, queue, ids, result)
+        finally:
+            with self._cond:
+                self._sending.discard(lib)
+                self._cond.notify_all()
+
+    @staticmethod
+    def _settled(lib: ScriptLibrary, queue: str, ids: list[str], result: object) -> None:
+        if isinstance(result, RETRYABLE):
+            logger.warning("celery-redis-lua: ack of %d message(s) of queue %r failed (%s); sending "
+                           "them again once the broker is reachable", len(ids), queue, result)
+            for message_id in ids:
+                ORPHANS.ack_later(lib, queue, message_id)
+        elif isinstance(result, Exception):
+            logger.error("celery-redis-lua: ack of message(s) %s of queue %r was refused (%s); they "
+                         "come back after the visibility timeout", ", ".join(ids), queue, result)
+        else:
+            for message_id in ids:
+                ORPHANS.settle(lib, queue, message_id)
+
+    def _flush_all_at_exit(self) -> None:
+        deadline = time.monotonic() + EXIT_BUDGET_SECONDS
+        with self._cond:
+            libs = list(self._pending)
+        for lib in libs:
+            if time.monotonic() > deadline:
+                logger.warning("celery-redis-lua: %d channel(s) exited with acks unsent; their "
+                               "messages come back after the visibility timeout", len(libs))
+                return
+            self.flush(lib, timeout=max(0.0, deadline - time.monotonic()))
+
+
+ACKS = AckBatcher()

@@ -1,0 +1,159 @@
+"""Acks in batches (kombu/acks.py), through plain kombu on real servers: the acks of many
+deliveries share one ack call per queue; a closing channel sends its acks before it goes;
+a batch that meets a dead broker is sent again once it is back, and nothing it acked is
+delivered again."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Queue
+from kombu.message import Message
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.kombu.acks import ACKS
+from celery_redis_lua.kombu.orphans import ORPHANS
+from celery_redis_lua.protocol.contract import load_scripts
+from conftest import require_kind
+from helpers import wait_until
+from tools.servers import Server
+
+EXCHANGE = Exchange("acked", "direct")
+QUEUES = [Queue(name, EXCHANGE, routing_key=name) for name in ("acked-a", "acked-b")]
+ACK_SHA = load_scripts()["ack"].sha1
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    require_kind(request.param)
+    gc.collect()  # connections earlier tests left close now, not while this one counts
+    ORPHANS._adopted.clear()
+    ORPHANS._acks.clear()
+    with Server(request.param, args=["--appendonly", "yes", "--appendfsync", "always"]) as srv:
+        yield srv
+    ORPHANS._adopted.clear()
+    ORPHANS._acks.clear()
+
+
+def connect(server: Server, **options: Any) -> Connection:
+    return Connection(f"redislua://127.0.0.1:{server.port}/0",
+                      transport_options={"visibility_timeout": 2, "sweep_interval": 0.2,
+                                         "socket_timeout": 2, "socket_connect_timeout": 1, **options})
+
+
+def counts(server: Server) -> dict[str, tuple[int, int, int]]:
+    lib = ScriptLibrary(server.client(), Keyspace())
+    return {s.queue: (s.ready, s.in_flight, s.dead) for s in lib.stats([q.name for q in QUEUES])}
+
+
+def publish(conn: Connection, per_queue: int) -> None:
+    producer = conn.Producer()
+    for i in range(per_queue):
+        for queue in QUEUES:
+            producer.publish(f"{queue.name}-{i}", exchange=EXCHANGE, routing_key=queue.name,
+                             declare=QUEUES)
+
+
+def take(conn: Connection, count: int) -> list[Message]:
+    got: list[Message] = []
+    with Consumer(conn, QUEUES, callbacks=[lambda body, message: got.append(message)]):
+        while len(got) < count:
+            conn.drain_events(timeout=10)
+    return got
+
+
+class AckCalls:
+    """Counts the ack script calls clients send, with MONITOR (scripts' own commands aside)."""
+
+    def __init__(self, server: Server) -> None:
+        self.calls = 0
+        self._monitor = server.client().monitor()
+        self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        self._server = server
+
+    def _watch(self) -> None:
+        for command in self._monitor.listen():
+            if command["command"] == "ECHO end-of-count":
+                return
+            if command["client_type"] != "lua" and command["command"].startswith(f"EVALSHA {ACK_SHA}"):
+                self.calls += 1
+
+    def stop(self) -> int:
+        self._server.client().echo("end-of-count")
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+        self._monitor.__exit__(None, None, None)
+        return self.calls
+
+
+def test_the_acks_of_a_drain_share_one_call_per_queue(server: Server) -> None:
+    with connect(server, ack_flush_delay=0.3) as conn:
+        publish(conn, 100)
+        messages = take(conn, 200)
+        counted = AckCalls(server)
+        for message in messages:
+            message.ack()
+        wait_until(lambda: counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)},
+                   timeout=10, what="every ack sent")
+        calls = counted.stop()
+    # 200 acks gathered within 0.3 s: one call per queue (a batch split by the thread's
+    # timing at most once more each), where a synchronous ack made 200.
+    assert 2 <= calls <= 4, calls
+
+
+def test_acks_from_many_threads_gather_while_a_batch_is_on_the_wire(server: Server) -> None:
+    with connect(server) as conn:
+        publish(conn, 250)
+        messages = take(conn, 500)
+        counted = AckCalls(server)
+        threads = [threading.Thread(target=lambda part=messages[i::8]: [m.ack() for m in part])
+                   for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        wait_until(lambda: counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)},
+                   timeout=10, what="every ack sent")
+        calls = counted.stop()
+    assert calls < 250, f"{calls} ack calls for 500 acks: they did not gather"
+
+
+def test_a_closing_channel_sends_its_acks_before_it_goes(server: Server) -> None:
+    conn = connect(server, ack_flush_delay=1.0)  # the thread would wait a whole second
+    publish(conn, 5)
+    messages = take(conn, 10)
+    for message in messages:
+        message.ack()
+    conn.close()
+    assert counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)}
+    assert ACKS.pending(messages[0].channel.lib) == 0
+
+
+def test_a_batch_that_meets_a_dead_broker_is_sent_again_and_nothing_runs_twice(server: Server) -> None:
+    with connect(server, ack_flush_delay=0.5) as conn:
+        publish(conn, 10)
+        messages = take(conn, 20)
+        for message in messages:
+            message.ack()  # gathered: the batch leaves in 0.5 s, to a broker that is gone
+        server.kill()
+        assert all(m.acknowledged for m in messages)  # no error reaches the application
+        wait_until(lambda: len(ORPHANS) == 20, timeout=10, what="the failed batch kept its 20 acks")
+        server.start()  # same port, same AOF: the 20 are still in flight there
+        assert counts(server) == {"acked-a": (0, 10, 0), "acked-b": (0, 10, 0)}
+        wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
+                   what="the kept acks sent")
+        assert counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)}
+    # Past the visibility timeout and several sweeps, nothing comes back.
+    got: list[Message] = []
+    with (connect(server) as fresh,
+          Consumer(fresh, QUEUES, callbacks=[lambda body, message: got.append(message)]),
+          pytest.raises(TimeoutError)):
+        fresh.drain_events(timeout=3)
+    assert got == []
+    assert server.client().hlen("message:{acked-a}") == 0
