@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 4
+-- version: 5
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -17,11 +17,15 @@
 --   4  ttl_ms         integer > 0 or -1                    message TTL in ms, counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
 --   5  visibility_ms  integer > 0                          how long a ready message may sit popped but unclaimed before the sweep restores it
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
+--   7  exchange       string, optional, with 8             the exchange a cached route to this queue came from
+--   8  routed_ms      integer >= 0, optional, with 7       the binding table server's unix ms when that route was looked up (lookup's first reply)
 -- returns: bulk string, the new message id: 16 hex digits, 14 of server unix microseconds and 2 of a counter;
---   with a task_id whose indexed message holds the same payload, that message's id (nothing is written)
+--   with a task_id whose indexed message holds the same payload, that message's id (nothing is written);
+--   with a cached route (7, 8) older than the queue's last binding change for that exchange (rerouted),
+--   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
 -- errors:
 --   ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
---   ERR celery-redis-lua: publish: expected 5 or 6 arguments, got N
+--   ERR celery-redis-lua: publish: expected 5, 6 or 8 arguments, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
@@ -29,6 +33,8 @@
 --   ERR celery-redis-lua: publish: ttl_ms must be a positive integer or -1, got 'V'
 --   ERR celery-redis-lua: publish: visibility_ms must be a positive integer, got 'V'
 --   ERR celery-redis-lua: publish: task_id must be at most 256 bytes, got N
+--   ERR celery-redis-lua: publish: exchange must be non-empty with routed_ms
+--   ERR celery-redis-lua: publish: routed_ms must be a non-negative integer, got 'V'
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
@@ -40,7 +46,8 @@
 --   x-expires has all seven keys expire together, messages included. A publish of a task id
 --   whose message is still in the queue with the very same payload stores nothing: kombu
 --   retries a publish whose reply a dropped connection lost, and the first copy may have
---   landed (a Celery retry carries other headers, so it is a new message).
+--   landed (a Celery retry carries other headers, so it is a new message). A route looked
+--   up in the very millisecond of the change is refused too (it may have come before it).
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -77,7 +84,7 @@ end
 if #KEYS ~= 7 then
   return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
 end
-if #ARGV ~= 5 and #ARGV ~= 6 then return fail('expected 5 or 6 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 then return fail('expected 5, 6 or 8 arguments, got ' .. #ARGV) end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local message_key, state_key = KEYS[6], KEYS[7]
 local open = string.find(queue_key, '{', 1, true)
@@ -105,13 +112,30 @@ end
 
 local task_id = ARGV[6] or ''
 if #task_id > 256 then return fail('task_id must be at most 256 bytes, got ' .. #task_id) end
+local exchange, routed = ARGV[7], nil
+if exchange then
+  if exchange == '' then return fail('exchange must be non-empty with routed_ms') end
+  routed = string.match(ARGV[8], '^%d+$') and tonumber(ARGV[8])
+  if not routed then return fail("routed_ms must be a non-negative integer, got '" .. ARGV[8] .. "'") end
+end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local meta = rcall('HMGET', meta_key, 'expires', 'message_ttl', 'max_priority', 'last_id')
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id'}
+if exchange then fields[5] = 'route:' .. exchange end
+local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
+
+-- A cached route: refused when the bindings to this queue changed since (or the queue is
+-- gone: declare and the first publish set last_id, so no last_id means no queue).
+if routed then
+  local changed = tonumber(meta[5])
+  if not last_id or (changed and changed >= routed) then
+    return {'stale-route', changed or -1}
+  end
+end
 if max_priority and priority > max_priority then priority = max_priority end
 if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
 

@@ -115,9 +115,10 @@ BASE: dict[str, Build] = {
     "fleave": lambda k, s: ops.fanout_leave(k, POLICY, FANOUT, "bound", "me"),
     "unpop": lambda k, s: ops.unpop(k, POLICY, QUEUE, [(s.ready, "3000000000000000")]),
     "mig": lambda k, s: ops.migrated(k, POLICY, QUEUE, "forget", MIGRATED),
+    "rer": lambda k, s: ops.rerouted(k, POLICY, QUEUE, EXCHANGE, 1),
 }
 (pub, con, rej, ext, ack, claim, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
- unpop, mig) = BASE.values()
+ unpop, mig, rer) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -176,7 +177,13 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "publish-priority-negative": (arg(pub, 2, -1), ("priority", "'-1'")),
     "publish-priority-fraction": (arg(pub, 2, "1.5"), ("priority", "'1.5'")),
     "publish-payload-empty": (arg(pub, 1, ""), ("payload is missing or empty",)),
-    "publish-payload-only": (argv(pub, 1), ("expected 5 or 6 arguments", "got 1")),
+    "publish-payload-only": (argv(pub, 1), ("expected 5, 6 or 8 arguments", "got 1")),
+    "publish-7-args": (lambda k, s: replace(pub(k, s), args=[*pub(k, s).args, "ex"]),
+                       ("expected 5, 6 or 8 arguments", "got 7")),
+    "publish-route-no-exchange": (lambda k, s: replace(pub(k, s), args=[*pub(k, s).args, "", "1"]),
+                                  ("exchange must be non-empty with routed_ms",)),
+    "publish-route-time-word": (lambda k, s: replace(pub(k, s), args=[*pub(k, s).args, "ex", "soon"]),
+                                ("routed_ms must be a non-negative integer", "'soon'")),
     "publish-task-id-too-long": (arg(pub, 6, "t" * 257), ("task_id must be at most 256 bytes", "got 257")),
     "publish-ttl-negative": (arg(pub, 4, -5), ("ttl_ms", "'-5'")),
     "publish-ttl-zero": (arg(pub, 4, 0), ("ttl_ms", "'0'")),
@@ -288,6 +295,11 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "migrated-forget-3-args": (lambda k, s: replace(mig(k, s), args=["forget", "a", "b"]),
                                ("take one identity",)),
     "migrated-2-keys": (keys(mig, 2), ("expected 1 key (record)", "got 2")),
+    "rerouted-no-exchange": (arg(rer, 1, ""), ("exchange is missing or empty",)),
+    "rerouted-time-word": (arg(rer, 2, "now"), ("changed_ms must be a non-negative integer", "'now'")),
+    "rerouted-time-negative": (arg(rer, 2, -1), ("changed_ms", "'-1'")),
+    "rerouted-1-arg": (argv(rer, 1), ("expected 2 arguments (exchange, changed_ms)", "got 1")),
+    "rerouted-2-keys": (keys(rer, 2), ("expected 1 key (meta)", "got 2")),
 }
 
 

@@ -11,6 +11,7 @@ declares (and that the server agrees, by running each operation's Call).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
     arguments under a sample Policy, and how many queues it covers."""
     k, p = KS, POLICY
     built = {
-        "publish": (ops.publish(k, p, "wq1", "payload", priority=3), 1),
+        "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000)), 1),
         "consume": (ops.consume(k, p, QUEUES, 2), 2),
         "claim": (ops.claim(k, p, "wq1", IDS), 1),
         "unpop": (ops.unpop(k, p, "wq1", [(IDS[0], "2550000000000001"), (IDS[1], 2550000000000002.0)]), 1),
@@ -153,6 +154,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
                           lifetime_ms=None), 1),
         "unbind": (ops.unbind(k, p, "ex", ["rk2\x06\x16\x06\x16wq2"]), 1),
         "lookup": (ops.lookup(k, p, "ex"), 1),
+        "rerouted": (ops.rerouted(k, p, "wq1", "ex", 1_700_000_000_000), 1),
         "fanout_publish": (ops.fanout_publish(k, p, "ex", "payload", maxlen=100, routing_key="rk"), 1),
         "fanout_bind": (ops.fanout_bind(k, p, "ex", "wq1", expires_ms=60_000), 1),
         "fanout_consume": (ops.fanout_consume(k, p, "ex", "wq1", "worker-1", count=10), 1),
@@ -231,6 +233,12 @@ def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis)
     lib = ScriptLibrary(standalone, KS, POLICY)
     built = sample_calls()
     results: dict[str, Any] = {}
+    # The sample publish carries a cached route; the queue does not exist yet, so the route
+    # is refused (all 8 arguments accepted, nothing written); without it, it is stored.
+    with pytest.raises(ops.StaleRoute):
+        lib.runner.run(built["publish"][0])
+    assert standalone.dbsize() == 0
+    built["publish"] = (replace(built["publish"][0], args=built["publish"][0].args[:6]), 1)
     for name in built:  # one at a time, in the order above (publish first)
         results[name] = lib.runner.run_many([built[name][0]], raise_on_error=False)[0]
     failed = {name: r for name, r in results.items() if isinstance(r, Exception)}

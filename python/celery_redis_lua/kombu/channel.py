@@ -21,12 +21,13 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Delivery
+from ..protocol.ops import Delivery, StaleRoute
 from .acks import ACKS
 from .fanout import FanoutMixin
 from .leases import KEEPER
 from .poller import BlockingRead
 from .qos import QoS
+from .routes import Publishing, RouteCache
 from .settle import reject
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class Channel(FanoutMixin, virtual.Channel):
         self.keys = self.options.keyspace(connection.db)
         self.client = connection.new_client()
         self.lib = ScriptLibrary(self.client, self.keys, self.options.policy)
+        self.routes = RouteCache(self.lib)
+        self._publishing: Publishing | None = None
         self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
         self._no_ack_queues: set[str] = set()
         self._fanout_next_id: dict[str, str] = {}
@@ -68,10 +71,48 @@ class Channel(FanoutMixin, virtual.Channel):
 
     # -- publishing -------------------------------------------------------------------------
 
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
+        """Route through the cached binding table (routes.py); when publish refuses a cached
+        route, look the table up again and publish to the queues that did not store it yet."""
+        if not exchange:
+            return super().basic_publish(message, exchange, routing_key, **kwargs)
+        self._inplace_augment_message(message, exchange, routing_key)
+        publishing = self._publishing = Publishing()
+        try:
+            while True:
+                try:
+                    return self.typeof(exchange).deliver(message, exchange, routing_key, **kwargs)
+                except StaleRoute:
+                    publishing.fresh = True
+        finally:
+            self._publishing = None
+
+    def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> list[str]:
+        """kombu's, except that a cached table that routes the key nowhere is looked up
+        again before the message is called undeliverable (a bind elsewhere since)."""
+        publishing = self._publishing
+        if exchange and publishing is not None and not publishing.fresh:
+            try:
+                found = self.typeof(exchange).lookup(self.get_table(exchange), exchange, routing_key, default)
+            except KeyError:
+                found = []
+            if found or publishing.looked_up_ms is None:
+                return found or super()._lookup(exchange, routing_key, default)
+            publishing.fresh = True
+        return super()._lookup(exchange, routing_key, default)
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        publishing = self._publishing
+        if publishing is not None and queue in publishing.stored:
+            return  # stored before a refused route sent us round again
         args = publish_arguments(message, self.options.message_ttl_ms)
+        exchange = message["properties"]["delivery_info"].get("exchange")
+        cached = publishing is not None and not publishing.fresh and publishing.looked_up_ms is not None
         self.lib.publish(queue, dumps(message), priority=args.priority,
-                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms, task_id=args.task_id)
+                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms, task_id=args.task_id,
+                         route=(exchange, publishing.looked_up_ms) if cached and exchange else None)
+        if publishing is not None:
+            publishing.stored.add(queue)
 
     # -- queues and bindings ----------------------------------------------------------------
 
@@ -109,9 +150,24 @@ class Channel(FanoutMixin, virtual.Channel):
             return
         for exchange, routing_key, arguments in self.state.queue_bindings(queue):
             meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
-            self.lib.unbind(exchange, [self._binding_member(exchange, *meta)])
+            self._unbind(exchange, queue, self._binding_member(exchange, *meta))
         self.state.queue_bindings_delete(queue)
         self._forget_queue(queue)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        """Remove the binding from the broker's table (kombu's virtual channel only edits the
+        list get_table returned, which for this transport is a copy)."""
+        self.state.binding_delete(queue, exchange, routing_key)
+        if exchange:
+            meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+            self._unbind(exchange, queue, self._binding_member(exchange, *meta))
+
+    def _unbind(self, exchange: str, queue: str, member: str) -> None:
+        """Unbind; when something was removed, cached copies of the table (in any process)
+        are refused from now on for ``queue``."""
+        if self.lib.unbind(exchange, [member]):
+            self.routes.changed(exchange, [queue])
 
     def _forget_queue(self, queue: str) -> None:
         """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
@@ -136,10 +192,12 @@ class Channel(FanoutMixin, virtual.Channel):
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
-        self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
+        added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
+        if added and self.typeof(exchange).type != "fanout":  # fanout publishes never route by table
+            self.routes.changed(exchange)
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
-        return list(self.lib.lookup(exchange))
+        return list(self.routes.get(exchange, self._publishing))
 
     def typeof(self, exchange: str, default: str = "direct") -> Any:
         """An exchange this process never declared is a fanout exchange when its bindings
@@ -158,7 +216,7 @@ class Channel(FanoutMixin, virtual.Channel):
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
-        self.lib.unbind(exchange, [self._binding_member(exchange, routing_key, pattern, queue)])
+        self._unbind(exchange, queue, self._binding_member(exchange, routing_key, pattern, queue))
         self._forget_queue(queue)
 
     # -- consuming --------------------------------------------------------------------------

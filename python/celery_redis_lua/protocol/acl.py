@@ -32,7 +32,7 @@ DURABILITY_COMMANDS = ("wait", "waitaof")
 # looks the route up and publishes (fanout exchanges: fanout_publish); a passive declare
 # asks exists. Remote control replies and result polling through the broker consume:
 # a producer doing those (celery inspect, control) needs the worker role.
-PRODUCER_SCRIPTS = ("declare", "size", "exists", "bind", "lookup", "publish", "fanout_publish")
+PRODUCER_SCRIPTS = ("declare", "size", "exists", "bind", "lookup", "rerouted", "publish", "fanout_publish")
 _CALL = re.compile(r"""(?:rcall|redis\.p?call)\(\s*['"]([A-Za-z]+)['"]""")
 
 

@@ -122,6 +122,7 @@ class ScriptLibrary:
     bind = _Bound(ops.bind)
     unbind = _Bound(ops.unbind)
     lookup = _Bound(ops.lookup)
+    rerouted = _Bound(ops.rerouted)
     fanout_publish = _Bound(ops.fanout_publish)
     fanout_bind = _Bound(ops.fanout_bind)
     fanout_consume = _Bound(ops.fanout_consume)

@@ -47,6 +47,27 @@ def _keys_of(k: Keyspace, queues: Sequence[str]) -> list[str]:
 
 # -- what the scripts reply ---------------------------------------------------------------
 
+class Routes(list[Binding]):
+    """The live bindings of an exchange, as lookup found them: a list, plus the binding
+    table server's unix ms at the lookup and the ms until the first of them goes stale
+    (None: none ever does). A producer caches them no longer than that."""
+
+    def __init__(self, bindings: Iterable[Binding], looked_up_ms: int, stale_in_ms: int | None) -> None:
+        super().__init__(bindings)
+        self.looked_up_ms = looked_up_ms
+        self.stale_in_ms = stale_in_ms
+
+
+class StaleRoute(Exception):
+    """publish refused a cached route: the queue's bindings to its exchange changed after
+    the route was looked up (or the queue is gone). Nothing was written."""
+
+    def __init__(self, queue: str, changed_ms: int | None) -> None:
+        super().__init__(f"the route to queue {queue!r} changed (at {changed_ms}) after it was cached")
+        self.queue = queue
+        self.changed_ms = changed_ms
+
+
 @dataclass(frozen=True)
 class Delivery:
     """A message handed to a consumer."""
@@ -221,12 +242,23 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
 
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
-            eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None) -> Call[str]:
+            eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None,
+            route: tuple[str, int] | None = None) -> Call[str]:
     """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock); ``task_id``
-    (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it."""
-    return Call("publish", k.queue_keys(queue),
-                [payload, priority, _optional(eta_ms), _optional(ttl_ms), p.visibility_ms, task_id or ""],
-                _text)
+    (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it.
+    ``route`` is (exchange, looked_up_ms) of a cached route: the call raises
+    :class:`StaleRoute`, writing nothing, when the queue's bindings changed since."""
+    args = [payload, priority, _optional(eta_ms), _optional(ttl_ms), p.visibility_ms, task_id or ""]
+    if route is not None:
+        args += [route[0], route[1]]
+
+    def decode(reply: Any) -> str:
+        if isinstance(reply, list):  # ['stale-route', changed_ms or -1]
+            changed = int(reply[1])
+            raise StaleRoute(queue, None if changed < 0 else changed)
+        return _text(reply)
+
+    return Call("publish", k.queue_keys(queue), args, decode)
 
 
 @operation
@@ -438,9 +470,21 @@ def unbind(k: Keyspace, p: Policy, exchange: str, members: Iterable[str]) -> Cal
 
 
 @operation
-def lookup(k: Keyspace, p: Policy, exchange: str) -> Call[list[Binding]]:
-    """The live bindings of ``exchange``."""
-    return Call("lookup", [k.binding(exchange)], [], lambda reply: [k.parse_binding(m) for m in reply])
+def lookup(k: Keyspace, p: Policy, exchange: str) -> Call[Routes]:
+    """The live bindings of ``exchange``, with when they were looked up and how long they hold."""
+    def decode(reply: Sequence[Any]) -> Routes:
+        stale_in = int(reply[1])
+        return Routes([k.parse_binding(m) for m in reply[2:]], int(reply[0]),
+                      None if stale_in < 0 else stale_in)
+
+    return Call("lookup", [k.binding(exchange)], [], decode)
+
+
+@operation
+def rerouted(k: Keyspace, p: Policy, queue: str, exchange: str, changed_ms: int) -> Call[bool]:
+    """Record that ``exchange``'s bindings to ``queue`` changed (at the binding table's
+    ``changed_ms``): cached routes looked up before it are refused by publish."""
+    return Call("rerouted", [k.meta(queue)], [exchange, changed_ms], lambda reply: bool(int(reply)))
 
 
 # -- fanout streams ---------------------------------------------------------------------------

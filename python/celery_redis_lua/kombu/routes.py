@@ -1,0 +1,91 @@
+"""Routes cached per channel: a publish to a named exchange without a lookup round trip.
+
+kombu routes every publish through the exchange's binding table (``get_table``); looking it
+up each time cost a second round trip per publish. A channel keeps each table it looked
+up for as long as the first of its bindings lives (``Routes.stale_in_ms``) and at most
+:data:`MAX_AGE_SECONDS`, and every publish through a cached table carries (exchange, the
+lookup's server time) to the publish script.
+
+Why a stale table is never used silently:
+- **Unbind, anywhere.** Whoever unbinds (this transport, in any process) then runs the
+  ``rerouted`` script on the queue it unbound, with the binding table server's time, before
+  the call returns; publish refuses a route to that queue looked up before then (and any
+  route to a queue that no longer exists). The channel looks the table up again and
+  publishes where it now routes, skipping queues that already stored the message.
+- **Bind, anywhere.** A bind that adds a member runs ``rerouted`` on every queue of the
+  exchange, so a cached table without the new queue is refused at its next publish to any
+  of the others; a routing key the cached table does not route at all is looked up again
+  before kombu would call the message undeliverable.
+- **Bindings that go stale** (an expiring queue's) are dropped from the cache when the
+  first of them would; a table edited behind the transport's back is seen within
+  :data:`MAX_AGE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Routes
+
+MAX_AGE_SECONDS = 10.0
+MAX_TABLES = 1024  # exchanges a channel keeps tables of (beyond it, it starts over)
+
+
+@dataclass
+class _Cached:
+    routes: Routes
+    until: float  # monotonic
+
+
+@dataclass
+class Publishing:
+    """One basic_publish to a named exchange: the table its route came from, and the queues
+    that already stored the message (a refused route is retried only for the others)."""
+
+    looked_up_ms: int | None = None  # the cached table's lookup time; None: looked up just now
+    fresh: bool = False  # after a refusal: look the table up again, publish without the check
+    stored: set[str] = field(default_factory=set)
+
+
+class RouteCache:
+    def __init__(self, lib: ScriptLibrary) -> None:
+        self.lib = lib
+        self._tables: dict[str, _Cached] = {}
+
+    def get(self, exchange: str, publishing: Publishing | None = None) -> Routes:
+        """The table of ``exchange``: cached unless expired or ``publishing`` asks for a fresh
+        one. ``publishing`` learns which (a cached one's publishes carry its lookup time)."""
+        cached = self._tables.get(exchange)
+        if cached is not None and time.monotonic() < cached.until and not (publishing and publishing.fresh):
+            if publishing is not None:
+                publishing.looked_up_ms = cached.routes.looked_up_ms
+            return cached.routes
+        routes = self.refresh(exchange)
+        if publishing is not None:
+            publishing.looked_up_ms = None
+        return routes
+
+    def refresh(self, exchange: str) -> Routes:
+        routes = self.lib.lookup(exchange)
+        life = MAX_AGE_SECONDS
+        if routes.stale_in_ms is not None:
+            life = min(life, routes.stale_in_ms / 1000)
+        if len(self._tables) >= MAX_TABLES:
+            self._tables.clear()
+        self._tables[exchange] = _Cached(routes, time.monotonic() + life)
+        return routes
+
+    def changed(self, exchange: str, queues: Iterable[str] | None = None) -> None:
+        """This process just bound or unbound in ``exchange``: record it on ``queues`` (default:
+        every queue the table now routes to) with the table server's time, so that every
+        cached copy of the old table is refused. Our own copy goes too: one looked up in the
+        millisecond of the record would be refused at every publish."""
+        self._tables.pop(exchange, None)
+        routes = self.lib.lookup(exchange)
+        names = dict.fromkeys(b.queue for b in routes) if queues is None else dict.fromkeys(queues)
+        calls = [self.lib.calls.rerouted(queue, exchange, routes.looked_up_ms) for queue in names]
+        if calls:
+            self.lib.run_many(calls)
