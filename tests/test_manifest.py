@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -145,3 +146,14 @@ def test_gen_manifest_drops_removed_scripts_and_adds_new_ones(tree: Path) -> Non
     assert "dead_purge" not in names
     assert manifest_of(tree)["size_copy"]["version"] == parse_contract(extra).version
     assert names == {p.stem for p in (tree / "lua").glob("*.lua")}
+
+
+def test_the_changelog_lists_every_script_at_its_version() -> None:
+    """The newest release's table (script | previous | this) matches lua/manifest.json, so a
+    producer in another language can trust it."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    table = text[text.index("| script |"):]
+    rows = dict(re.findall(r"^\| (\w+) \| \S+ \| (\d+) \|$", table.split("\n## ")[0], flags=re.MULTILINE))
+    manifest = json.loads((ROOT / "lua" / "manifest.json").read_text())["scripts"]
+    shipped = {name: str(entry["version"]) for name, entry in manifest.items()}
+    assert rows == shipped
