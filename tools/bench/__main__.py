@@ -27,7 +27,7 @@ from typing import Any
 
 from tools.servers import Server, available_kinds
 
-from . import broker_mechanics, celery_level, durability, kombu_level, report
+from . import broker_mechanics, celery_level, durability, kombu_level, report, shutdown
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
 from .server_cost import version_of
 
@@ -73,6 +73,8 @@ def options() -> argparse.Namespace:
     p.add_argument("--durability-slow-timeout", type=float, default=5.0,
                    help="durability_timeout for aof+replicas:1 (the default 1 s falls short)")
     p.add_argument("--durability-kinds", default="valkey,redis", help="server kinds, if available")
+    p.add_argument("--no-shutdown", dest="shutdown", action="store_false",
+                   help="skip the idle warm-shutdown measurement (SIGTERM to exit, 4 workers per peer)")
     p.add_argument("--quick", action="store_true", help="~1-2 min: repeat 1, small N, early ack only")
     p.add_argument("--no-docs", action="store_true",
                    help="do not update docs/bench/ (latest.*, durability-<date>.*)")
@@ -112,7 +114,8 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
          ) -> list[tuple[int, str, Peer]]:
     """Every repetition runs every scenario for every peer; the durability peers (kombu
     level) end each repetition, their order rotated from one repetition to the next."""
-    scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"mech_{w}" for w in o.mech_workers)]
+    scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"mech_{w}" for w in o.mech_workers),
+                 *(["shutdown"] if o.shutdown else [])]
     todo = []
     for rep in range(1, o.repeat + 1):
         todo += [(rep, s, p) for s in scenarios for p in peers]
@@ -127,6 +130,9 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
         return run_in_checkout(scenario, peer)
     if scenario == "durability":
         return durability.run(peer, o.prefetch, o.size)
+    if scenario == "shutdown":
+        r = shutdown.run(peer, o.processes)
+        return r, shutdown.text(r)
     if scenario == "kombu":
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "

@@ -36,8 +36,10 @@ STOP_TIMEOUT = 20.0
 class Worker:
     """A ``celery worker`` for one peer, pool and ack mode, consuming one fresh queue."""
 
-    def __init__(self, peer: Peer, pool: str, concurrency: int, acks_late: bool) -> None:
+    def __init__(self, peer: Peer, pool: str, concurrency: int, acks_late: bool, *,
+                 minimal: bool = True) -> None:
         self.peer, self.pool, self.concurrency, self.acks_late = peer, pool, concurrency, acks_late
+        self.minimal = minimal  # without heartbeat, gossip and mingle
         self.queue = unique_queue("c")
         self.dir = Path(tempfile.mkdtemp(prefix="crl-bench-"))
         self.ledger, self.ready, self.log = self.dir / "ledger", self.dir / "ready", self.dir / "worker.log"
@@ -55,8 +57,9 @@ class Worker:
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         command = [sys.executable, "-m", "celery", "-A", "tools.bench.app", "worker",
                    f"--pool={self.pool}", "-c", str(self.concurrency), "-Q", self.queue,
-                   "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "-l", "warning",
-                   "--without-heartbeat", "--without-gossip", "--without-mingle"]
+                   "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "-l", "warning"]
+        if self.minimal:
+            command += ["--without-heartbeat", "--without-gossip", "--without-mingle"]
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)

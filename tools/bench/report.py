@@ -58,6 +58,10 @@ def metrics(celery_variants: list[str], mech_workers: list[int]) -> list[tuple[s
         ("celery_cpu", "server CPU µs/task, Celery threads early", "celery_threads_early",
          lambda r: _dig(r, "throughput", "server", "cpu_us_per_msg"), False),
     ]
+    for key in ("threads", "threads_minimal", "prefork", "prefork_minimal"):
+        label = key.replace("_minimal", ", without heartbeat/mingle/gossip")
+        rows.append((f"shutdown_{key}", f"idle warm shutdown, {label}, s", "shutdown",
+                     lambda r, k=key: _dig(r, f"{k}_s"), False))
     return rows
 
 
@@ -98,6 +102,8 @@ def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabb
         check("Celery threads early-ack >= RabbitMQ", "celery_threads_early", rabbit, 1.0, True),
         check("server CPU/msg <= 1/2 stock", "server_cpu", BASELINE, 0.5, False),
         check("open-loop p99 <= stock", "latency_p99", BASELINE, 1.0, False),
+        *(check(f"idle warm shutdown {pool} <= stock", f"shutdown_{pool}", BASELINE, 1.0, False)
+          for pool in ("threads", "prefork")),
     ]
 
 

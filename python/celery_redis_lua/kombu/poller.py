@@ -285,6 +285,18 @@ class Poller:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_read, 4096)
 
+        def wake(**_: Any) -> None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(wake_write, b"!")
+
+        # A warm shutdown (SIGTERM) only sets a flag the hub reads after its poll returns, and
+        # Python resumes an interrupted poll: an idle worker then sat out the rest of the 1 s
+        # tick before it began to stop. Celery's worker_shutting_down is sent from the signal
+        # handler: the byte makes the poll return at once.
+        shutting_down = _celery_signal("worker_shutting_down")
+        if shutting_down is not None:
+            shutting_down.connect(wake, weak=False)
+
         def owned(fd: int, wait: BlockingRead) -> bool:
             reader = loop.readers.get(fd)
             return reader is not None and reader[1][1:] == (wait,)
@@ -295,8 +307,7 @@ class Poller:
         def on_tick() -> None:
             for channel in list(self.channels):
                 if self.poll_round(channel):
-                    with contextlib.suppress(BlockingIOError):
-                        os.write(wake_write, b"!")
+                    wake()
                 for wait in (channel.queue_wait, channel.stream_wait):
                     fd = wait.fileno()
                     if wait.pending is not None and fd is not None and not (
@@ -310,6 +321,8 @@ class Poller:
                     del registered[fd]
 
         def unregister() -> None:
+            if shutting_down is not None:
+                shutting_down.disconnect(wake)
             loop.on_tick.discard(on_tick)
             timer.cancel()
             for fd, wait in list(registered.items()):
@@ -332,3 +345,12 @@ class Poller:
     def unregister(self) -> None:
         self._unregister()
         self._unregister = lambda: None
+
+
+def _celery_signal(name: str) -> Any:
+    """One of Celery's signals, or None where kombu's hub runs without Celery."""
+    try:
+        from celery import signals
+    except ImportError:
+        return None
+    return getattr(signals, name, None)
