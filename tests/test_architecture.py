@@ -5,6 +5,7 @@ only in the keyspace module."""
 from __future__ import annotations
 
 import ast
+import gc
 import re
 from pathlib import Path
 
@@ -21,8 +22,21 @@ def modules() -> dict[str, ast.Module]:
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        found[name] = ast.parse(path.read_text(), str(path))
+        found[name] = _parse(path)
     return found
+
+
+def _parse(path: Path) -> ast.Module:
+    """ast.parse with the garbage collector held off: on Python 3.11 a finalizer that formats
+    a traceback meanwhile (its carets use ast) breaks the parse with "SystemError: AST
+    constructor recursion depth mismatch" (CPython gh-106905); CI met it once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(), str(path))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:

@@ -54,6 +54,9 @@ class RouteCache:
     def __init__(self, lib: ScriptLibrary) -> None:
         self.lib = lib
         self._tables: dict[str, _Cached] = {}
+        # exchange -> the time this channel recorded a change at (rerouted): a table looked up
+        # in that very millisecond would be refused at its next publish, so it is not kept.
+        self._recorded: dict[str, int] = {}
 
     def get(self, exchange: str, publishing: Publishing | None = None) -> Routes:
         """The table of ``exchange``: cached unless expired or ``publishing`` asks for a fresh
@@ -70,21 +73,27 @@ class RouteCache:
 
     def refresh(self, exchange: str) -> Routes:
         routes = self.lib.lookup(exchange)
+        if routes.looked_up_ms <= self._recorded.get(exchange, -1):
+            self._tables.pop(exchange, None)
+            return routes  # good for this publish (sent without the check), not for later ones
+        self._recorded.pop(exchange, None)
         life = MAX_AGE_SECONDS
         if routes.stale_in_ms is not None:
             life = min(life, routes.stale_in_ms / 1000)
         if len(self._tables) >= MAX_TABLES:
             self._tables.clear()
+            self._recorded.clear()
         self._tables[exchange] = _Cached(routes, time.monotonic() + life)
         return routes
 
     def changed(self, exchange: str, queues: Iterable[str] | None = None) -> None:
         """This process just bound or unbound in ``exchange``: record it on ``queues`` (default:
         every queue the table now routes to) with the table server's time, so that every
-        cached copy of the old table is refused. Our own copy goes too: one looked up in the
-        millisecond of the record would be refused at every publish."""
+        cached copy of the old table is refused. Our own copy goes too, and none is kept that
+        was looked up in the millisecond of the record (it would be refused)."""
         self._tables.pop(exchange, None)
         routes = self.lib.lookup(exchange)
+        self._recorded[exchange] = routes.looked_up_ms
         names = dict.fromkeys(b.queue for b in routes) if queues is None else dict.fromkeys(queues)
         calls = [self.lib.calls.rerouted(queue, exchange, routes.looked_up_ms) for queue in names]
         if calls:
