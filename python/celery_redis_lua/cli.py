@@ -22,10 +22,11 @@ from urllib.parse import urlsplit
 
 import click
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
 
-from . import sentinel
+from . import cluster, sentinel
 from .locate import cancel_task, locate_task, task_of
 from .protocol import acl, producer
 from .protocol.contract import load_scripts, read_manifest
@@ -80,6 +81,29 @@ def redis_url(url: str) -> str:
     return f"{mapped}://{rest}"
 
 
+CLUSTER_URL_SCHEMES = ("redislua+cluster://", "redisluas+cluster://")
+
+
+def cluster_client(url: str) -> RedisCluster:
+    """A cluster client from a seed node's ``redislua+cluster://`` URL (the rest are
+    discovered); commands that cover queues go to every primary."""
+    scheme, _, rest = url.partition("+cluster://")
+    try:
+        parsed = cluster.parse_cluster_host(f"cluster://{rest}")
+    except cluster.ClusterConfigError as error:
+        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
+    if parsed.password:
+        _secrets.add(parsed.password)
+    client = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
+                          username=parsed.username, password=parsed.password,
+                          ssl=scheme.lower() == "redisluas", socket_connect_timeout=5, socket_timeout=30)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as error:
+        raise CliError(f"cannot reach the cluster at {mask(url)}: {scrub(str(error))}") from None
+    return client
+
+
 def sentinel_client(url: str) -> redis.Redis:
     """A client of the primary the sentinels named in ``url`` (';'-joined) point to."""
     urls = [part.strip() for part in url.split(";") if part.strip()]
@@ -119,6 +143,8 @@ def connect(url: str, prefix: str) -> ScriptLibrary:
         raise CliError(f"bad --prefix: {error}") from None
     if sentinel.is_sentinel_url(url.strip()):
         return ScriptLibrary(sentinel_client(url), keyspace)
+    if url.strip().lower().startswith(CLUSTER_URL_SCHEMES):
+        return ScriptLibrary(cluster_client(url.strip()), keyspace)
     mapped = redis_url(url)
     try:
         client = redis.Redis.from_url(mapped, socket_connect_timeout=5, socket_timeout=30)
@@ -180,8 +206,8 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
                            help="With a sentinel URL: the sentinels' own password.")(command)
     return click.option(
         "--url", envvar="CELERY_BROKER_URL", default=DEFAULT_URL, show_default=True, show_envvar=True,
-        help="redis://, rediss://, redislua://, redisluas://, unix:///path, or sentinel:// URLs "
-             "joined by ';'.")(command)
+        help="redis://, rediss://, redislua://, redisluas://, unix:///path, sentinel:// URLs "
+             "joined by ';', or redislua+cluster://host:port (one node of a cluster).")(command)
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -18,6 +18,8 @@ from typing import Any
 
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
@@ -64,8 +66,10 @@ class Channel(FanoutMixin, virtual.Channel):
         self._no_ack_queues: set[str] = set()
         self._fanout_next_id: dict[str, str] = {}
         self._fanout_read: set[str] = set()  # fanout queues this channel read as its consumer
-        self.queue_wait = BlockingRead(self.client.connection_pool)
-        self.stream_wait = BlockingRead(self.client.connection_pool)
+        self.is_cluster = isinstance(self.client, RedisCluster)
+        # The blocking waits, by the cluster slot of their keys (None: not a cluster, one each).
+        self.queue_waits: dict[int | None, BlockingRead] = {}
+        self.stream_waits: dict[int | None, BlockingRead] = {}
         connection.check_server(self.client)  # connection errors surface now, as kombu expects
         connection.poller.channels.add(self)
 
@@ -243,10 +247,44 @@ class Channel(FanoutMixin, virtual.Channel):
         next round blocks on the new set at once instead of after blocking_timeout."""
         if self.closed:
             return
-        popped = self.queue_wait.cancel(self.client)
-        if popped:
-            self._claim_popped(popped)
-        self.stream_wait.cancel(self.client)
+        for wait in list(self.queue_waits.values()):
+            popped = wait.cancel()
+            if popped:
+                self._claim_popped(popped)
+        for wait in list(self.stream_waits.values()):
+            wait.cancel()
+
+    # -- the blocking waits -----------------------------------------------------------------
+
+    def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
+        """The wait for ``key``'s slot: on a cluster, on a connection to the node that owns
+        the slot (asked again at every reconnect); else the channel's one wait of its kind."""
+        slot = key_slot(key.encode()) if self.is_cluster else None
+        wait = waits.get(slot)
+        if wait is None:
+            if self.is_cluster:
+                client: RedisCluster = self.client
+                wait = BlockingRead(
+                    lambda: client.get_redis_connection(client.get_node_from_key(key)).connection_pool,
+                    on_redirect=client.nodes_manager.initialize)
+            else:
+                wait = BlockingRead(self.client.connection_pool)
+            waits[slot] = wait
+        return wait
+
+    @property
+    def queue_wait(self) -> BlockingRead:
+        """The wait of the first queue group (the only one when not on a cluster)."""
+        groups = self.lib.slot_groups(self.queues_polled)
+        return self._wait(self.queue_waits, self.keys.queue(groups[0][0]) if groups else "")
+
+    def waits(self) -> list[BlockingRead]:
+        return [*self.queue_waits.values(), *self.stream_waits.values()]
+
+    def on_wait_readable(self, wait: BlockingRead) -> int:
+        if any(wait is w for w in self.queue_waits.values()):
+            return self.on_queue_wait_readable(wait)
+        return self.on_stream_wait_readable(wait)
 
     def basic_recover(self, requeue: bool = False) -> None:
         """Redeliver every unacked message now (a closing channel adopts them instead)."""
@@ -281,9 +319,25 @@ class Channel(FanoutMixin, virtual.Channel):
         room = self.qos.can_consume_max_estimate()
         return self.options.consume_batch if room is None else min(room, self.options.consume_batch)
 
-    def consume_now(self) -> tuple[int, int | None]:
-        """Deliver what is ready in the consumed queues; returns (delivered, wake_in_ms)."""
-        queues = self.queues_polled
+    def poll_queues(self) -> int:
+        """Deliver what is ready in the consumed queues whose wait is not pending, then start
+        their waits (one per slot group on a cluster, so a message on any node wakes us)."""
+        if not self.queues_polled or not self.can_consume():
+            return 0
+        idle = [group for group in self.lib.slot_groups(self.queues_polled)
+                if self._wait(self.queue_waits, self.keys.queue(group[0])).pending is None]
+        if not idle:
+            return 0
+        delivered, wake_in_ms = self.consume_now([queue for group in idle for queue in group])
+        if self.can_consume():
+            for group in idle:
+                self.start_queue_wait(group, wake_in_ms)
+        return delivered
+
+    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None]:
+        """Deliver what is ready in ``queues`` (default: every consumed one); returns
+        (delivered, wake_in_ms)."""
+        queues = self.queues_polled if queues is None else queues
         delivered, wake = 0, None
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
@@ -297,10 +351,9 @@ class Channel(FanoutMixin, virtual.Channel):
                 wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
         return delivered, wake
 
-    def start_queue_wait(self, wake_in_ms: int | None) -> bool:
-        """Block on BZMPOP across the consumed queues (bounded by blocking_timeout and by
-        the next ETA). Returns whether a wait is now pending."""
-        queues = self.queues_polled
+    def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
+        """Block on BZMPOP across ``queues`` (consumed ones of one slot; bounded by
+        blocking_timeout and by the next ETA). Returns whether a wait is now pending."""
         room = self.headroom()
         if not queues or room <= 0:
             return False
@@ -310,13 +363,13 @@ class Channel(FanoutMixin, virtual.Channel):
             timeout = max(timeout, MIN_BLOCK_SECONDS)
         keys = [self.keys.queue(q) for q in queues]
         count = min(room, MAX_CLAIM)
-        self.queue_wait.send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN", "COUNT", count,
-                             timeout=timeout)
+        self._wait(self.queue_waits, keys[0]).send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN",
+                                                   "COUNT", count, timeout=timeout)
         return True
 
-    def on_queue_wait_readable(self) -> int:
+    def on_queue_wait_readable(self, wait: BlockingRead) -> int:
         """Claim what BZMPOP popped and deliver it; returns how many were delivered."""
-        reply = self.queue_wait.read()
+        reply = wait.read()
         return self._claim_popped(reply) if reply else 0
 
     def _claim_popped(self, reply: Any, *, closing: bool = False) -> int:
@@ -412,18 +465,21 @@ class Channel(FanoutMixin, virtual.Channel):
         if self.closed:
             return
         self.connection.poller.channels.discard(self)
-        popped = self.queue_wait.cancel(self.client)
-        if popped:  # BZMPOP popped messages just as we cancelled: back in line, uncounted
-            self._claim_popped(popped, closing=True)
-        self.stream_wait.cancel(self.client)
+        for wait in list(self.queue_waits.values()):
+            popped = wait.cancel()
+            if popped:  # BZMPOP popped messages just as we cancelled: back in line, uncounted
+                self._claim_popped(popped, closing=True)
+        for wait in list(self.stream_waits.values()):
+            wait.cancel()
         self._leave_fanout(list(self._fanout_read))
         ACKS.flush(self.lib, timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
         try:
             super().close()
         finally:
-            self.queue_wait.close()
-            self.stream_wait.close()
-            self.client.close()
+            for wait in self.waits():
+                wait.close()
+            if not self.is_cluster:  # a cluster client is the connection's, shared by its channels
+                self.client.close()
 
 
 def _log_expired(expired: int, queues: list[str]) -> None:

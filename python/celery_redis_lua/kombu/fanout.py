@@ -19,6 +19,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps
 from ..protocol.ops import Delivery
@@ -40,7 +41,9 @@ class FanoutMixin:
     keys: Any
     options: Any
     consumer_name: str
-    stream_wait: Any
+    is_cluster: bool
+    stream_waits: dict[int | None, Any]
+    _wait: Any
     _active_queues: list[str]
     _fanout_next_id: dict[str, str]
     _fanout_read: set[str]
@@ -87,19 +90,33 @@ class FanoutMixin:
                 delivered += self._deliver_fanout(delivery)
         return delivered
 
-    def start_stream_wait(self) -> bool:
-        streams = [self.keys.fanout(self.connection.fanout_queues[q][0]) for q in self.fanout_polled]
-        streams = list(dict.fromkeys(streams))
-        if not streams:
-            return False
+    def poll_streams(self) -> int:
+        """Read the consumed fanout queues' groups, then wait (XREAD) on the streams whose
+        wait is not pending: one wait per slot of the streams on a cluster."""
+        groups: dict[int | None, list[str]] = {}
+        for queue in self.fanout_polled:
+            stream = self.keys.fanout(self.connection.fanout_queues[queue][0])
+            slot = key_slot(stream.encode()) if self.is_cluster else None
+            if stream not in groups.setdefault(slot, []):
+                groups[slot].append(stream)
+        idle = [streams for streams in groups.values()
+                if self._wait(self.stream_waits, streams[0]).pending is None]
+        if not idle:
+            return 0
+        delivered = self.consume_fanout_now()
+        for streams in idle:
+            self.start_stream_wait(streams)
+        return delivered
+
+    def start_stream_wait(self, streams: list[str]) -> None:
+        """XREAD on ``streams`` (of one slot) from where the least advanced group stands."""
         timeout = self.options.blocking_timeout
         ids = [self._fanout_next_id.get(s, "$") for s in streams]
-        self.stream_wait.send("XREAD", "COUNT", 1, "BLOCK", int(timeout * 1000), "STREAMS",
-                              *streams, *ids, timeout=timeout)
-        return True
+        self._wait(self.stream_waits, streams[0]).send(
+            "XREAD", "COUNT", 1, "BLOCK", int(timeout * 1000), "STREAMS", *streams, *ids, timeout=timeout)
 
-    def on_stream_wait_readable(self) -> int:
-        self.stream_wait.read()
+    def on_stream_wait_readable(self, wait: Any) -> int:
+        wait.read()
         return self.consume_fanout_now()
 
     def _leave_fanout(self, queues: Iterable[str]) -> None:

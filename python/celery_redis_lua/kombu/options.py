@@ -73,6 +73,10 @@ class TransportOptions:
     # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
     # others to share its round trip. 0 sends each batch as soon as the ack thread runs.
     ack_flush_delay: float = 0.0
+    # Redis Cluster / Valkey Cluster (cluster.py): with the class route and a plain URL, or
+    # implied by redislua+cluster:// URLs; more seed nodes as 'host:port' strings.
+    cluster: bool = False
+    cluster_nodes: tuple[str, ...] = ()
 
     @property
     def policy(self) -> Policy:
@@ -143,6 +147,13 @@ def _non_empty_str(name: str, value: Any) -> Any:
     return value
 
 
+def _node_list(name: str, value: Any) -> Any:
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not all(
+            isinstance(node, str) and node for node in value):
+        raise OptionError(f"transport option {name!r} must be a list of 'host:port' strings, got {value!r}")
+    return tuple(value)
+
+
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "visibility_timeout": _number(0, inclusive=False),
     "delivery_limit": _number(1, integer=True, allow_none=True),
@@ -175,6 +186,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "durability": _typed(str),
     "durability_timeout": _number(0.001, high=3600),
     "ack_flush_delay": _number(0, high=1),  # longer would stretch what a crash can replay
+    "cluster": _typed(bool, allow_none=False),
+    "cluster_nodes": _node_list,
 }
 
 

@@ -39,6 +39,9 @@ OVERDUE_GRACE_SECONDS = 5.0
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to send its reply
 # before its connection is closed instead.
 UNBLOCK_GRACE_SECONDS = 0.5
+# A cluster node's answers to a blocking wait that mean "not here, not now": nothing popped.
+REDIRECTED = (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
+              redis.exceptions.ClusterDownError)
 # drain_events wakes at least this often to run the periodic work; in Celery's event loop
 # a timer checks as often whether it is due.
 TICK_SECONDS = 1.0
@@ -50,8 +53,12 @@ class BlockingRead:
     the pool, the waits of a few channels would leave too few connections for the acks of
     many greenlets or threads (gevent stalled on 'Too many connections')."""
 
-    def __init__(self, pool: redis.ConnectionPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: redis.ConnectionPool | Callable[[], redis.ConnectionPool], *,
+                 on_redirect: Callable[[], None] = lambda: None) -> None:
+        # On a cluster, the pool of the node that owns the wait's slot, asked again at every
+        # reconnect (a failover or a slot migration moves it); else the channel's pool.
+        self._pool_of = pool if callable(pool) else (lambda: pool)
+        self._on_redirect = on_redirect  # the slot moved (MOVED, ASK...): refresh the slot map
         self.connection: Any = None
         self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
         self.sent_at = 0.0
@@ -59,11 +66,14 @@ class BlockingRead:
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
 
+    @property
+    def pool(self) -> redis.ConnectionPool:
+        return self._pool_of()
+
     def _connect(self) -> Any:
-        if self.connection is None:
-            self.connection = self.pool.connection_class(**self.pool.connection_kwargs)
-            self._client_id = None
-        if self.connection._sock is None:
+        if self.connection is None or self.connection._sock is None:
+            pool = self.pool
+            self.connection = pool.connection_class(**pool.connection_kwargs)
             self.connection.connect()
             self._client_id = None
         return self.connection
@@ -100,6 +110,12 @@ class BlockingRead:
             if timeout is not None:
                 return self.connection.read_response(timeout=timeout)
             return self.connection.read_response()
+        except REDIRECTED:
+            # A cluster node that no longer (or not yet) serves the slot answered before it
+            # blocked: nothing was popped. Wait again where the refreshed slot map says.
+            self.disconnect()
+            self._on_redirect()
+            return None
         except redis.ResponseError as error:
             if not str(error).startswith("UNBLOCKED"):
                 raise
@@ -108,8 +124,9 @@ class BlockingRead:
         finally:
             self.pending = None
 
-    def cancel(self, client: redis.Redis) -> Any:
+    def cancel(self) -> Any:
         """End a pending wait now; returns whatever the server had already popped (or None).
+        CLIENT UNBLOCK goes to the wait's own server (on a cluster, the node of its slot).
         Without CLIENT UNBLOCK the connection is closed (see the module's docstring)."""
         if self.pending is None:
             return None
@@ -117,7 +134,8 @@ class BlockingRead:
             self.disconnect()
             return None
         try:
-            unblocked = client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+            unblocked = redis.Redis(connection_pool=self.pool).execute_command(
+                "CLIENT", "UNBLOCK", self._client_id)
         except redis.ResponseError:  # NOPERM, or a service without it: close from now on
             self.can_unblock = False
             self.disconnect()
@@ -148,18 +166,10 @@ class BlockingRead:
 class Consuming(Protocol):
     """What the poller needs of a channel: its waits, and the steps of a round."""
 
-    queue_wait: BlockingRead
-    stream_wait: BlockingRead
-    queues_polled: list[str]
-    fanout_polled: list[str]
-
-    def can_consume(self) -> bool: ...
-    def consume_now(self) -> tuple[int, int | None]: ...
-    def start_queue_wait(self, wake_in_ms: int | None) -> bool: ...
-    def on_queue_wait_readable(self) -> int: ...
-    def consume_fanout_now(self) -> int: ...
-    def start_stream_wait(self) -> bool: ...
-    def on_stream_wait_readable(self) -> int: ...
+    def waits(self) -> list[BlockingRead]: ...
+    def poll_queues(self) -> int: ...
+    def poll_streams(self) -> int: ...
+    def on_wait_readable(self, wait: BlockingRead) -> int: ...
     def upkeep(self, *, from_loop: bool) -> None: ...
     def sweep(self) -> None: ...
 
@@ -183,17 +193,11 @@ class Poller:
     # -- a round --------------------------------------------------------------------------
 
     def poll_round(self, channel: Consuming) -> int:
-        """Deliver what is ready now and start the waits that are not pending."""
-        delivered = 0
-        if channel.queue_wait.pending is None and channel.queues_polled and channel.can_consume():
-            count, wake_in_ms = channel.consume_now()
-            delivered += count
-            if channel.can_consume():
-                channel.start_queue_wait(wake_in_ms)
-        if channel.stream_wait.pending is None and channel.fanout_polled:
-            delivered += channel.consume_fanout_now()
-            channel.start_stream_wait()
-        for wait in (channel.queue_wait, channel.stream_wait):
+        """Deliver what is ready now and start the waits that are not pending (a channel has
+        one wait for its queues and one for its fanout streams; on a cluster, one of each per
+        slot it consumes from)."""
+        delivered = channel.poll_queues() + channel.poll_streams()
+        for wait in channel.waits():
             if wait.overdue(self.overdue_grace):
                 logger.warning("celery-redis-lua: a blocking wait got no reply in time; reconnecting")
                 wait.disconnect()
@@ -204,9 +208,7 @@ class Poller:
         if wait.pending is None:
             wait.disconnect()  # nothing expected: the server closed the connection
             return 0
-        if wait is channel.queue_wait:
-            return channel.on_queue_wait_readable()
-        return channel.on_stream_wait_readable()
+        return channel.on_wait_readable(wait)
 
     # -- periodic work ----------------------------------------------------------------------
 
@@ -252,7 +254,7 @@ class Poller:
             waits = {
                 wait.fileno(): (channel, wait)
                 for channel in list(self.channels)
-                for wait in (channel.queue_wait, channel.stream_wait)
+                for wait in channel.waits()
                 if wait.pending is not None and wait.fileno() is not None
             }
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
@@ -308,7 +310,7 @@ class Poller:
             for channel in list(self.channels):
                 if self.poll_round(channel):
                     wake()
-                for wait in (channel.queue_wait, channel.stream_wait):
+                for wait in channel.waits():
                     fd = wait.fileno()
                     if wait.pending is not None and fd is not None and not (
                             registered.get(fd) is wait and owned(fd, wait)):

@@ -19,10 +19,14 @@ from typing import Any
 import redis
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
+from ..cluster import ClusterConfigError, ClusterUrl, is_cluster_host, parse_cluster_host
 from ..protocol.ops import Declared
 from ..sentinel import (
     SentinelConfigError,
@@ -50,6 +54,10 @@ def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
         redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
         redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
         IOError, OSError, InterruptedError,
+        # A cluster that lost a primary (until a replica is promoted), or whose slot map is
+        # being rebuilt: reconnect and retry, as for a lost server.
+        redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,
+        redis.exceptions.ClusterError,
     )
     channel_errors = (redis.DataError, redis.exceptions.InvalidResponse, redis.ResponseError)
     return virtual.Transport.connection_errors + connection_errors, (
@@ -85,6 +93,7 @@ class Transport(virtual.Transport):
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
         self._server_checked = False  # the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
+        self.cluster  # noqa: B018  (bad cluster URLs or options: an error now)
         self.poller = Poller(heartbeat_seconds=self.options.policy.heartbeat_seconds,
                              sweep_interval=self.options.sweep_interval,
                              overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval,
@@ -122,7 +131,36 @@ class Transport(virtual.Transport):
         return parsed
 
     @cached_property
+    def cluster(self) -> ClusterUrl | None:
+        """The seed nodes, when the broker URL is a ``redislua+cluster://`` one or the
+        ``cluster`` option is on (cluster.py)."""
+        client, options = self.client, self.options
+        host = client.hostname or ""
+        if not (is_cluster_host(host) or options.cluster):
+            if options.cluster_nodes:
+                warnings.warn("transport option 'cluster_nodes' is ignored: the broker is not a "
+                              "cluster (use redislua+cluster:// or the 'cluster' option)",
+                              RuntimeWarning, stacklevel=2)
+            return None
+        if self.sentinel is not None:
+            raise OptionError("a broker is either a cluster or behind sentinels, not both")
+        if options.durability is not None:
+            raise OptionError("transport option 'durability' is not supported on a cluster yet")
+        if not is_cluster_host(host):  # the class route: a plain URL names the seed node
+            credentials = ""
+            if client.userid or client.password:
+                credentials = f"{client.userid or ''}:{client.password or ''}@"
+            host = f"cluster://{credentials}{host or '127.0.0.1'}:{client.port or self.default_port}/" \
+                   f"{(client.virtual_host or '0').strip('/') or '0'}"
+        try:
+            return parse_cluster_host(host, options.cluster_nodes)
+        except ClusterConfigError as error:
+            raise ValueError(f"bad broker URL: {error}") from None
+
+    @cached_property
     def db(self) -> int:
+        if self.cluster is not None:
+            return 0
         if self.sentinel is not None:
             return self.sentinel.db
         vhost = self.client.virtual_host or 0
@@ -164,7 +202,7 @@ class Transport(virtual.Transport):
             params["connection_class"] = redis.SSLConnection
             if isinstance(tls, dict):
                 params.update(tls)
-        if sentinel is not None:  # the sentinels say where the primary is
+        if sentinel is not None or self.cluster is not None:  # the sentinels or the cluster say where
             del params["host"], params["port"]
             return params
         host = params["host"]
@@ -178,6 +216,27 @@ class Transport(virtual.Transport):
             params["connection_class"] = redis.UnixDomainSocketConnection
             params["path"] = "/" + path.lstrip("/")
         return params
+
+    @cached_property
+    def cluster_client(self) -> RedisCluster:
+        """One client for the connection's channels: redis-py discovers the nodes and routes
+        each command to the node that owns its keys (following MOVED, ASK and TRYAGAIN, which
+        the server answers before it runs anything). It never sends a command again after a
+        lost connection (no retries): a resent publish would store its message twice."""
+        cluster = self.cluster
+        assert cluster is not None
+        params = self.connection_params()
+        for standalone_only in ("host", "port", "db", "connection_class", "path"):
+            params.pop(standalone_only, None)
+        secure = getattr(self.client, "transport_cls", None) in SECURE_SCHEMES
+        if secure or self.client.ssl or self.options.ssl:
+            params["ssl"] = True
+        if cluster.username and "credential_provider" not in params:
+            params["username"] = cluster.username
+        if cluster.password and "credential_provider" not in params:
+            params["password"] = cluster.password
+        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in cluster.nodes],
+                            retry=Retry(NoBackoff(), 0), **params)
 
     @cached_property
     def pool(self) -> redis.ConnectionPool:
@@ -212,7 +271,9 @@ class Transport(virtual.Transport):
                            "has %d connected; publishes fail (NotDurable) until enough are",
                            durability.setting, durability.replicas, replicas)
 
-    def new_client(self) -> redis.Redis:
+    def new_client(self) -> redis.Redis | RedisCluster:
+        if self.cluster is not None:
+            return self.cluster_client
         return redis.Redis(connection_pool=self.pool)
 
     def close_connection(self, connection: Any) -> None:
@@ -221,6 +282,8 @@ class Transport(virtual.Transport):
         super().close_connection(connection)
         if "pool" in self.__dict__:
             self.pool.disconnect()
+        if "cluster_client" in self.__dict__:
+            self.cluster_client.close()
 
     # -- which loop consumes ----------------------------------------------------------------
 

@@ -1,0 +1,166 @@
+"""The transport on Redis Cluster and Valkey Cluster (three primaries), through plain kombu:
+queues placed on every primary (asserted), publish, consume and ack routed to the node that
+owns each queue, a consumer blocked on queues of three nodes woken by a message on any of
+them, fanout across the cluster, and the URL and option errors."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Queue
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from conftest import require_kind
+from tools.servers import Cluster
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    require_kind(request.param)
+    started: Cluster = request.getfixturevalue(f"{request.param}_cluster")
+    client = started.client()
+    client.flushall()
+    yield started
+    client.flushall()
+    client.close()
+
+
+def url(cluster: Cluster) -> str:
+    return f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+
+
+def one_queue_per_primary(cluster: Cluster, prefix: str) -> list[str]:
+    """Queue names whose slots belong to three different primaries."""
+    client, keys = cluster.client(), Keyspace()
+    found: dict[str, str] = {}
+    for i in itertools.count():
+        name = f"{prefix}-{i}"
+        node = client.get_node_from_key(keys.queue(name)).name
+        found.setdefault(node, name)
+        if len(found) == len(cluster.nodes):
+            return sorted(found.values())
+
+
+def stats(cluster: Cluster, queues: list[str]) -> dict[str, tuple[int, int]]:
+    lib = ScriptLibrary(cluster.client(), Keyspace())
+    return {s.queue: (s.ready, s.in_flight) for s in lib.stats(queues)}
+
+
+def test_queues_on_every_primary_publish_consume_and_ack(cluster: Cluster) -> None:
+    names = one_queue_per_primary(cluster, "spread")
+    client = cluster.client()
+    assert len({client.get_node_from_key(Keyspace().queue(n)).name for n in names}) == 3
+    exchange = Exchange("spread", "direct")
+    queues = [Queue(name, exchange, routing_key=name) for name in names]
+    got: list[Any] = []
+    with Connection(url(cluster)) as conn:
+        producer = conn.Producer()
+        for i in range(30):
+            name = names[i % 3]
+            producer.publish({"i": i}, exchange=exchange, routing_key=name, declare=queues)
+        assert stats(cluster, names) == {name: (10, 0) for name in names}
+        with Consumer(conn, queues, callbacks=[lambda body, message: (got.append(body), message.ack())]):
+            while len(got) < 30:
+                conn.drain_events(timeout=10)
+    assert sorted(body["i"] for body in got) == list(range(30))
+    deadline = time.monotonic() + 10
+    while stats(cluster, names) != {name: (0, 0) for name in names}:  # the acks are batched
+        assert time.monotonic() < deadline, stats(cluster, names)
+        time.sleep(0.02)
+
+
+def test_a_consumer_blocked_on_three_nodes_wakes_for_any_of_them(cluster: Cluster) -> None:
+    names = one_queue_per_primary(cluster, "woken")
+    exchange = Exchange("woken", "direct")
+    queues = [Queue(name, exchange, routing_key=name) for name in names]
+    got: list[tuple[str, float]] = []
+    # blocking_timeout 30 s: a wait that was not woken would hold each message that long.
+    with Connection(url(cluster), transport_options={"blocking_timeout": 30}) as consumer_conn, \
+            Connection(url(cluster)) as producer_conn:
+        producer = producer_conn.Producer()
+        def received(body: Any, message: Any) -> None:
+            got.append((body, time.monotonic()))
+            message.ack()
+
+        with Consumer(consumer_conn, queues, callbacks=[received]):
+            with pytest.raises(TimeoutError):
+                consumer_conn.drain_events(timeout=0.5)  # every wait is now blocked on its node
+            for name in [*names, *names]:
+                sent = time.monotonic()
+                producer.publish(name, exchange=exchange, routing_key=name, declare=queues)
+                consumer_conn.drain_events(timeout=10)
+                body, at = got[-1]
+                assert body == name
+                assert at - sent < 5, f"{name}: delivered {at - sent:.1f} s after its publish"
+
+
+def test_fanout_reaches_every_bound_queue_on_the_cluster(cluster: Cluster) -> None:
+    exchange = Exchange("cluster-broadcast", "fanout")
+    names = one_queue_per_primary(cluster, "listener")
+    queues = [Queue(name, exchange) for name in names]
+    got: dict[str, list[Any]] = {name: [] for name in names}
+    with Connection(url(cluster)) as conn:
+        consumers = [Consumer(conn, [q], callbacks=[lambda body, message, n=q.name: got[n].append(body)])
+                     for q in queues]
+        for consumer in consumers:
+            consumer.consume()
+        conn.Producer().publish("to all", exchange=exchange, routing_key="")
+        deadline = time.monotonic() + 10
+        while not all(got.values()):
+            assert time.monotonic() < deadline, got
+            conn.drain_events(timeout=10)
+        for consumer in consumers:
+            consumer.cancel()
+    assert got == {name: ["to all"] for name in names}
+
+
+@pytest.mark.parametrize(("broker_url", "options", "error"), [
+    ("redislua+cluster://127.0.0.1:{port}/1", {}, "a cluster has only database 0"),
+    ("redislua+cluster://127.0.0.1:{port}/0", {"durability": "replicas:1"},
+     "'durability' is not supported on a cluster"),
+    ("redislua://127.0.0.1:{port}/0", {"cluster": True, "cluster_nodes": ["nohost:"]},
+     "cluster node must be 'host:port'"),
+    ("redislua://127.0.0.1:{port}/0", {"cluster": True, "cluster_nodes": "127.0.0.1:7000"},
+     "'cluster_nodes' must be a list of 'host:port' strings"),
+])
+def test_bad_cluster_urls_and_options_name_the_problem(valkey_cluster: Cluster, broker_url: str,
+                                                      options: dict[str, Any], error: str) -> None:
+    broker_url = broker_url.format(port=valkey_cluster.nodes[0].port)
+    with Connection(broker_url, transport_options=options) as conn, pytest.raises(ValueError, match=error):
+        conn.default_channel  # noqa: B018
+
+
+def test_the_class_route_with_the_cluster_option(valkey_cluster: Cluster) -> None:
+    port = valkey_cluster.nodes[0].port
+    seeds = [f"127.0.0.1:{n.port}" for n in valkey_cluster.nodes]
+    with Connection(f"redis://127.0.0.1:{port}/0", transport="celery_redis_lua:Transport",
+                    transport_options={"cluster": True, "cluster_nodes": seeds}) as conn:
+        queue = Queue("class-route", Exchange("class-route", "direct"), routing_key="class-route")
+        conn.Producer().publish("via the class route", exchange=queue.exchange, routing_key="class-route",
+                                declare=[queue])
+        message = queue(conn.default_channel).get()
+        assert message is not None and message.payload == "via the class route"
+        message.ack()
+
+
+def test_the_cli_covers_every_primary(cluster: Cluster) -> None:
+    """status finds queues on every node; publish and dead list route to the queue's node."""
+    from click.testing import CliRunner
+
+    from celery_redis_lua.cli import main
+
+    names = one_queue_per_primary(cluster, "cli")
+    cli_url = url(cluster)
+    for name in names:
+        published = CliRunner().invoke(main, ["publish", "tasks.add", "--queue", name, "--url", cli_url])
+        assert published.exit_code == 0, published.output
+    status = CliRunner().invoke(main, ["status", "--url", cli_url])
+    assert status.exit_code == 0, status.output
+    rows = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[1:]}
+    assert {name: rows.get(name) for name in names} == {name: ["1", "0", "0", "0"] for name in names}
+    bad = CliRunner().invoke(main, ["status", "--url", cli_url.replace("/0", "/2")])
+    assert bad.exit_code != 0 and "a cluster has only database 0" in bad.stderr
