@@ -3,9 +3,12 @@ option, errors at connection time, polling_interval, and unknown options."""
 
 from __future__ import annotations
 
+import re
 import ssl
 import warnings
 from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -199,3 +202,11 @@ def test_unknown_options_are_ignored(server: Server) -> None:
         message.ack()
         assert message.payload == "ok"
         simple.close()
+
+
+def test_the_readme_documents_every_option() -> None:
+    """Every field of TransportOptions appears, as `name`, in the README's Options section."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Options"):readme.index("## What is promised")]
+    documented = set(re.findall(r"`([a-z_]+)`", section))
+    assert [f.name for f in fields(TransportOptions) if f.name not in documented] == []
