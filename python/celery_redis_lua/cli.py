@@ -453,14 +453,16 @@ def exporter(port: int, address: str, queues: tuple[str, ...], discover_interval
     from . import exporter as metrics_exporter  # prometheus_client only when serving
 
     lib = connect(url, prefix)
+    # Before the first scrape can be answered: a SIGTERM that comes as soon as /metrics
+    # answers must stop the exporter cleanly, not kill it (CI met that race once).
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         server, _ = metrics_exporter.serve(lib, port=port, address=address, queues=queues,
                                                 discover_interval=discover_interval)
     except OSError as error:
         raise CliError(f"cannot listen on {address}:{port}: {error.strerror or error}") from None
     click.echo(f"serving metrics of {mask(url)} on http://{address}:{port}/metrics", err=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):
         while not stop.wait(3600):
             pass
