@@ -164,3 +164,31 @@ def test_the_cli_covers_every_primary(cluster: Cluster) -> None:
     assert {name: rows.get(name) for name in names} == {name: ["1", "0", "0", "0"] for name in names}
     bad = CliRunner().invoke(main, ["status", "--url", cli_url.replace("/0", "/2")])
     assert bad.exit_code != 0 and "a cluster has only database 0" in bad.stderr
+
+
+def test_the_cli_loads_the_scripts_on_every_primary_and_lists_dead_letters_anywhere(
+        cluster: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from celery_redis_lua.cli import main
+    from celery_redis_lua.protocol.contract import load_scripts
+
+    client = cluster.client()
+    client.script_flush()
+    loaded = CliRunner().invoke(main, ["scripts", "load", "--url", url(cluster)])
+    assert loaded.exit_code == 0, loaded.output
+    shas = [script.sha1 for script in load_scripts().values()]
+    for node in cluster.nodes:  # each primary on its own, not the cluster client's summary
+        assert node.client().script_exists(*shas) == [True] * len(shas), node.port
+    names = one_queue_per_primary(cluster, "dl")
+    lib = ScriptLibrary(client, Keyspace())
+    rejected = {}
+    for name in names:
+        lib.publish(name, "doomed")
+        [delivery] = lib.consume([name], 1).deliveries
+        lib.reject(name, [delivery.id], requeue=False)
+        rejected[name] = delivery.id
+    for name, message_id in rejected.items():
+        listed = CliRunner().invoke(main, ["dead", "list", name, "--url", url(cluster)])
+        assert listed.exit_code == 0, listed.output
+        assert message_id in listed.stdout and "rejected" in listed.stdout, listed.stdout
