@@ -8,6 +8,7 @@ import os
 import re
 import select
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -139,3 +140,35 @@ class Shell:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ScriptCalls:
+    """Counts, with MONITOR, the script calls clients send to one server, by script name
+    (the commands scripts run inside are not counted). ``stop()`` returns the counts."""
+
+    def __init__(self, client: Any) -> None:
+        from celery_redis_lua.protocol.contract import load_scripts
+
+        self.counts: dict[str, int] = {}
+        self._by_sha = {script.sha1: name for name, script in load_scripts().items()}
+        self._client = client
+        self._monitor = client.monitor()
+        self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        for command in self._monitor.listen():
+            if command["command"] == "ECHO end-of-count":
+                return
+            words = command["command"].split()
+            if command["client_type"] != "lua" and words[0] == "EVALSHA":
+                name = self._by_sha.get(words[1], words[1])
+                self.counts[name] = self.counts.get(name, 0) + 1
+
+    def stop(self) -> dict[str, int]:
+        self._client.echo("end-of-count")
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+        self._monitor.__exit__(None, None, None)
+        return self.counts

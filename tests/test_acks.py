@@ -17,14 +17,12 @@ from kombu.message import Message
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.kombu.acks import ACKS
 from celery_redis_lua.kombu.orphans import ORPHANS
-from celery_redis_lua.protocol.contract import load_scripts
 from conftest import require_kind
-from helpers import wait_until
+from helpers import ScriptCalls, wait_until
 from tools.servers import Server
 
 EXCHANGE = Exchange("acked", "direct")
 QUEUES = [Queue(name, EXCHANGE, routing_key=name) for name in ("acked-a", "acked-b")]
-ACK_SHA = load_scripts()["ack"].sha1
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -66,42 +64,16 @@ def take(conn: Connection, count: int) -> list[Message]:
     return got
 
 
-class AckCalls:
-    """Counts the ack script calls clients send, with MONITOR (scripts' own commands aside)."""
-
-    def __init__(self, server: Server) -> None:
-        self.calls = 0
-        self._monitor = server.client().monitor()
-        self._monitor.__enter__()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        self._server = server
-
-    def _watch(self) -> None:
-        for command in self._monitor.listen():
-            if command["command"] == "ECHO end-of-count":
-                return
-            if command["client_type"] != "lua" and command["command"].startswith(f"EVALSHA {ACK_SHA}"):
-                self.calls += 1
-
-    def stop(self) -> int:
-        self._server.client().echo("end-of-count")
-        self._thread.join(10)
-        assert not self._thread.is_alive()
-        self._monitor.__exit__(None, None, None)
-        return self.calls
-
-
 def test_the_acks_of_a_drain_share_one_call_per_queue(server: Server) -> None:
     with connect(server, ack_flush_delay=0.3) as conn:
         publish(conn, 100)
         messages = take(conn, 200)
-        counted = AckCalls(server)
+        counted = ScriptCalls(server.client())
         for message in messages:
             message.ack()
         wait_until(lambda: counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)},
                    timeout=10, what="every ack sent")
-        calls = counted.stop()
+        calls = counted.stop().get("ack", 0)
     # 200 acks gathered within 0.3 s: one call per queue (a batch split by the thread's
     # timing at most once more each), where a synchronous ack made 200.
     assert 2 <= calls <= 4, calls
@@ -111,7 +83,7 @@ def test_acks_from_many_threads_gather_while_a_batch_is_on_the_wire(server: Serv
     with connect(server) as conn:
         publish(conn, 250)
         messages = take(conn, 500)
-        counted = AckCalls(server)
+        counted = ScriptCalls(server.client())
         threads = [threading.Thread(target=lambda part=messages[i::8]: [m.ack() for m in part])
                    for i in range(8)]
         for thread in threads:
@@ -120,7 +92,7 @@ def test_acks_from_many_threads_gather_while_a_batch_is_on_the_wire(server: Serv
             thread.join(30)
         wait_until(lambda: counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)},
                    timeout=10, what="every ack sent")
-        calls = counted.stop()
+        calls = counted.stop().get("ack", 0)
     assert calls < 250, f"{calls} ack calls for 500 acks: they did not gather"
 
 

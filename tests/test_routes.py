@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 
 import pytest
 from kombu import Connection, Exchange, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.protocol.contract import load_scripts
 from conftest import require_kind
-from helpers import wait_until
+from helpers import ScriptCalls, wait_until
 from tools.servers import Server
 
 EXCHANGE = Exchange("routed", "direct")
 FIRST = Queue("routed-1", EXCHANGE, routing_key="rk")
 SECOND = Queue("routed-2", EXCHANGE, routing_key="rk")  # the same key: both receive
-SHAS = {name: script.sha1 for name, script in load_scripts().items()}
 
 # What another process does to the bindings, with kombu, before it prints "done".
 OTHER_PROCESS = """
@@ -74,35 +71,6 @@ def bindings(server: Server) -> list[str]:
     return sorted(b.queue for b in ScriptLibrary(server.client(), Keyspace()).lookup(EXCHANGE.name))
 
 
-class ScriptCalls:
-    """Counts the script calls clients send, by script name, with MONITOR."""
-
-    def __init__(self, server: Server) -> None:
-        self.counts: dict[str, int] = {}
-        self._by_sha = {sha: name for name, sha in SHAS.items()}
-        self._server = server
-        self._monitor = server.client().monitor()
-        self._monitor.__enter__()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        for command in self._monitor.listen():
-            if command["command"] == "ECHO end-of-count":
-                return
-            words = command["command"].split()
-            if command["client_type"] != "lua" and words[0] == "EVALSHA":
-                name = self._by_sha.get(words[1], words[1])
-                self.counts[name] = self.counts.get(name, 0) + 1
-
-    def stop(self) -> dict[str, int]:
-        self._server.client().echo("end-of-count")
-        self._thread.join(10)
-        assert not self._thread.is_alive()
-        self._monitor.__exit__(None, None, None)
-        return self.counts
-
-
 def test_a_publish_to_a_named_exchange_is_one_round_trip(server: Server) -> None:
     with Connection(url(server)) as conn:
         producer = conn.Producer()
@@ -112,7 +80,7 @@ def test_a_publish_to_a_named_exchange_is_one_round_trip(server: Server) -> None
         recorded = server_ms(server)
         wait_until(lambda: server_ms(server) > recorded + 1, timeout=5, what="the server clock moved")
         producer.publish("second", exchange=EXCHANGE, routing_key="rk")
-        counted = ScriptCalls(server)
+        counted = ScriptCalls(server.client())
         for i in range(50):
             producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="rk")
         calls = counted.stop()
