@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,40 +184,154 @@ class Server:
 
 @dataclass
 class Cluster:
-    """Three primaries, no replicas, slots split evenly; formed without redis-cli."""
+    """Three primaries (``size``) with slots split evenly, each with ``replicas`` replicas;
+    formed without redis-cli. ``args`` go to every node (e.g. ``["--appendonly", "yes"]``).
+    With replicas, a primary that stops answering for ``node_timeout_ms`` is failed over by
+    its replica; the topology methods below kill, fail over and restart nodes the way an
+    operator or an outage would, and wait (bounded) for the cluster to agree again."""
 
     kind: str = "valkey"
+    replicas: int = 0
+    node_timeout_ms: int = 5000
+    args: Sequence[str] = ()
     nodes: list[Server] = field(default_factory=list)
+    size: int = 3
 
-    def start(self, size: int = 3, timeout: float = 20.0) -> Cluster:
-        for _ in range(size):
-            node = Server(self.kind, port=free_port(cluster_bus=True), args=["--cluster-enabled", "yes",
-                                           "--cluster-config-file", "nodes.conf",
-                                           "--cluster-node-timeout", "5000"])
-            self.nodes.append(node.start())
-        per_node = 16384 // size
+    def start(self, size: int | None = None, timeout: float = 30.0) -> Cluster:
+        self.size = size or self.size
+        try:
+            self._form(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self, timeout: float) -> None:
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                # A replica may always take over, however long its link was down: on loopback
+                # its data is as fresh as replication gets.
+                "--cluster-replica-validity-factor", "0", "--repl-diskless-sync-delay", "0",
+                *self.args]
+        for _ in range(self.size * (1 + self.replicas)):
+            self.nodes.append(Server(self.kind, port=free_port(cluster_bus=True), args=list(args)).start())
+        per_node = 16384 // self.size
         clients = [node.client(socket_timeout=5) for node in self.nodes]
-        for i, client in enumerate(clients):
-            last = 16383 if i == size - 1 else (i + 1) * per_node - 1
+        for i, client in enumerate(clients[:self.size]):
+            last = 16383 if i == self.size - 1 else (i + 1) * per_node - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per_node, last)
         for node in self.nodes[1:]:
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
         deadline = time.monotonic() + timeout
-        while not all(self._ready(client, size) for client in clients):
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{self.kind} cluster did not form within {timeout}s")
-            time.sleep(0.05)
+        self._poll(lambda: all(int(self._info(c).get("cluster_known_nodes", 0)) == len(self.nodes)
+                               for c in clients), deadline, "meet")
+        for i, client in enumerate(clients[self.size:]):
+            primary = clients[i % self.size].execute_command("CLUSTER", "MYID")
+            client.execute_command("CLUSTER", "REPLICATE", primary)
         for client in clients:
             client.close()
-        return self
+        self.wait_healthy(max(1.0, deadline - time.monotonic()))
+
+    def _poll(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        while True:
+            with contextlib.suppress(redis.RedisError, OSError):
+                if ready():
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.kind} cluster: {what} not done in time")
+            time.sleep(0.05)  # polling interval of a bounded wait
 
     @staticmethod
-    def _ready(client: redis.Redis, size: int) -> bool:
+    def _info(client: redis.Redis) -> dict[str, str]:
         info = client.execute_command("CLUSTER", "INFO")
         info = info.decode() if isinstance(info, bytes) else info
-        fields = dict(line.split(":", 1) for line in info.split("\r\n") if ":" in line)
-        return fields.get("cluster_state") == "ok" and int(fields.get("cluster_known_nodes", 0)) == size
+        return dict(line.split(":", 1) for line in info.split("\r\n") if ":" in line)
+
+    def running(self) -> list[Server]:
+        return [node for node in self.nodes if node.process is not None and node.process.poll() is None]
+
+    def role(self, node: Server) -> dict[str, object]:
+        return node.client(socket_timeout=2).info("replication")
+
+    def primaries(self) -> list[Server]:
+        """The running nodes that answer as primaries owning slots, in slot order."""
+        found = []
+        for node in self.running():
+            with contextlib.suppress(redis.RedisError, OSError):
+                if self.role(node)["role"] == "master" and self._owned_slots(node):
+                    found.append((self._owned_slots(node)[0], node))
+        return [node for _, node in sorted(found, key=lambda pair: pair[0])]
+
+    def _owned_slots(self, node: Server) -> list[int]:
+        client = node.client(socket_timeout=2)
+        myself = next(line for line in client.execute_command("CLUSTER", "NODES").decode().splitlines()
+                      if "myself" in line.split()[2])
+        return [int(part.split("-")[0]) for part in myself.split()[8:] if part[0].isdigit()]
+
+    def replica_of(self, primary: Server) -> Server:
+        for node in self.running():
+            with contextlib.suppress(redis.RedisError, OSError):
+                info = self.role(node)
+                if info["role"] == "slave" and info.get("master_port") == primary.port:
+                    return node
+        raise LookupError(f"no running replica of the primary on port {primary.port}")
+
+    def owner(self, key: str) -> Server:
+        """The primary that owns ``key``'s slot now."""
+        slot = redis.cluster.key_slot(key.encode())
+        port = next(shard[2][1] for shard in self._slots() if shard[0] <= slot <= shard[1])
+        return next(node for node in self.nodes if node.port == port)
+
+    def _slots(self) -> list[list[object]]:
+        for node in self.running():
+            with contextlib.suppress(redis.RedisError, OSError):
+                return node.client(socket_timeout=2).execute_command("CLUSTER", "SLOTS")
+        raise RuntimeError("no node answers CLUSTER SLOTS")
+
+    def healthy(self) -> bool:
+        """Every running node says the cluster is ok and knows every node; every primary has
+        its replicas linked; every slot is owned by a running primary."""
+        running = self.running()
+        for node in running:
+            if self._info(node.client(socket_timeout=2)).get("cluster_state") != "ok":
+                return False
+        primaries = self.primaries()
+        if len(primaries) != self.size:
+            return False
+        for node in running:
+            info = self.role(node)
+            if info["role"] == "slave" and info.get("master_link_status") != "up":
+                return False
+        if len(running) < len(self.nodes):  # a node down: its replica role is not expected
+            return True
+        return all(int(self.role(p).get("connected_slaves", 0)) >= self.replicas  # type: ignore[call-overload]
+                   for p in primaries)
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        self._poll(self.healthy, time.monotonic() + timeout, "settling")
+
+    def kill_primary(self, primary: Server, timeout: float = 60.0) -> Server:
+        """SIGKILL ``primary``; returns its replica once the cluster promoted it."""
+        replica = self.replica_of(primary)
+        primary.kill()
+        self._poll(lambda: self.role(replica)["role"] == "master" and
+                   self._info(replica.client(socket_timeout=2)).get("cluster_state") == "ok",
+                   time.monotonic() + timeout, f"failover of {primary.port}")
+        return replica
+
+    def failover(self, primary: Server, timeout: float = 60.0) -> Server:
+        """CLUSTER FAILOVER on ``primary``'s replica (the two swap roles without data loss:
+        the primary stops taking writes until the replica caught up); returns the new primary."""
+        replica = self.replica_of(primary)
+        replica.client(socket_timeout=5).execute_command("CLUSTER", "FAILOVER")
+        self._poll(lambda: self.role(replica)["role"] == "master" and self.role(primary)["role"] == "slave",
+                   time.monotonic() + timeout, f"manual failover of {primary.port}")
+        return replica
+
+    def start_again(self, node: Server) -> Server:
+        """Start a stopped node on its port and directory: its nodes.conf makes it rejoin
+        (a failed-over primary comes back as a replica of the node that took over)."""
+        return node.start()
 
     @property
     def startup_nodes(self) -> list[redis.cluster.ClusterNode]:
