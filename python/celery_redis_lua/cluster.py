@@ -9,8 +9,10 @@ the ``cluster`` option and a plain ``redis://`` URL. A cluster has only database
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 CLUSTER_SCHEMES = ("cluster",)  # what kombu leaves in the host of redislua(s)+cluster://
@@ -60,3 +62,26 @@ def parse_cluster_host(host: str, extra_nodes: Sequence[str] = ()) -> ClusterUrl
     return ClusterUrl(tuple(dict.fromkeys(nodes)),
                       unquote(parts.username) if parts.username else None,
                       unquote(parts.password) if parts.password else None)
+
+
+# The nodes the clients of this process found, by the seeds they started from. kombu and
+# Celery make a new connection (so a new client) after a lost one; it starts from these as
+# well as the seeds, so a worker whose URL names one node still finds the cluster when that
+# node is the one that died.
+_discovered: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
+_discovered_lock = threading.Lock()
+
+
+def startup_nodes(url: ClusterUrl) -> list[tuple[str, int]]:
+    """The seeds first, then every node a client from the same seeds has seen."""
+    with _discovered_lock:
+        seen = _discovered.get(url.nodes, ())
+    return list(dict.fromkeys([*url.nodes, *seen]))
+
+
+def remember_nodes(url: ClusterUrl, client: Any) -> None:
+    """Record the nodes ``client`` (a RedisCluster started from ``url``'s seeds) knows now."""
+    nodes = tuple((node.host, int(node.port)) for node in client.get_nodes())
+    if nodes:
+        with _discovered_lock:
+            _discovered[url.nodes] = tuple(dict.fromkeys([*_discovered.get(url.nodes, ()), *nodes]))

@@ -26,7 +26,14 @@ from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
-from ..cluster import ClusterConfigError, ClusterUrl, is_cluster_host, parse_cluster_host
+from ..cluster import (
+    ClusterConfigError,
+    ClusterUrl,
+    is_cluster_host,
+    parse_cluster_host,
+    remember_nodes,
+    startup_nodes,
+)
 from ..protocol.ops import Declared
 from ..sentinel import (
     SentinelConfigError,
@@ -58,6 +65,8 @@ def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
         # being rebuilt: reconnect and retry, as for a lost server.
         redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,
         redis.exceptions.ClusterError,
+        # No seed or remembered node answers (yet): the same, at connect time.
+        redis.exceptions.RedisClusterException,
     )
     channel_errors = (redis.DataError, redis.exceptions.InvalidResponse, redis.ResponseError)
     return virtual.Transport.connection_errors + connection_errors, (
@@ -144,8 +153,6 @@ class Transport(virtual.Transport):
             return None
         if self.sentinel is not None:
             raise OptionError("a broker is either a cluster or behind sentinels, not both")
-        if options.durability is not None:
-            raise OptionError("transport option 'durability' is not supported on a cluster yet")
         if not is_cluster_host(host):  # the class route: a plain URL names the seed node
             credentials = ""
             if client.userid or client.password:
@@ -235,8 +242,10 @@ class Transport(virtual.Transport):
             params["username"] = cluster.username
         if cluster.password and "credential_provider" not in params:
             params["password"] = cluster.password
-        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in cluster.nodes],
-                            retry=Retry(NoBackoff(), 0), **params)
+        seeds = [ClusterNode(host, port) for host, port in startup_nodes(cluster)]
+        client = RedisCluster(startup_nodes=seeds, retry=Retry(NoBackoff(), 0), **params)
+        remember_nodes(cluster, client)
+        return client
 
     @cached_property
     def pool(self) -> redis.ConnectionPool:
@@ -283,6 +292,8 @@ class Transport(virtual.Transport):
         if "pool" in self.__dict__:
             self.pool.disconnect()
         if "cluster_client" in self.__dict__:
+            assert self.cluster is not None
+            remember_nodes(self.cluster, self.cluster_client)
             self.cluster_client.close()
 
     # -- which loop consumes ----------------------------------------------------------------
