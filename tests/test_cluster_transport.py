@@ -120,8 +120,6 @@ def test_fanout_reaches_every_bound_queue_on_the_cluster(cluster: Cluster) -> No
 
 @pytest.mark.parametrize(("broker_url", "options", "error"), [
     ("redislua+cluster://127.0.0.1:{port}/1", {}, "a cluster has only database 0"),
-    ("redislua+cluster://127.0.0.1:{port}/0", {"durability": "replicas:1"},
-     "'durability' is not supported on a cluster"),
     ("redislua://127.0.0.1:{port}/0", {"cluster": True, "cluster_nodes": ["nohost:"]},
      "cluster node must be 'host:port'"),
     ("redislua://127.0.0.1:{port}/0", {"cluster": True, "cluster_nodes": "127.0.0.1:7000"},

@@ -197,11 +197,6 @@ def test_bad_durability_settings_name_themselves(setting: str, message: str) -> 
         Connection("redislua://127.0.0.1:1/0", transport_options={"durability": setting}).transport  # noqa: B018
 
 
-def test_durability_is_refused_on_a_cluster_client(valkey_cluster: Any) -> None:
-    with pytest.raises(ValueError, match="durability is not supported on a cluster client yet"):
-        ScriptLibrary(valkey_cluster.client(), Keyspace(), Policy(durability=Durability.parse("aof", 100)))
-
-
 def test_a_wait_the_acl_refuses_is_an_error_not_a_success(pair: Pair) -> None:
     admin = pair.primary.client()
     admin.execute_command("ACL", "SETUSER", "nowait", "on", ">pw", "~*", "+@all", "-wait")

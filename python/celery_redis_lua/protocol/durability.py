@@ -79,6 +79,16 @@ class Durability:
             return local >= 1 and replicas >= self.replicas
         return int(reply) >= self.replicas
 
+    def least(self, replies: Sequence[Any]) -> Any:
+        """Of several nodes' wait replies (a cluster), the one furthest from confirmed: an
+        error if any node's wait failed."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                return reply
+        if self.aof:
+            return [min(int(r[0]) for r in replies), min(int(r[1]) for r in replies)]
+        return min(int(r) for r in replies)
+
     def describe(self, reply: Any) -> str:
         if self.aof:
             local, replicas = (int(x) for x in reply)
@@ -101,7 +111,11 @@ class Durability:
         timeout = min(self.timeout_ms, 1000)
         probe = ("WAITAOF", 1, self.replicas, timeout) if self.aof else ("WAIT", self.replicas, timeout)
         try:
-            reply = client.execute_command(*probe)
+            if hasattr(client, "get_primaries"):  # a cluster: every primary must honour it
+                reply = self.least([client.execute_command(*probe, target_nodes=node)
+                                    for node in client.get_primaries()])
+            else:
+                reply = client.execute_command(*probe)
         except Exception as error:
             message = str(error)
             if "unknown command" in message.lower():

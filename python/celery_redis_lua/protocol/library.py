@@ -86,8 +86,6 @@ class ScriptLibrary:
         self.policy = policy or Policy()
         if visibility_ms is not None:  # the 0.1 signature: ScriptLibrary(client, keys, visibility_ms=...)
             self.policy = dataclasses.replace(self.policy, visibility_ms=visibility_ms)
-        if self.policy.durability is not None and isinstance(client, RedisCluster):
-            raise ValueError("durability is not supported on a cluster client yet")
         self.runner = ScriptRunner(client, durability=self.policy.durability)
         self.calls = Calls(self)
 

@@ -13,16 +13,30 @@ connection, and :class:`~.durability.NotDurable` is raised when the wait falls s
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 from .contract import Script, load_scripts
 from .durability import CONFIRMED_SCRIPTS, RAISE_WHEN_SHORT, Durability
 
 ERROR_PREFIX = "celery-redis-lua:"
+# A durable call on a cluster that met a slot move (MOVED, ASK, TRYAGAIN: it never ran) is
+# sent again after the slot map is refreshed, this many times, this far apart.
+REDIRECT_ATTEMPTS = 20
+REDIRECT_PAUSE_SECONDS = 0.05
+REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -168,6 +182,8 @@ class ScriptRunner:
     def _pipeline(self, calls: Sequence[Call[Any]],
                   wait: Durability | None = None) -> tuple[list[Any], Any]:
         """The replies of ``calls`` in one pipeline, and of the wait that ends it (or None)."""
+        if wait is not None and hasattr(self.client, "get_node_from_key"):
+            return self._pipeline_per_node(calls, wait)
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             self._evalsha(pipe, self.scripts[call.script], call)
@@ -175,6 +191,43 @@ class ScriptRunner:
             pipe.execute_command(*wait.command())
         replies = list(pipe.execute(raise_on_error=False))
         return (replies[:-1], replies[-1]) if wait is not None else (replies, None)
+
+    def _pipeline_per_node(self, calls: Sequence[Call[Any]], wait: Durability) -> tuple[list[Any], Any]:
+        """On a cluster, a wait counts the replicas of the node it runs on: the calls go in
+        one pipeline per primary owning their slots, each ended by the wait, on that node's
+        own connection. The reply that stands for the wait is the least durable one. A call
+        the node redirected (the slot moved or is moving: it never ran) goes again once the
+        slot map is refreshed; still redirected after REDIRECT_ATTEMPTS, it fails as a
+        cluster error, which the transport treats as a lost connection (kombu retries it)."""
+        replies: list[Any] = [None] * len(calls)
+        waits: list[Any] = []
+        todo = list(range(len(calls)))
+        for _ in range(REDIRECT_ATTEMPTS):
+            by_node: dict[str, list[int]] = {}
+            for i in todo:
+                by_node.setdefault(self.client.get_node_from_key(calls[i].keys[0]).name, []).append(i)
+            todo = []
+            for name, indexes in by_node.items():
+                node = self.client.get_node(node_name=name)
+                pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+                for i in indexes:
+                    self._evalsha(pipe, self.scripts[calls[i].script], calls[i])
+                pipe.execute_command(*wait.command())
+                *got, waited = pipe.execute(raise_on_error=False)
+                ran = False
+                for i, reply in zip(indexes, got, strict=True):
+                    if isinstance(reply, REDIRECTED):
+                        todo.append(i)
+                    else:
+                        replies[i], ran = reply, True
+                if ran:
+                    waits.append(waited)
+            if not todo:
+                return replies, wait.least(waits)
+            self.client.nodes_manager.initialize()
+            time.sleep(REDIRECT_PAUSE_SECONDS)  # a slot migration or a failover under way
+        raise ClusterError(f"{sorted({calls[i].script for i in todo})}: the slot kept moving "
+                           f"({REDIRECT_ATTEMPTS} redirections); nothing ran")
 
     @staticmethod
     def _evalsha(target: Any, script: Script, call: Call[Any]) -> Any:
