@@ -43,6 +43,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.transport == "stock" and (args.durability or args.durability_timeout):
         parser.error("--durability is an option of our transport only")
+    if args.transport == "stock" and args.broker.endswith("-cluster"):
+        parser.error("kombu's stock Redis transport does not run on a cluster")
     if args.durability_timeout and not args.durability:
         parser.error("--durability-timeout needs --durability")
     return args
@@ -73,7 +75,7 @@ def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str) -> 
 def settle(broker: Broker, card: dict[str, Any]) -> None:
     """A Sentinel group settled (its servers up, one primary, the replica online); a group
     that does not settle is recorded, and the run goes on to its verdict."""
-    if not broker.sentinel:
+    if not broker.replicated:
         return
     try:
         broker.settle(faults.SETTLE_TIMEOUT)
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         listener.start()
         injector = faults.FaultInjector(broker, workers, args.transport, profile,
                                         ledger_server.url, args.seed)
-        plan = faults.schedule(profile, args.seed, faults.fault_kinds(broker.sentinel))
+        plan = faults.schedule(profile, args.seed, faults.fault_kinds(broker))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
         began = time.monotonic()
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, broker, args.transport)
         listener.stop()
         settle(broker, card)
-        if broker.sentinel:
+        if broker.replicated:
             card["run"]["primary_at_end"] = broker.current().port
         state = verdict.broker_state(broker.client(socket_timeout=10), args.transport)
         records = ledger.read(ledger_server.url)

@@ -1,6 +1,7 @@
-"""The broker under test: one server, or a Sentinel group (a primary, a replica and three
-sentinels) whose primary moves. Everything that talks to "the broker" (the fault injector,
-the drain, the final inspection) asks this for the current primary."""
+"""The broker under test: one server, a Sentinel group (a primary, a replica and three
+sentinels) whose primary moves, or a cluster (three primaries with a replica each) whose
+primaries move. Everything that talks to "the broker" (the fault injector, the drain, the
+final inspection) asks this for the current primary, or for a cluster client."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ from typing import Any
 
 import redis
 
-from tools.servers import SentinelGroup, Server, server_version
+from celery_redis_lua import Keyspace
+from tools.servers import Cluster, SentinelGroup, Server, server_version
 
 MASTER_NAME = "mymaster"
-# name -> (server kind, appendfsync, sentinel group?)
-BROKERS = {"redis-aof": ("redis", "everysec", False), "redis-aof-always": ("redis", "always", False),
-           "valkey": ("valkey", "everysec", False),
-           "redis-sentinel": ("redis", "everysec", True), "valkey-sentinel": ("valkey", "everysec", True)}
+# name -> (server kind, appendfsync, topology: "one", "sentinel" or "cluster")
+BROKERS = {"redis-aof": ("redis", "everysec", "one"), "redis-aof-always": ("redis", "always", "one"),
+           "valkey": ("valkey", "everysec", "one"),
+           "redis-sentinel": ("redis", "everysec", "sentinel"),
+           "valkey-sentinel": ("valkey", "everysec", "sentinel"),
+           "redis-cluster": ("redis", "everysec", "cluster"),
+           "valkey-cluster": ("valkey", "everysec", "cluster")}
+# A cluster primary that stops answering this long is failed over by its replica (what the
+# sentinels' down-after is for a Sentinel group).
+CLUSTER_NODE_TIMEOUT_MS = 1000
+# The queue whose primary most cluster faults hit (the others hit a random primary).
+MAIN_QUEUE = "celery"
 
 
 @dataclass
@@ -24,38 +34,54 @@ class Broker:
     name: str
     server: Server | None = None
     group: SentinelGroup | None = None
+    cluster: Cluster | None = None
     started: float = field(default_factory=time.time)
 
     @classmethod
     def create(cls, name: str) -> Broker:
-        kind, fsync, sentinel = BROKERS[name]
+        kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
-        if sentinel:
+        if topology == "sentinel":
             return cls(name, group=SentinelGroup(kind, replicas=1, sentinels=3,
                                                  master_name=MASTER_NAME, args=args))
+        if topology == "cluster":
+            return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
+                                             args=args))
         return cls(name, server=Server(kind, args=args))
 
     @property
     def sentinel(self) -> bool:
         return self.group is not None
 
+    @property
+    def replicated(self) -> bool:
+        """Primaries that move (a Sentinel group or a cluster): faults wait for it to settle."""
+        return self.group is not None or self.cluster is not None
+
     def start(self) -> Broker:
         if self.group is not None:
             self.group.start()
             self.settle()
+        elif self.cluster is not None:
+            self.cluster.start()
         else:
             assert self.server is not None
             self.server.start()
         return self
 
     def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.group is not None:
             self.group.stop()
         elif self.server is not None:
             self.server.stop()
 
     def current(self, timeout: float = 30.0) -> Server:
-        """The primary now (asked of the sentinels; retried while they fail over)."""
+        """The primary now (asked of the sentinels; retried while they fail over); on a
+        cluster, the primary that owns the main queue."""
+        if self.cluster is not None:
+            return self.owner(MAIN_QUEUE, timeout)
         if self.group is None:
             assert self.server is not None
             return self.server
@@ -71,11 +97,40 @@ class Broker:
                 raise TimeoutError(f"no primary answering as one within {timeout}s")
             time.sleep(0.1)  # polling interval of a bounded wait
 
-    def client(self, **kwargs: Any) -> redis.Redis:
+    def owner(self, queue: str, timeout: float = 30.0) -> Server:
+        """The cluster primary that owns ``queue``'s slot (retried while a failover runs)."""
+        assert self.cluster is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                owner = self.cluster.owner(Keyspace().queue(queue))
+                if owner.client(socket_timeout=2).info("replication")["role"] == "master":
+                    return owner
+            except (redis.RedisError, OSError, StopIteration, RuntimeError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no primary owning {queue!r} within {timeout}s")
+            time.sleep(0.1)  # polling interval of a bounded wait
+
+    def owned_queues(self, primary: Server, queues: tuple[str, ...]) -> list[str]:
+        """Which of ``queues`` live on ``primary`` (a cluster)."""
+        assert self.cluster is not None
+        return [q for q in queues if self.cluster.owner(Keyspace().queue(q)).port == primary.port]
+
+    def client(self, **kwargs: Any) -> Any:
+        if self.cluster is not None:
+            return self.cluster.client(**kwargs)
         return self.current().client(**kwargs)
 
     def settle(self, timeout: float = 60.0) -> Server:
-        """Every data server running again and the group agreed (no-op for one server)."""
+        """Every data server running again and the group (or cluster) agreed (no-op for one
+        server)."""
+        if self.cluster is not None:
+            for node in self.cluster.nodes:
+                if node.process is None or node.process.poll() is not None:
+                    node.start()  # its nodes.conf makes it rejoin, as a replica if it was replaced
+            self.cluster.wait_healthy(timeout)
+            return self.current(timeout)
         if self.group is None:
             return self.current()
         deadline = time.monotonic() + timeout
@@ -93,6 +148,11 @@ class Broker:
         return primary
 
     def start_again(self, server: Server, replica_of: int | None) -> Server:
+        if self.cluster is not None:
+            return server.start()  # the cluster decides its role (nodes.conf)
+        return self._start_again_in_group(server, replica_of)
+
+    def _start_again_in_group(self, server: Server, replica_of: int | None) -> Server:
         """Start a stopped data server on its port and AOF in the role it has to come back
         in: a server killed as the primary comes back a primary (what its config says once
         the sentinels have promoted it; they demote it in their next round), one killed as a
@@ -119,6 +179,10 @@ class Broker:
         return online >= self.group.replicas
 
     def url(self, transport: str) -> str:
+        if self.cluster is not None:
+            if transport != "ours":
+                raise ValueError("kombu's stock Redis transport does not run on a cluster")
+            return f"redislua+cluster://127.0.0.1:{self.cluster.nodes[0].port}/0"
         if self.group is not None:
             return self.group.broker_url("redislua+sentinel" if transport == "ours" else "sentinel")
         assert self.server is not None
@@ -129,12 +193,18 @@ class Broker:
         return {"master_name": MASTER_NAME} if self.group is not None else {}
 
     def describe(self) -> str:
-        version = server_version(self.client())
+        version = server_version(self.current().client())
+        if self.cluster is not None:
+            return f"{version}, 3 primaries with 1 replica each"
         if self.group is not None:
             return f"{version}, 1 replica, 3 sentinels"
         return version
 
     def topology(self) -> dict[str, Any]:
+        if self.cluster is not None:
+            return {"primaries": [p.port for p in self.cluster.primaries()],
+                    "nodes": [n.port for n in self.cluster.nodes],
+                    "main_queue_on": self.current().port, "node_timeout_ms": CLUSTER_NODE_TIMEOUT_MS}
         if self.group is None:
             assert self.server is not None
             return {"server": self.server.port}

@@ -4,7 +4,10 @@ outcome. Runs in the main thread: servers die with the thread that started them
 
 With a Sentinel broker every broker fault acts on the primary the sentinels name at that
 moment, after waiting for the group to be settled (one primary, the replica linked), so
-faults do not stack on an unfinished failover. An entry whose fault moved the primary has
+faults do not stack on an unfinished failover. With a cluster, half the broker faults act on
+the primary that owns the main queue and half on a random primary (the remote-control and
+event streams live on the others), after waiting for the cluster to be healthy; the entry
+names the chaos queues that primary held (``queues``). An entry whose fault moved the primary has
 ``failover: true``, the old and new primary ports, and ``writes_until``: the last moment
 the old primary could still accept a write that the new one never got (its death for a
 SIGKILL; its demotion to a replica when it was still running)."""
@@ -23,7 +26,8 @@ import redis
 
 from tools.chaos import ledger
 from tools.chaos.broker import Broker
-from tools.chaos.profiles import FAULT_KINDS, SENTINEL_FAULT_KINDS, STOCK_SKIPS, Profile
+from tools.chaos.profiles import CLUSTER_FAULT_KINDS, FAULT_KINDS, SENTINEL_FAULT_KINDS, STOCK_SKIPS, Profile
+from tools.chaos.verdict import QUEUES
 from tools.chaos.workers import ChaosWorker
 from tools.servers import Server
 
@@ -40,8 +44,10 @@ FAILOVER_WATCH_SECONDS = 12.0
 SETTLE_TIMEOUT = 60.0
 
 
-def fault_kinds(sentinel: bool) -> tuple[str, ...]:
-    return FAULT_KINDS + SENTINEL_FAULT_KINDS if sentinel else FAULT_KINDS
+def fault_kinds(broker: Broker) -> tuple[str, ...]:
+    if broker.cluster is not None:
+        return FAULT_KINDS + CLUSTER_FAULT_KINDS
+    return FAULT_KINDS + SENTINEL_FAULT_KINDS if broker.sentinel else FAULT_KINDS
 
 
 def schedule(profile: Profile, seed: int,
@@ -80,8 +86,8 @@ class FaultInjector:
             entry.update(skipped=STOCK_SKIPS[kind])
         elif kind in WORKER_SIGNALS:
             entry.update(self.worker_fault(kind))
-        elif kind in SENTINEL_FAULT_KINDS and not self.broker.sentinel:
-            entry.update(skipped="needs a Sentinel broker")
+        elif kind in SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS and not self.broker.replicated:
+            entry.update(skipped="needs a Sentinel broker or a cluster")
         else:
             entry.update(self.broker_fault(kind))
         ledger.record("fault", self.ledger_url, **entry)
@@ -89,7 +95,7 @@ class FaultInjector:
 
     def broker_fault(self, kind: str) -> dict[str, Any]:
         entry: dict[str, Any] = {}
-        if self.broker.sentinel:
+        if self.broker.replicated:
             began = time.monotonic()
             try:
                 self.broker.settle(SETTLE_TIMEOUT)
@@ -99,8 +105,10 @@ class FaultInjector:
             if waited > 0.2:
                 entry["settle_wait_seconds"] = round(waited, 3)
         try:
-            server = self.broker.current()
+            server = self.target()
             entry.update(t=time.time(), server_port=server.port)
+            if self.broker.cluster is not None:
+                entry["queues"] = self.broker.owned_queues(server, QUEUES)
             if kind == "broker_restart":
                 server.kill()
                 self.broker.start_again(server, None)  # the primary comes back a primary
@@ -117,13 +125,53 @@ class FaultInjector:
             elif kind == "broker_pause":
                 entry.update(self.pause(server))
                 entry.update(self.watch_failover(server, entry["t"]))
+            elif kind == "primary_kill" and self.broker.cluster is not None:
+                entry.update(self.cluster_primary_kill(server, entry["t"]))
             elif kind == "primary_kill":
                 entry.update(self.primary_kill(entry["t"]))
+            elif kind == "cluster_failover":
+                entry.update(self.cluster_failover(server, entry["t"]))
             elif kind == "sentinel_failover":
                 entry.update(self.sentinel_failover(server, entry["t"]))
         except (TimeoutError, redis.RedisError, OSError, RuntimeError) as error:
             entry["error"] = repr(error)[:300]
         return entry
+
+    def target(self) -> Server:
+        """The primary a broker fault hits (see the module's docstring)."""
+        cluster = self.broker.cluster
+        if cluster is None or self.rng.random() < 0.5:
+            return self.broker.current()
+        return self.rng.choice(cluster.primaries())
+
+    def cluster_primary_kill(self, killed: Server, t: float) -> dict[str, Any]:
+        """SIGKILL a cluster primary; its replica takes over after the node timeout; the
+        killed node is started again PRIMARY_RESTART_AFTER seconds after the kill and rejoins
+        as the new primary's replica."""
+        cluster = self.broker.cluster
+        assert cluster is not None
+        new = cluster.kill_primary(killed, timeout=SETTLE_TIMEOUT)
+        named = time.time()
+        time.sleep(max(0.0, t + PRIMARY_RESTART_AFTER - time.time()))  # the fault: down this long
+        self.broker.start_again(killed, None)
+        restarted = time.time()
+        self.broker.settle(SETTLE_TIMEOUT)
+        return {"failover": True, "old_primary": killed.port, "new_primary": new.port,
+                "new_primary_seconds": round(named - t, 3), "writes_until": t,
+                "restarted_after_seconds": round(restarted - t, 3),
+                "rejoined_seconds": round(time.time() - t, 3)}
+
+    def cluster_failover(self, old: Server, t: float) -> dict[str, Any]:
+        """CLUSTER FAILOVER on the primary's replica: the primary stops taking writes, the
+        replica catches up and takes over, the old primary becomes its replica."""
+        cluster = self.broker.cluster
+        assert cluster is not None
+        new = cluster.failover(old, timeout=SETTLE_TIMEOUT)
+        demoted = time.time()
+        self.broker.settle(SETTLE_TIMEOUT)
+        return {"failover": True, "old_primary": old.port, "new_primary": new.port,
+                "writes_until": demoted, "old_demoted_seconds": round(demoted - t, 3),
+                "settled_seconds": round(time.time() - t, 3)}
 
     def primary_kill(self, t: float) -> dict[str, Any]:
         """SIGKILL the primary; the sentinels promote the replica; the killed server is
@@ -160,7 +208,10 @@ class FaultInjector:
         """After a pause or restart of the primary: did the sentinels move it? Watched for
         FAILOVER_WATCH_SECONDS from the fault; once they name another primary, until the
         old server answers as a replica (the sentinels demote a live old primary on their
-        next INFO round, up to 10 s later), then until the group settles."""
+        next INFO round, up to 10 s later), then until the group settles. On a cluster: did
+        the old primary's replica take over (the old one answers as a replica)?"""
+        if self.broker.cluster is not None:
+            return self.watch_cluster_failover(old, t)
         if not self.broker.sentinel:
             return {}
         group = self.broker.group
@@ -181,6 +232,16 @@ class FaultInjector:
                 "writes_until": demoted if demoted is not None else time.time(),
                 "old_demoted_seconds": round(demoted - t, 3) if demoted is not None else None,
                 "settled_seconds": round(time.time() - t, 3)}
+
+    def watch_cluster_failover(self, old: Server, t: float) -> dict[str, Any]:
+        demoted = None
+        while time.time() < t + FAILOVER_WATCH_SECONDS and demoted is None:
+            demoted = self.wait_demoted(old, 0.5)
+        self.broker.settle(SETTLE_TIMEOUT)
+        if demoted is None:
+            return {"failover": False, "settled_seconds": round(time.time() - t, 3)}
+        return {"failover": True, "old_primary": old.port, "writes_until": demoted,
+                "old_demoted_seconds": round(demoted - t, 3), "settled_seconds": round(time.time() - t, 3)}
 
     @staticmethod
     def wait_demoted(server: Server, timeout: float) -> float | None:

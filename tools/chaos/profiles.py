@@ -12,6 +12,9 @@ FAULT_KINDS = (
 # With a Sentinel broker (redis-sentinel, valkey-sentinel) these join the schedule: SIGKILL of
 # the primary (restarted a few seconds later, it rejoins as a replica) and SENTINEL FAILOVER.
 SENTINEL_FAULT_KINDS = ("primary_kill", "sentinel_failover")
+# With a cluster (redis-cluster, valkey-cluster): SIGKILL of a primary (its replica takes over;
+# restarted a few seconds later, it rejoins as a replica) and CLUSTER FAILOVER on a replica.
+CLUSTER_FAULT_KINDS = ("primary_kill", "cluster_failover")
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
 # Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
 STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}

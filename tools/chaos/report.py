@@ -26,7 +26,9 @@ execution start and finish is recorded by task id. Faults come on a seeded sched
 SIGKILL / SIGTERM / SIGQUIT of a worker (then restarted), a broker restart (SIGKILL, start
 again on the same AOF), `CLIENT KILL TYPE normal`, `SCRIPT FLUSH`, and a broker pause
 (SIGSTOP for a few seconds, SIGCONT); with a Sentinel group, also SIGKILL of the primary
-and `SENTINEL FAILOVER`. Then a bounded drain, and the verdict.
+and `SENTINEL FAILOVER`; with a cluster (three primaries with a replica each:
+`--broker valkey-cluster`), SIGKILL of a primary and `CLUSTER FAILOVER`, half of the broker
+faults on the primary of the main queue. Then a bounded drain, and the verdict.
 
     make chaos ARGS='--profile smoke --broker valkey --seed 1'              # ~4 min
     make chaos ARGS='--profile long --broker redis-aof --seed 1'            # ~35 min
@@ -130,7 +132,8 @@ def summary(card: dict[str, Any], path: Path) -> str:
 
 
 def failover_line(card: dict[str, Any]) -> str:
-    """How the sentinel faults went: how many moved the primary, how long until a new one."""
+    """How the Sentinel or cluster faults went: how many moved a primary, how long until a
+    new one."""
     moved = [f for f in card.get("faults", []) if f.get("failover")]
     by_kind = Counter(f["kind"] for f in moved)
     named = [f["new_primary_seconds"] for f in moved if f.get("new_primary_seconds") is not None]
