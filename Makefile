@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,hiredis]'
 	touch $(STAMP)
 
-## A tour on an embedded Valkey (or BROKER_URL=redis://... make demo).
+## A tour on an embedded Valkey (or BROKER_URL=redis://... make demo; CLUSTER=1 for a cluster).
 demo: venv
-	$(BIN)/python -m tools.demo $(BROKER_URL)
+	$(BIN)/python -m tools.demo $(BROKER_URL) $(if $(CLUSTER),--cluster)
 
 ## Run the whole test suite against throwaway Valkey and Redis servers.
 test: venv

@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT)]  # the package of this checkout, and tools/
 
 import redis  # noqa: E402
+from redis.cluster import RedisCluster  # noqa: E402
 
 from celery_redis_lua import Keyspace, ScriptLibrary  # noqa: E402
-from tools.servers import Server, server_version  # noqa: E402
+from tools.servers import Cluster, Server, server_version  # noqa: E402
 
 QUEUES = ["demo", "demo-broadcast"]
 
@@ -140,8 +141,13 @@ def main() -> int:
     parser.add_argument("url", nargs="?", default=os.environ.get("CELERY_BROKER_URL"),
                         help="redislua:// or redis:// URL "
                              "(default: $CELERY_BROKER_URL, else an embedded Valkey)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="on an embedded three-primary Valkey cluster (make demo CLUSTER=1)")
     options = parser.parse_args()
+    if options.cluster and options.url:
+        parser.error("--cluster starts its own cluster: give no URL with it")
     with ExitStack() as stack:
+        broker_client: redis.Redis | RedisCluster
         if options.url:
             ledger_url = options.url.replace("redislua://", "redis://").replace("redisluas://", "rediss://")
             broker_url = "redislua://" + options.url.split("://", 1)[1]
@@ -152,7 +158,18 @@ def main() -> int:
             broker_url = f"redislua://127.0.0.1:{server.port}/0"
             where = f"an embedded Valkey on 127.0.0.1:{server.port}"
         ledger = redis.Redis.from_url(ledger_url)
+        broker_client = ledger
+        if options.cluster:  # the ledger stays on the standalone server started above
+            cluster = stack.enter_context(Cluster("valkey"))
+            broker_url = f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+            broker_client = cluster.client()
+            ports = ", ".join(str(node.port) for node in cluster.nodes)
+            where = f"an embedded three-primary Valkey cluster (127.0.0.1: {ports})"
         print(f"celery-redis-lua demo: Celery workers on {where} ({server_version(ledger)})")
+        if options.cluster:
+            for queue in QUEUES:
+                node = cluster.owner(Keyspace().queue(queue))
+                print(f"  queue {queue!r} lives on the primary 127.0.0.1:{node.port}")
         log_dir = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory(prefix="crl-demo-")))
         demo = Demo(broker_url, ledger, ledger_url, log_dir)
         try:
@@ -162,10 +179,10 @@ def main() -> int:
             demo.broadcast()
         finally:
             ledger.delete("demo:ledger")
-            lib = ScriptLibrary(ledger, Keyspace())
+            lib = ScriptLibrary(broker_client, Keyspace())
             for queue in QUEUES:
                 lib.delete(queue)
-        ending = "." if options.url else ", embedded server stopped."
+        ending = "." if options.url else ", embedded servers stopped."
         print("\nDone: workers stopped, demo queues deleted" + ending)
     return 0
 
