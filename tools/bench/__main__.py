@@ -25,7 +25,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from tools.servers import Server, available_kinds
+from tools.servers import Cluster, Server, available_kinds
 
 from . import broker_mechanics, celery_level, durability, kombu_level, report, shutdown
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
@@ -75,6 +75,8 @@ def options() -> argparse.Namespace:
     p.add_argument("--durability-kinds", default="valkey,redis", help="server kinds, if available")
     p.add_argument("--no-shutdown", dest="shutdown", action="store_false",
                    help="skip the idle warm-shutdown measurement (SIGTERM to exit, 4 workers per peer)")
+    p.add_argument("--cluster", action="store_true",
+                   help="also our transport on a three-primary cluster of --server-kind (peer lua-cluster)")
     p.add_argument("--quick", action="store_true", help="~1-2 min: repeat 1, small N, early ack only")
     p.add_argument("--no-docs", action="store_true",
                    help="do not update docs/bench/ (latest.*, durability-<date>.*)")
@@ -233,6 +235,9 @@ def main() -> int:
             server = stack.enter_context(Server(o.server_kind))
             peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",")])
             peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
+            if o.cluster:
+                cluster = stack.enter_context(Cluster(o.server_kind))
+                peers.append(Peer("lua-cluster", f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"))
         dpeers: list[Peer] = []
         dmeta: dict[str, dict[str, Any]] = {}
         if o.durability:

@@ -20,12 +20,13 @@ from urllib.parse import urlsplit
 
 import redis
 from kombu import Connection, Exchange, Queue
+from redis.cluster import RedisCluster
 
 import celery_redis_lua  # noqa: F401  (registers the redislua:// schemes with kombu)
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUS_TRANSPORT = "celery_redis_plus.transport:Transport"
-REDIS_SCHEMES = {"redis", "rediss", "redislua", "redisluas", "valkey", "valkeys"}
+REDIS_SCHEMES = {"redis", "rediss", "redislua", "redisluas", "valkey", "valkeys", "redislua+cluster"}
 BASELINE = "stock"  # ratios are to kombu's stock Redis transport
 
 
@@ -46,11 +47,13 @@ class Peer:
     def is_redis(self) -> bool:
         return urlsplit(self.url).scheme in REDIS_SCHEMES
 
-    def redis_client(self) -> redis.Redis | None:
+    def redis_client(self) -> redis.Redis | RedisCluster | None:
         """A plain client to the peer's server (for INFO), or None for non-Redis brokers."""
         if not self.is_redis:
             return None
         parts = urlsplit(self.url)
+        if parts.scheme.endswith("+cluster"):  # snapshots sum over its primaries (server_cost.py)
+            return RedisCluster.from_url(parts._replace(scheme="redis").geturl())
         scheme = "rediss" if parts.scheme in {"rediss", "redisluas", "valkeys"} else "redis"
         return redis.Redis.from_url(parts._replace(scheme=scheme).geturl())
 

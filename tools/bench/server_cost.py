@@ -15,8 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from .peers import Peer
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -25,7 +23,17 @@ SCRIPT_COMMANDS = {"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_r
 # Commands the harness itself sends (snapshots, setup, connection handshake).
 
 
-def snapshot(client: redis.Redis) -> dict[str, Any]:
+def snapshot(client: Any) -> dict[str, Any]:
+    """INFO cpu and commandstats of a server, or summed over a cluster's primaries."""
+    if hasattr(client, "get_primaries"):
+        nodes = [snapshot(client.get_redis_connection(node)) for node in client.get_primaries()]
+        commands: dict[str, tuple[int, int]] = {}
+        for one in nodes:
+            for name, (calls, usec) in one["commands"].items():
+                before = commands.get(name, (0, 0))
+                commands[name] = (before[0] + calls, before[1] + usec)
+        return {"cpu": sum(n["cpu"] for n in nodes), "cpu_main": sum(n["cpu_main"] for n in nodes),
+                "commands": commands}
     cpu = client.info("cpu")
     stats = client.info("commandstats")
     return {
