@@ -20,6 +20,7 @@ import redis
 from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
+from helpers import PLACEMENT
 from kombu_support import Broker
 from tools.servers import Cluster, Server, ServerUnavailable, server_binary
 
@@ -173,3 +174,17 @@ def kind_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
 def conn(broker: Broker) -> Iterator[Connection]:
     with broker.connection() as connection:
         yield connection
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Count the cluster tests of the suites whose queue placement is checked (helpers.Placement)."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        kind = params.get("broker_kind")
+        suite = "celery"
+        if isinstance(params.get("broker"), tuple):
+            kind, suite = params["broker"][0], "kombu"
+        if isinstance(kind, str) and kind.endswith("-cluster"):
+            PLACEMENT.expect(suite, kind)

@@ -172,3 +172,32 @@ class ScriptCalls:
         assert not self._thread.is_alive()
         self._monitor.__exit__(None, None, None)
         return self.counts
+
+
+class Placement:
+    """Which primaries a suite's tests left keys on, by suite and cluster kind. The suite's
+    queues must use every primary; that is checked once every cluster test of the suite that
+    was collected has run (a ``-k`` subset is not held to it)."""
+
+    def __init__(self) -> None:
+        self.expected: dict[tuple[str, str], int] = {}
+        self.ran: dict[tuple[str, str], int] = {}
+        self.ports: dict[tuple[str, str], set[int]] = {}
+
+    def expect(self, suite: str, kind: str) -> None:
+        self.expected[suite, kind] = self.expected.get((suite, kind), 0) + 1
+
+    def record(self, suite: str, kind: str, cluster: Any) -> None:
+        """After a test: the primaries of ``cluster`` holding any key now."""
+        self.ran[suite, kind] = self.ran.get((suite, kind), 0) + 1
+        self.ports.setdefault((suite, kind), set()).update(
+            node.port for node in cluster.primaries() if node.client(socket_timeout=5).dbsize())
+
+    def unmet(self, suite: str) -> list[str]:
+        return [f"the {suite} suite's queues on {kind} used only the primaries {sorted(ports)}"
+                for (name, kind), ports in self.ports.items()
+                if name == suite and len(ports) < 3
+                and self.ran[name, kind] == self.expected.get((name, kind))]
+
+
+PLACEMENT = Placement()

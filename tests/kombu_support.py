@@ -14,18 +14,32 @@ from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from tools.servers import Server
+from tools.servers import Cluster, Server
 
 
 @dataclass
 class Broker:
-    server: Server
+    server: Server | Cluster
     prefix: str
-    client: redis.Redis
+    client: redis.Redis  # a RedisCluster for a cluster
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.server, Cluster)
 
     def connection(self, db: int = 0, **options: Any) -> Connection:
-        return Connection(f"redislua://127.0.0.1:{self.server.port}/{db}",
-                          transport_options={"global_keyprefix": self.prefix, **options})
+        if isinstance(self.server, Cluster):
+            url = f"redislua+cluster://127.0.0.1:{self.server.nodes[0].port}/{db}"
+        else:
+            url = f"redislua://127.0.0.1:{self.server.port}/{db}"
+        return Connection(url, transport_options={"global_keyprefix": self.prefix, **options})
+
+    def blocked_clients(self) -> int:
+        """Clients in a blocking command now (on every node of a cluster)."""
+        if isinstance(self.server, Cluster):
+            return sum(node.client(socket_timeout=5).info("clients")["blocked_clients"]
+                       for node in self.server.running())
+        return int(self.client.info("clients")["blocked_clients"])
 
     @property
     def keys(self) -> Keyspace:
@@ -37,6 +51,9 @@ class Broker:
         return ScriptLibrary(self.client, self.keys)
 
     def queue_keys(self, queue: str) -> set[str]:
+        if isinstance(self.server, Cluster):  # KEYS goes to one node unless told otherwise
+            return {k.decode() for k in self.client.keys(f"*{{{queue}}}*",
+                                                         target_nodes=self.client.PRIMARIES)}
         return {k.decode() for k in self.client.keys(f"*{{{queue}}}*")}
 
 

@@ -1,10 +1,13 @@
-"""The transport through plain kombu (no Celery worker), on Valkey and Redis, with and
-without a global_keyprefix; the broker is inspected with the script library or raw keys."""
+"""The transport through plain kombu (no Celery worker), on Valkey and Redis, standalone and
+three-primary clusters, with and without a global_keyprefix; the broker is inspected with
+the script library or raw keys. On the clusters, the queues the module uses are placed on
+every primary (asserted once the module's cluster tests ran)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
@@ -13,10 +16,32 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 import celery_redis_lua
 from celery_redis_lua import Keyspace
-from helpers import wait_for_server_time, wait_until
+from helpers import PLACEMENT, wait_for_server_time, wait_until
 from kombu_support import Broker, consume
+from tools.servers import Cluster
 
 EX = Exchange("ex", "direct")
+KINDS = [(kind, prefix) for prefix in ("", "app:")
+         for kind in ("valkey", "redis", "valkey-cluster", "redis-cluster")]
+
+
+@pytest.fixture(scope="module")
+def placement() -> Iterator[None]:
+    yield
+    assert not PLACEMENT.unmet("kombu")
+
+
+@pytest.fixture(params=KINDS, ids=lambda p: f"{p[0]}-{'prefix' if p[1] else 'noprefix'}")
+def broker(request: pytest.FixtureRequest, placement: None) -> Iterator[Broker]:
+    """The transport under test: each server kind and cluster, with and without a prefix."""
+    kind, prefix = request.param
+    server = request.getfixturevalue(kind.replace("-", "_") + ("" if "cluster" in kind else "_server"))
+    client = server.client(socket_timeout=10)
+    client.flushall()
+    yield Broker(server, prefix, client)
+    if isinstance(server, Cluster):
+        PLACEMENT.record("kombu", kind, server)
+    client.close()
 
 
 def test_publish_consume_ack_leaves_only_the_queue_definition(conn: Connection, broker: Broker) -> None:
@@ -28,7 +53,8 @@ def test_publish_consume_ack_leaves_only_the_queue_definition(conn: Connection, 
     messages = consume(conn, [queue], 3)
     assert [m.payload for m in messages] == [{"n": 0}, {"n": 1}, {"n": 2}]
     assert [m.delivery_info["routing_key"] for m in messages] == ["work"] * 3
-    assert broker.lib.stats(["work"])[0] == celery_redis_lua.QueueStats("work", 0, 0, 0, 0)
+    wait_until(lambda: broker.lib.stats(["work"])[0] == celery_redis_lua.QueueStats("work", 0, 0, 0, 0),
+               timeout=5)  # the acks are batched: sent a few ms after ack() returned
     assert broker.queue_keys("work") == {broker.keys.meta("work")}
 
 
@@ -167,7 +193,7 @@ def test_drain_events_times_out_idle_and_wakes_for_a_message(broker: Broker) -> 
             conn.drain_events(timeout=0.2)
 
         def publish_once_blocked() -> None:
-            wait_until(lambda: broker.client.info("clients")["blocked_clients"] >= 1)
+            wait_until(lambda: broker.blocked_clients() >= 1)
             with broker.connection() as producer_conn:
                 Producer(producer_conn, exchange=EX, routing_key="idle").publish("wake")
 
@@ -227,6 +253,8 @@ def test_x_expires_sets_key_ttls(conn: Connection, broker: Broker, how: str) -> 
 
 
 def test_db_number_and_prefix_apply_to_every_key(broker: Broker) -> None:
+    if broker.is_cluster:
+        pytest.skip("a cluster has only db 0 (test_cluster_transport: another db is an error)")
     fan = Exchange("dbfan", "fanout")
     with broker.connection(db=3) as conn:
         producer = Producer(conn)

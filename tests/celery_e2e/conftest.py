@@ -6,38 +6,67 @@ import gc
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
 from conftest import require_kind
-from tools.servers import Server
+from helpers import PLACEMENT
+from tools.servers import Cluster, Server
 
 from .harness import Broker
 
+KINDS: list[Any] = ["valkey", "redis"]
+# A module that sets ON_CLUSTERS = True runs on three-primary clusters too (the suite that
+# shows Celery works on a cluster); the others restart or inspect one server. The Redis
+# cluster run is in `make test-all` (CI time); test_cluster_e2e runs on both in `make test`.
+CLUSTER_KINDS: list[Any] = ["valkey-cluster", pytest.param("redis-cluster", marks=pytest.mark.slow)]
 
-@pytest.fixture(params=["valkey", "redis"])
-def broker_kind(request: pytest.FixtureRequest) -> str:
-    require_kind(request.param)
-    return request.param
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "broker_kind" in metafunc.fixturenames:
+        kinds = KINDS + (CLUSTER_KINDS if getattr(metafunc.module, "ON_CLUSTERS", False) else [])
+        metafunc.parametrize("broker_kind", kinds, indirect=True)
 
 
 @pytest.fixture
-def servers(broker_kind: str) -> Iterator[tuple[Server, Server]]:
-    """A broker server of the kind under test, and a Valkey for results and the ledger."""
-    with Server(broker_kind) as broker_server, Server("valkey") as result_server:
+def broker_kind(request: pytest.FixtureRequest) -> str:
+    require_kind(request.param.removesuffix("-cluster"))
+    return str(request.param)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def placement() -> Iterator[None]:
+    yield
+    assert not PLACEMENT.unmet("celery")
+
+
+@pytest.fixture
+def servers(broker_kind: str) -> Iterator[tuple[Any, Server]]:
+    """A broker server (or cluster) of the kind under test, and a Valkey for results and the
+    ledger. Both have ``client()``; a cluster's is a RedisCluster."""
+    kind = broker_kind.removesuffix("-cluster")
+    broker_server = Cluster(kind) if broker_kind.endswith("-cluster") else Server(kind)
+    with broker_server, Server("valkey") as result_server:
         try:
             yield broker_server, result_server
         finally:
             retire_producers()
+            if isinstance(broker_server, Cluster):
+                PLACEMENT.record("celery", broker_kind, broker_server)
 
 
 @pytest.fixture
-def broker(servers: tuple[Server, Server]) -> Broker:
+def broker(servers: tuple[Any, Server]) -> Broker:
     broker_server, result_server = servers
+    if isinstance(broker_server, Cluster):
+        url = f"redislua+cluster://127.0.0.1:{broker_server.nodes[0].port}/0"
+    else:
+        url = f"redislua://127.0.0.1:{broker_server.port}/0"
     return Broker(
-        broker_url=f"redislua://127.0.0.1:{broker_server.port}/0",
+        broker_url=url,
         result_url=f"redis://127.0.0.1:{result_server.port}/0",
         transport_options={"visibility_timeout": 30, "sweep_interval": 1},
     )

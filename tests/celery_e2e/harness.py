@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
+from celery_redis_lua import Keyspace, ScriptLibrary
 from helpers import wait_until
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -46,6 +48,16 @@ class Broker:
         )
         env.update(extra)
         return env
+
+    def client(self) -> Any:
+        """A plain client on the broker (a RedisCluster for a ``redislua+cluster://`` URL)."""
+        if self.broker_url.startswith("redislua+cluster://"):
+            return RedisCluster.from_url(self.broker_url.replace("redislua+cluster://", "redis://", 1))
+        return redis.Redis.from_url(self.broker_url.replace("redislua://", "redis://", 1))
+
+    def lib(self, **policy: Any) -> ScriptLibrary:
+        """The script library on the broker, e.g. ``lib(visibility_ms=3000)``."""
+        return ScriptLibrary(self.client(), Keyspace(), **policy)
 
     def ledger(self) -> redis.Redis:
         return redis.Redis.from_url(self.result_url)

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
 
-from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua import ScriptLibrary
 
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
+
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
 
 VISIBILITY = 3
 SLOW = "celery_e2e.app.slow"
@@ -39,8 +40,7 @@ def fast_producer(short_broker: Broker) -> Iterator[Celery]:
 
 
 def broker_lib(broker: Broker) -> ScriptLibrary:
-    url = broker.broker_url.replace("redislua://", "redis://", 1)
-    return ScriptLibrary(redis.Redis.from_url(url), Keyspace(), visibility_ms=VISIBILITY * 1000)
+    return broker.lib(visibility_ms=VISIBILITY * 1000)
 
 
 def late_worker(broker: Broker, name: str, pool: str, log_dir: Path) -> Worker:

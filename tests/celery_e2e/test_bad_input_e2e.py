@@ -21,7 +21,7 @@ NOTE = "celery_e2e.app.note"
 
 @pytest.fixture
 def client(broker: Broker) -> Iterator[redis.Redis]:
-    plain = redis.Redis.from_url(broker.broker_url.replace("redislua://", "redis://", 1))
+    plain = broker.client()
     yield plain
     plain.close()
 

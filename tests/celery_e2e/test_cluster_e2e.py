@@ -1,6 +1,7 @@
 """Celery on a three-primary cluster (Valkey and Redis): a worker consuming queues placed on
 different primaries (asserted) runs every task exactly once, in priority order within a
-queue, with a countdown held in the broker; remote control (ping, a broadcast) works."""
+queue, with a countdown held in the broker; remote control (ping, a broadcast, shutdown)
+works."""
 
 from __future__ import annotations
 
@@ -68,3 +69,7 @@ def test_celery_runs_on_a_cluster(cluster_broker: tuple[Broker, Cluster], tmp_pa
         assert any("cw@" in name for reply in replies for name in reply), replies
         producer.control.broadcast("rate_limit", arguments={"task_name": "celery_e2e.app.note",
                                                             "rate_limit": "100/s"}, reply=True, timeout=5)
+        # `celery control shutdown` through the fanout stream: the worker ends, warm (exit 0).
+        [name] = [name for reply in replies for name in reply if name.startswith("cw@")]
+        producer.control.shutdown(destination=[name])
+        assert worker.wait(30) == 0

@@ -16,10 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
-
-from celery_redis_lua import Keyspace, ScriptLibrary
 
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
@@ -35,8 +32,7 @@ def short_broker(broker: Broker) -> Broker:
 
 
 def broker_stats(broker: Broker) -> tuple[int, int, int, int]:
-    url = broker.broker_url.replace("redislua://", "redis://", 1)
-    [stats] = ScriptLibrary(redis.Redis.from_url(url), Keyspace()).stats(["celery"])
+    [stats] = broker.lib().stats(["celery"])
     return stats.ready, stats.delayed, stats.in_flight, stats.dead
 
 

@@ -23,6 +23,8 @@ from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+
 QUEUE = "celery"
 # The sweep also promotes due delayed messages; at the default 60 s period it cannot be
 # what makes a countdown punctual here (the fixture's 1 s would mask a missing wake-up).

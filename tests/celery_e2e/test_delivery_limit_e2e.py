@@ -8,10 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
-
-from celery_redis_lua import Keyspace, ScriptLibrary
 
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
@@ -35,8 +32,7 @@ def limited_producer(limited_broker: Broker) -> Iterator[Celery]:
 
 def test_reject_requeue_forever_is_dead_lettered_after_delivery_limit_attempts(
         limited_broker: Broker, limited_producer: Celery, log_dir: Path) -> None:
-    url = limited_broker.broker_url.replace("redislua://", "redis://", 1)
-    lib = ScriptLibrary(redis.Redis.from_url(url), Keyspace())
+    lib = limited_broker.lib()
     worker = Worker(limited_broker, name="rejecter", concurrency=1,
                     env={"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "1"}, log_dir=log_dir)
     with running(worker):

@@ -19,6 +19,8 @@ from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+
 QUEUE = "celery"
 # Mixed on purpose: equal priorities far apart, the extremes 0 and 255, and a
 # lowest-priority task published first (a FIFO broker would run it first).

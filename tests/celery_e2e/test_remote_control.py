@@ -11,20 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery, chord, group
 from kombu.common import Broadcast
 
-from celery_redis_lua import Keyspace, ScriptLibrary
-
 from .harness import TESTS_DIR, Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+
 NOTE = "celery_e2e.app.note"
-
-
-def broker_lib(broker: Broker) -> ScriptLibrary:
-    url = broker.broker_url.replace("redislua://", "redis://", 1)
-    return ScriptLibrary(redis.Redis.from_url(url), Keyspace())
 
 
 def test_inspect_ping_answers_from_both_workers(broker: Broker, producer: Celery,
@@ -84,7 +78,7 @@ def _labels(broker: Broker, label: str) -> list[str]:
 
 
 def test_celery_purge_empties_the_queues(broker: Broker, producer: Celery) -> None:
-    lib = broker_lib(broker)
+    lib = broker.lib()
     for i in range(5):
         producer.send_task(NOTE, (f"c{i}",))
     for i in range(3):
@@ -173,6 +167,6 @@ def test_a_chord_over_a_group_completes(broker: Broker, producer: Celery, log_di
         result = chord(header, body, app=producer).apply_async()
         assert result.get(timeout=60) == sum(2 * i for i in range(10))
         assert sorted(r.get(timeout=30) for r in result.parent.results) == [2 * i for i in range(10)]
-    [stats] = broker_lib(broker).stats(["celery"])
+    [stats] = broker.lib().stats(["celery"])
     assert (stats.ready, stats.in_flight, stats.dead) == (0, 0, 0)
 

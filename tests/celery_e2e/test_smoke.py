@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .harness import Broker, Worker, running
 
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+
 
 def test_a_worker_runs_tasks_and_stores_results(broker: Broker, producer, log_dir) -> None:
     with running(Worker(broker, log_dir=log_dir)):

@@ -21,6 +21,8 @@ from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+
 QUEUE = "celery"
 TASKS = 1000
 SAMPLE = range(0, TASKS, 50)  # results also fetched through AsyncResult.get
