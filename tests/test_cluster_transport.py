@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
+from kombu.exceptions import OperationalError
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind
@@ -143,6 +144,34 @@ def test_the_class_route_with_the_cluster_option(valkey_cluster: Cluster) -> Non
         message = queue(conn.default_channel).get()
         assert message is not None and message.payload == "via the class route"
         message.ack()
+
+
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_a_password_cluster_with_a_key_prefix(kind: str) -> None:
+    """Credentials in the URL reach every node (the discovered ones too); a wrong password is
+    retried as a lost connection (as on a standalone server) and named in the error, not a
+    hang; global_keyprefix applies on every primary."""
+    require_kind(kind)
+    with Cluster(kind, password="s3cret") as cluster:
+        names = one_queue_per_primary(cluster, "auth")
+        exchange = Exchange("auth", "direct")
+        queues = [Queue(name, exchange, routing_key=name) for name in names]
+        good = f"redislua+cluster://:s3cret@127.0.0.1:{cluster.nodes[0].port}/0"
+        with Connection(good, transport_options={"global_keyprefix": "app:"}) as conn:
+            for name in names:
+                conn.Producer().publish(name, exchange=exchange, routing_key=name, declare=queues)
+            got = [queue(conn.default_channel).get() for queue in queues]
+            assert [m.payload for m in got if m is not None] == names
+            for message in got:
+                message.ack()
+        client = cluster.client()
+        assert {client.get_node_from_key(Keyspace("app:").meta(n)).port for n in names} == {
+            n.port for n in cluster.nodes}
+        assert all(key.startswith(b"app:") for key in client.keys("*", target_nodes=client.PRIMARIES))
+        bad = good.replace("s3cret", "wrong")
+        with Connection(bad, connect_timeout=5) as conn, pytest.raises(
+                OperationalError, match="invalid username-password pair"):
+            conn.ensure_connection(max_retries=1)
 
 
 def test_the_cli_covers_every_primary(cluster: Cluster) -> None:

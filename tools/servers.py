@@ -194,6 +194,7 @@ class Cluster:
     replicas: int = 0
     node_timeout_ms: int = 5000
     args: Sequence[str] = ()
+    password: str | None = None  # every node's requirepass (and masterauth)
     nodes: list[Server] = field(default_factory=list)
     size: int = 3
 
@@ -214,7 +215,8 @@ class Cluster:
                 "--cluster-replica-validity-factor", "0", "--repl-diskless-sync-delay", "0",
                 *self.args]
         for _ in range(self.size * (1 + self.replicas)):
-            self.nodes.append(Server(self.kind, port=free_port(cluster_bus=True), args=list(args)).start())
+            self.nodes.append(Server(self.kind, port=free_port(cluster_bus=True), args=list(args),
+                                     password=self.password).start())
         per_node = 16384 // self.size
         clients = [node.client(socket_timeout=5) for node in self.nodes]
         for i, client in enumerate(clients[:self.size]):
@@ -338,7 +340,8 @@ class Cluster:
         return [redis.cluster.ClusterNode("127.0.0.1", node.port) for node in self.nodes]
 
     def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
-        return redis.cluster.RedisCluster(startup_nodes=self.startup_nodes, **kwargs)  # type: ignore[arg-type]
+        return redis.cluster.RedisCluster(startup_nodes=self.startup_nodes, password=self.password,  # type: ignore[arg-type]
+                                          **kwargs)
 
     def stop(self) -> None:
         for node in self.nodes:
