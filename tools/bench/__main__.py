@@ -37,7 +37,8 @@ def options() -> argparse.Namespace:
     kinds = list(available_kinds())
     p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
                    help="throwaway server for the Redis-based peers (default: redis if on PATH)")
-    p.add_argument("--peers", default="lua,stock,plus,rabbit", help="default peers to run, if available")
+    p.add_argument("--peers", default="lua,stock,plus,rabbit,rabbit-confirm",
+                   help="default peers to run, if available")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[,module:Class]",
                    help="measure these instead of the default peers (name one 'stock' for ratios)")
     p.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//")
@@ -120,7 +121,7 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
                  *(["shutdown"] if o.shutdown else [])]
     todo = []
     for rep in range(1, o.repeat + 1):
-        todo += [(rep, s, p) for s in scenarios for p in peers]
+        todo += [(rep, s, p) for s in scenarios for p in peers if s == "kombu" or not p.kombu_only]
         shift = (rep - 1) % max(1, len(durability_peers))
         rotated = [*durability_peers[shift:], *durability_peers[:shift]]
         todo += [(rep, "durability", p) for p in rotated]

@@ -3,7 +3,9 @@
 One connection, one channel, a fresh queue per run (deleted afterwards). The
 consume phase starts with the N messages already in the queue and uses a Consumer
 with the given prefetch, acking each message in its callback, as a worker would.
-Server cost is measured per phase.
+Server cost is measured per phase, and the client's CPU (this process, every thread: the
+ack sender's too) per message. For our transport on one server, the single-connection
+round-trip ceiling is measured in the same run: a redis-py loop of a no-op EVALSHA.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
             producer = Producer(channel, exchange=queue.exchange, routing_key=name, serializer="json")
 
             before = probe.snapshot()
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             for _ in range(n):
                 producer.publish(body)
-            publish_s = time.perf_counter() - began
+            publish_s, publish_cpu = time.perf_counter() - began, time.process_time() - cpu
             after_publish = probe.snapshot()
 
             acked = 0
@@ -46,22 +48,41 @@ def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
 
             consumer = Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
                                 prefetch_count=prefetch)
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             with consumer:
                 while acked < n:
                     conn.drain_events(timeout=DRAIN_TIMEOUT)
-            consume_s = time.perf_counter() - began
+            consume_s, consume_cpu = time.perf_counter() - began, time.process_time() - cpu
             after_consume = probe.snapshot()
             channel.close()
         publish = {"seconds": publish_s, "msgs_per_s": n / publish_s,
+                   "client_cpu_us_per_msg": publish_cpu * 1e6 / n,
                    "server": probe.cost(before, after_publish, n)}
         consume = {"seconds": consume_s, "msgs_per_s": n / consume_s,
+                   "client_cpu_us_per_msg": consume_cpu * 1e6 / n,
                    "server": probe.cost(after_publish, after_consume, n)}
         total_cpu = None
         if publish["server"] and consume["server"]:
             total_cpu = publish["server"]["cpu_us_per_msg"] + consume["server"]["cpu_us_per_msg"]
         return {"n": n, "prefetch": prefetch, "publish": publish, "consume": consume,
-                "server_cpu_us_per_msg": total_cpu}
+                "server_cpu_us_per_msg": total_cpu, "ceiling": ceiling(peer, n)}
     finally:
         probe.close()
         delete_queue(peer, name)
+
+
+def ceiling(peer: Peer, n: int) -> dict[str, float] | None:
+    """What one connection can do: ``n`` no-op EVALSHAs in a loop, one round trip each (our
+    transport on one server only; None otherwise)."""
+    if not peer.url.startswith("redislua://"):
+        return None
+    client = peer.redis_client()
+    assert client is not None
+    try:
+        sha = client.script_load("return 1")
+        began = time.perf_counter()
+        for _ in range(n):
+            client.evalsha(sha, 0)
+        return {"evalsha_per_s": n / (time.perf_counter() - began)}
+    finally:
+        client.close()

@@ -42,6 +42,7 @@ class Peer:
     # message count that overrides --kombu-n for this peer's kombu-level jobs.
     options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     n: int | None = None
+    kombu_only: bool = False  # a column for the kombu-level phases only (RabbitMQ with confirms)
 
     @property
     def is_redis(self) -> bool:
@@ -116,6 +117,10 @@ def default_peers(port: int, amqp_url: str, wanted: list[str]) -> tuple[list[Pee
         "stock": (Peer("stock", f"redis://{base}/1"), None),
         "plus": (Peer("plus", f"redis://{base}/2", PLUS_TRANSPORT), plus_available),
         "rabbit": (Peer("rabbit", amqp_url), lambda: amqp_available(amqp_url)),
+        # py-amqp waits for the broker's confirm of each publish (what our publish always does)
+        "rabbit-confirm": (Peer("rabbit-confirm", amqp_url, options={"confirm_publish": True},
+                                kombu_only=True),
+                           lambda: amqp_available(amqp_url)),
     }
     peers, skipped = [], {}
     for name in wanted:
