@@ -31,6 +31,7 @@ from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
 from .settle import reject
+from .unconfirmed import Pipeline, Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class Channel(FanoutMixin, virtual.Channel):
         self.lib = ScriptLibrary(self.client, self.keys, self.options.policy)
         self.routes = RouteCache(self.lib)
         self._publishing: Publishing | None = None
+        # Unconfirmed publishes (confirm_publish=False) gather here (unconfirmed.py).
+        self.unconfirmed = None if self.options.confirm_publish else Pipeline(
+            self.lib, self.options.publish_pipeline, self.options.publish_flush_delay)
+        self._send: Send | None = None
         self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
         self._no_ack_queues: set[str] = set()
         self._fanout_next_id: dict[str, str] = {}
@@ -78,10 +83,20 @@ class Channel(FanoutMixin, virtual.Channel):
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
         """Route through the cached binding table (routes.py); when publish refuses a cached
         route, look the table up again and publish to the queues that did not store it yet."""
-        if not exchange:
-            return super().basic_publish(message, exchange, routing_key, **kwargs)
-        self._inplace_augment_message(message, exchange, routing_key)
-        publishing = self._publishing = Publishing()
+        if self.unconfirmed is not None:
+            self.settle_unconfirmed(flush=False)  # what the last write's replies said
+            self._send = Send(message, exchange, routing_key, kwargs)
+        try:
+            if not exchange:
+                return super().basic_publish(message, exchange, routing_key, **kwargs)
+            self._inplace_augment_message(message, exchange, routing_key)
+            return self._deliver(message, exchange, routing_key, Publishing(), **kwargs)
+        finally:
+            self._send = None
+
+    def _deliver(self, message: dict[str, Any], exchange: str, routing_key: str, publishing: Publishing,
+                 **kwargs: Any) -> Any:
+        self._publishing = publishing
         try:
             while True:
                 try:
@@ -90,6 +105,19 @@ class Channel(FanoutMixin, virtual.Channel):
                     publishing.fresh = True
         finally:
             self._publishing = None
+
+    def settle_unconfirmed(self, *, flush: bool = True) -> None:
+        """Unconfirmed publishes (confirm_publish=False): send what is pending (``flush``),
+        publish again those a stale route refused (fresh lookup, synchronously, skipping the
+        queues that stored them), and raise what the server refused (unconfirmed.py)."""
+        if self.unconfirmed is None:
+            return
+        if flush:
+            self.unconfirmed.flush()
+        for send in self.unconfirmed.take_stale():
+            self._deliver(send.message, send.exchange, send.routing_key,
+                          Publishing(fresh=True, stored=send.stored), **send.kwargs)
+        self.unconfirmed.check()
 
     def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> list[str]:
         """kombu's, except that a cached table that routes the key nowhere is looked up
@@ -112,9 +140,13 @@ class Channel(FanoutMixin, virtual.Channel):
         args = publish_arguments(message, self.options.message_ttl_ms)
         exchange = message["properties"]["delivery_info"].get("exchange")
         cached = publishing is not None and not publishing.fresh and publishing.looked_up_ms is not None
-        self.lib.publish(queue, dumps(message), priority=args.priority,
-                         eta_ms=args.eta_ms, ttl_ms=args.ttl_ms, task_id=args.task_id,
-                         route=(exchange, publishing.looked_up_ms) if cached and exchange else None)
+        route = (exchange, publishing.looked_up_ms) if cached and exchange and publishing else None
+        call = self.lib.calls.publish(queue, dumps(message), priority=args.priority, eta_ms=args.eta_ms,
+                                      ttl_ms=args.ttl_ms, task_id=args.task_id, route=route)
+        if self.unconfirmed is not None and self._send is not None:
+            self.unconfirmed.add(self._send, queue, call)  # stored (or refused) when it goes
+            return
+        self.lib.run(call)
         if publishing is not None:
             publishing.stored.add(queue)
 
@@ -213,9 +245,11 @@ class Channel(FanoutMixin, virtual.Channel):
         return super().typeof(exchange, default)
 
     def _size(self, queue: str) -> int:
+        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
         return self.lib.size(queue)
 
     def _purge(self, queue: str) -> int:
+        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
         return self.lib.purge(queue)
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
@@ -226,6 +260,7 @@ class Channel(FanoutMixin, virtual.Channel):
     # -- consuming --------------------------------------------------------------------------
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        self.settle_unconfirmed()
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
@@ -293,6 +328,7 @@ class Channel(FanoutMixin, virtual.Channel):
         self.qos.hand_back_all()
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        self.settle_unconfirmed()
         for delivery in self.lib.consume([queue], 1, no_ack=no_ack).deliveries:
             payload = self._decode_or_reject(delivery, no_ack)
             if payload is not None:
@@ -464,6 +500,7 @@ class Channel(FanoutMixin, virtual.Channel):
     def close(self) -> None:
         if self.closed:
             return
+        refused = self._close_unconfirmed()
         self.connection.poller.channels.discard(self)
         for wait in list(self.queue_waits.values()):
             popped = wait.cancel()
@@ -480,6 +517,25 @@ class Channel(FanoutMixin, virtual.Channel):
                 wait.close()
             if not self.is_cluster:  # a cluster client is the connection's, shared by its channels
                 self.client.close()
+        if refused is not None:
+            raise refused
+
+    def _close_unconfirmed(self) -> UnconfirmedPublishError | None:
+        """Send the unconfirmed publishes before the channel goes; what the server refused
+        (or a lost connection took) is raised once the channel is closed."""
+        if self.unconfirmed is None:
+            return None
+        try:
+            self.settle_unconfirmed()
+        except UnconfirmedPublishError as error:
+            return error
+        except Exception as error:  # a lost connection: the flush recorded what it took
+            logger.warning("celery-redis-lua: unconfirmed publishes at close: %s", error)
+            try:
+                self.unconfirmed.check()
+            except UnconfirmedPublishError as refused:
+                return refused
+        return None
 
 
 def _log_expired(expired: int, queues: list[str]) -> None:

@@ -73,6 +73,11 @@ class TransportOptions:
     # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
     # others to share its round trip. 0 sends each batch as soon as the ack thread runs.
     ack_flush_delay: float = 0.0
+    # Unconfirmed publishes (kombu/unconfirmed.py): False pipelines them, publish_pipeline per
+    # write at most, none waiting longer than publish_flush_delay seconds.
+    confirm_publish: bool = True
+    publish_pipeline: int = 100
+    publish_flush_delay: float = 0.005
     # Redis Cluster / Valkey Cluster (cluster.py): with the class route and a plain URL, or
     # implied by redislua+cluster:// URLs; more seed nodes as 'host:port' strings.
     cluster: bool = False
@@ -186,6 +191,9 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "durability": _typed(str),
     "durability_timeout": _number(0.001, high=3600),
     "ack_flush_delay": _number(0, high=1),  # longer would stretch what a crash can replay
+    "confirm_publish": _typed(bool, allow_none=False),
+    "publish_pipeline": _number(1, integer=True, high=10_000),
+    "publish_flush_delay": _number(0, high=1),  # longer would stretch what a crash can lose
     "cluster": _typed(bool, allow_none=False),
     "cluster_nodes": _node_list,
 }
