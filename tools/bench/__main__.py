@@ -37,7 +37,7 @@ def options() -> argparse.Namespace:
     kinds = list(available_kinds())
     p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
                    help="throwaway server for the Redis-based peers (default: redis if on PATH)")
-    p.add_argument("--peers", default="lua,stock,plus,rabbit,rabbit-confirm",
+    p.add_argument("--peers", default="lua,lua-unconfirmed,stock,plus,rabbit,rabbit-confirm",
                    help="default peers to run, if available")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[,module:Class]",
                    help="measure these instead of the default peers (name one 'stock' for ratios)")

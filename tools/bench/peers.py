@@ -114,6 +114,9 @@ def default_peers(port: int, amqp_url: str, wanted: list[str]) -> tuple[list[Pee
     base = f"127.0.0.1:{port}"
     candidates = {
         "lua": (Peer("lua", f"redislua://{base}/0"), None),
+        # the opt-in pipelined publish (confirm_publish=False), kombu phases only
+        "lua-unconfirmed": (Peer("lua-unconfirmed", f"redislua://{base}/3",
+                                 options={"confirm_publish": False}, kombu_only=True), None),
         "stock": (Peer("stock", f"redis://{base}/1"), None),
         "plus": (Peer("plus", f"redis://{base}/2", PLUS_TRANSPORT), plus_available),
         "rabbit": (Peer("rabbit", amqp_url), lambda: amqp_available(amqp_url)),
