@@ -125,10 +125,8 @@ class FaultInjector:
             elif kind == "broker_pause":
                 entry.update(self.pause(server))
                 entry.update(self.watch_failover(server, entry["t"]))
-            elif kind == "primary_kill" and self.broker.cluster is not None:
-                entry.update(self.cluster_primary_kill(server, entry["t"]))
             elif kind == "primary_kill":
-                entry.update(self.primary_kill(entry["t"]))
+                entry.update(self.primary_kill(server, entry["t"]))
             elif kind == "cluster_failover":
                 entry.update(self.cluster_failover(server, entry["t"]))
             elif kind == "sentinel_failover":
@@ -144,23 +142,6 @@ class FaultInjector:
             return self.broker.current()
         return self.rng.choice(cluster.primaries())
 
-    def cluster_primary_kill(self, killed: Server, t: float) -> dict[str, Any]:
-        """SIGKILL a cluster primary; its replica takes over after the node timeout; the
-        killed node is started again PRIMARY_RESTART_AFTER seconds after the kill and rejoins
-        as the new primary's replica."""
-        cluster = self.broker.cluster
-        assert cluster is not None
-        new = cluster.kill_primary(killed, timeout=SETTLE_TIMEOUT)
-        named = time.time()
-        time.sleep(max(0.0, t + PRIMARY_RESTART_AFTER - time.time()))  # the fault: down this long
-        self.broker.start_again(killed, None)
-        restarted = time.time()
-        self.broker.settle(SETTLE_TIMEOUT)
-        return {"failover": True, "old_primary": killed.port, "new_primary": new.port,
-                "new_primary_seconds": round(named - t, 3), "writes_until": t,
-                "restarted_after_seconds": round(restarted - t, 3),
-                "rejoined_seconds": round(time.time() - t, 3)}
-
     def cluster_failover(self, old: Server, t: float) -> dict[str, Any]:
         """CLUSTER FAILOVER on the primary's replica: the primary stops taking writes, the
         replica catches up and takes over, the old primary becomes its replica."""
@@ -173,15 +154,18 @@ class FaultInjector:
                 "writes_until": demoted, "old_demoted_seconds": round(demoted - t, 3),
                 "settled_seconds": round(time.time() - t, 3)}
 
-    def primary_kill(self, t: float) -> dict[str, Any]:
-        """SIGKILL the primary; the sentinels promote the replica; the killed server is
-        started again PRIMARY_RESTART_AFTER seconds after the kill and rejoins as a replica."""
-        group = self.broker.group
-        assert group is not None
-        killed, new = group.kill_primary(timeout=SETTLE_TIMEOUT)
+    def primary_kill(self, server: Server, t: float) -> dict[str, Any]:
+        """SIGKILL the primary (``server``, on a cluster); the sentinels (or the cluster)
+        promote its replica; the killed server is started again PRIMARY_RESTART_AFTER seconds
+        after the kill and rejoins as a replica."""
+        if self.broker.cluster is not None:
+            killed, new = server, self.broker.cluster.kill_primary(server, timeout=SETTLE_TIMEOUT)
+        else:
+            assert self.broker.group is not None
+            killed, new = self.broker.group.kill_primary(timeout=SETTLE_TIMEOUT)
         named = time.time()
         time.sleep(max(0.0, t + PRIMARY_RESTART_AFTER - time.time()))  # the fault: down this long
-        self.broker.start_again(killed, None)  # as its config says: a primary, demoted later
+        self.broker.start_again(killed, None)  # a primary as its config says, demoted later
         restarted = time.time()
         self.broker.settle(SETTLE_TIMEOUT)
         return {"failover": True, "old_primary": killed.port, "new_primary": new.port,
