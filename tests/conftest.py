@@ -176,7 +176,7 @@ def conn(broker: Broker) -> Iterator[Connection]:
         yield connection
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: a subset is not held to it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Count the cluster tests of the suites whose queue placement is checked (helpers.Placement)."""
     for item in items:

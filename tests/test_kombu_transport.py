@@ -268,3 +268,18 @@ def test_db_number_and_prefix_apply_to_every_key(broker: Broker) -> None:
     groups = broker.keys.fanout_groups(stream)
     assert {broker.keys.meta("dbq"), broker.keys.binding("ex"), stream, groups} <= keys
     assert all(k.startswith(broker.prefix) for k in keys)
+
+
+def test_an_entity_left_on_a_closed_channel_is_revived_by_ensure(broker: Broker) -> None:
+    """After a reconnect, an exchange still bound to the old (closed) channel meets a lost
+    connection, which kombu's ensure() answers by reviving it on a new channel; before, it
+    met an AttributeError that no retry handles."""
+    with broker.connection() as conn:
+        old = conn.channel()
+        exchange = Exchange("revived", "topic")(old)
+        old.close()
+        with pytest.raises(conn.connection_errors):
+            exchange.declare()
+        conn.ensure(exchange, exchange.declare, max_retries=2)()
+        assert exchange.channel is not old and exchange.channel.connection is not None
+        assert "revived" in conn.default_channel.state.exchanges

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+import redis
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
@@ -77,6 +78,17 @@ class Channel(FanoutMixin, virtual.Channel):
         self.stream_waits: dict[int | None, BlockingRead] = {}
         connection.check_server(self.client)  # connection errors surface now, as kombu expects
         connection.poller.channels.add(self)
+
+    @property
+    def state(self) -> Any:
+        """kombu's binding state, of the connection. A closed channel has none: a kombu entity
+        still bound to it after a reconnect (an exchange declared before it) meets a lost
+        connection here, which kombu's ensure() answers by reviving the entity on a new
+        channel, instead of an AttributeError no retry handles (a chaos run met one)."""
+        connection = self.connection
+        if connection is None:
+            raise redis.ConnectionError("celery-redis-lua: this channel was closed (by a reconnect?)")
+        return connection.state
 
     # -- publishing -------------------------------------------------------------------------
 
