@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ClusterError, ConnectionError, RedisClusterException, TimeoutError
+
 # The scripts whose writes a durable setting confirms. A publish (or a replay) that falls
 # short raises NotDurable: its caller must know the message may be lost. An ack, a reject,
 # a declare or a bind that falls short is logged and stands on the primary: losing one in a
@@ -116,6 +118,8 @@ class Durability:
                                     for node in client.get_primaries()])
             else:
                 reply = client.execute_command(*probe)
+        except (ConnectionError, TimeoutError, ClusterError, RedisClusterException):
+            raise  # a node down (a failover under way): a lost connection, retried, not a refusal
         except Exception as error:
             message = str(error)
             if "unknown command" in message.lower():
