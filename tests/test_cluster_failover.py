@@ -206,3 +206,13 @@ def test_durability_on_a_cluster_waits_on_the_node_that_ran_the_write(replicated
     with pytest.raises(NotDurable, match="replicas:2"):
         greedy.publish(names[1], "{}")
     assert sum(s.ready for s in confirmed.stats(names)) == 4  # applied, not confirmed
+
+
+def test_the_durability_probe_meets_a_primary_down_as_a_lost_connection(replicated: Cluster) -> None:
+    """Connecting with durability while a primary is down (before its replica took over):
+    the probe's refused connection is a connection error kombu retries, not a refusal of the
+    setting (a chaos run met DurabilityUnavailable here, and workers stopped reconnecting)."""
+    client = replicated.client()
+    replicated.primaries()[0].kill()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        Durability.parse("replicas:1", 500).check_server(client)
