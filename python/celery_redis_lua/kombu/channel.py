@@ -61,7 +61,7 @@ class Channel(FanoutMixin, virtual.Channel):
         self.options = connection.options
         self.keys = self.options.keyspace(connection.db)
         self.client = connection.new_client()
-        self.lib = ScriptLibrary(self.client, self.keys, self.options.policy)
+        self.lib = ScriptLibrary(self.client, self.keys, self.options.policy, hold_connection=True)
         self.routes = RouteCache(self.lib)
         self._publishing: Publishing | None = None
         # Unconfirmed publishes (confirm_publish=False) gather here (unconfirmed.py).
@@ -527,6 +527,7 @@ class Channel(FanoutMixin, virtual.Channel):
         finally:
             for wait in self.waits():
                 wait.close()
+            self.lib.close()
             if not self.is_cluster:  # a cluster client is the connection's, shared by its channels
                 self.client.close()
         if refused is not None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import redis
 
 from ..protocol.ops import Declared
+from ..protocol.runner import dedicated_connection
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ class BlockingRead:
 
     def _connect(self) -> Any:
         if self.connection is None or self.connection._sock is None:
-            pool = self.pool
-            self.connection = pool.connection_class(**pool.connection_kwargs)
+            self.connection = dedicated_connection(self.pool)
             self.connection.connect()
             self._client_id = None
         return self.connection

@@ -87,14 +87,19 @@ class ScriptLibrary:
     """Typed access to the scripts on one client (standalone or cluster)."""
 
     def __init__(self, client: Any, keys: Keyspace | None = None, policy: Policy | None = None, *,
-                 visibility_ms: int | None = None) -> None:
+                 visibility_ms: int | None = None, hold_connection: bool = False) -> None:
         self.client = client
         self.keys = keys or Keyspace()
         self.policy = policy or Policy()
         if visibility_ms is not None:  # the 0.1 signature: ScriptLibrary(client, keys, visibility_ms=...)
             self.policy = dataclasses.replace(self.policy, visibility_ms=visibility_ms)
-        self.runner = ScriptRunner(client, durability=self.policy.durability)
+        # hold_connection: single calls over a connection of the library's own (runner.py),
+        # for a library one thread mostly uses (a kombu channel's); close() lets it go.
+        self.runner = ScriptRunner(client, durability=self.policy.durability, hold_connection=hold_connection)
         self.calls = Calls(self)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def with_policy(self, **changes: Any) -> ScriptLibrary:
         """The same client and keyspace under another policy (e.g. another delivery limit)."""
