@@ -22,7 +22,6 @@ whose replies were not read (they may or may not be stored: kombu does not retry
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import threading
 import time
@@ -58,13 +57,6 @@ class Send:
     stored: set[str] = field(default_factory=set)
 
 
-def _keep_stale(reply: Any, decode: Any) -> Any:
-    try:
-        return decode(reply)
-    except StaleRoute as stale:
-        return stale
-
-
 class Pipeline:
     """A channel's unconfirmed publishes, gathered and sent in one write."""
 
@@ -81,8 +73,7 @@ class Pipeline:
             first = not self._calls
             if first:
                 self._oldest = time.monotonic()
-            self._calls.append((send, queue, dataclasses.replace(
-                call, decode=lambda reply, decode=call.decode: _keep_stale(reply, decode))))
+            self._calls.append((send, queue, call))
             full = len(self._calls) >= self.size
         if full:
             self.flush()
