@@ -5,6 +5,7 @@ every primary (asserted once the module's cluster tests ran)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 import celery_redis_lua
 from celery_redis_lua import Keyspace
+from celery_redis_lua.protocol.envelope import DeliveryTag
 from helpers import PLACEMENT, wait_for_server_time, wait_until
 from kombu_support import Broker, consume
 from tools.servers import Cluster
@@ -56,6 +58,22 @@ def test_publish_consume_ack_leaves_only_the_queue_definition(conn: Connection, 
     wait_until(lambda: broker.lib.stats(["work"])[0] == celery_redis_lua.QueueStats("work", 0, 0, 0, 0),
                timeout=5)  # the acks are batched: sent a few ms after ack() returned
     assert broker.queue_keys("work") == {broker.keys.meta("work")}
+
+
+def test_a_stored_envelope_has_no_delivery_tag_and_a_delivered_one_has_the_transports(
+        conn: Connection, broker: Broker) -> None:
+    """kombu's virtual channel puts a uuid4 tag in every envelope it publishes; delivery sets
+    the tag that acks use, so the stored copy leaves it out (a urandom call and ~55 bytes
+    of every queued message)."""
+    queue = Queue("tagged", EX, routing_key="tagged")
+    Producer(conn, exchange=EX, routing_key="tagged").publish({"n": 1}, declare=[queue])
+    ((message_id, stored),) = broker.client.hgetall(broker.keys.message("tagged")).items()
+    properties = json.loads(stored)["properties"]
+    assert "delivery_tag" not in properties
+    assert properties["delivery_info"] == {"exchange": "ex", "routing_key": "tagged"}
+    (message,) = consume(conn, [queue], 1)
+    tag = DeliveryTag.parse(message.delivery_tag)
+    assert (tag.queue, tag.id) == ("tagged", message_id.decode())
 
 
 def test_reject_dead_letters_and_requeue_redelivers_counted(conn: Connection, broker: Broker) -> None:
