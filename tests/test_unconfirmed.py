@@ -1,17 +1,24 @@
 """Unconfirmed publishes (confirm_publish=False, kombu/unconfirmed.py), through plain kombu on
 real servers: many publishes per write, in order, none left behind at close or after the
 flush delay; NOSCRIPT recovered without a duplicate; a publish the server refuses (out of
-memory, a key of the wrong type) raised at the next publish or at close, never dropped
-silently; a cached route that went stale meanwhile never used."""
+memory, a key of the wrong type) raised at the first publish after its reply was read or at
+close, never dropped silently; a cached route that went stale meanwhile never used; the
+server storing one batch while the producer fills the next; a forked child never sending
+its parent's publishes."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from kombu import Connection, Exchange, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary
@@ -75,7 +82,9 @@ def test_publishes_go_many_per_write_in_order_and_all_by_close(server: Server) -
         counted = ScriptCalls(server.client())
         for i in range(250):
             producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
-        assert ready(server) == 202  # two full pipelines went; 50 wait for the flush delay
+        # Two full pipelines went (the second's replies not read yet); 50 wait for the delay.
+        wait_until(lambda: ready(server) == 202, timeout=0.5, what="two pipelines stored")
+        assert ready(server) == 202
         conn.release()  # the close sends the rest
     calls = counted.stop()
     assert calls.get("publish") == 250 and "lookup" not in calls, calls
@@ -102,7 +111,7 @@ def test_noscript_is_recovered_and_nothing_is_stored_twice(server: Server) -> No
     assert stored(server) == ["before", *(f"a{i}" for i in range(10)), *(f"b{i}" for i in range(10))]
 
 
-def test_a_refused_publish_is_raised_at_the_next_publish(server: Server) -> None:
+def test_a_refused_publish_is_raised_at_a_publish_once_its_reply_was_read(server: Server) -> None:
     keys = Keyspace()
     with connection(server, publish_pipeline=5) as conn:
         producer = conn.Producer(serializer="raw")
@@ -111,9 +120,58 @@ def test_a_refused_publish_is_raised_at_the_next_publish(server: Server) -> None
         server.client().set(keys.index(QUEUE.name), "not a sorted set")  # someone else's bad write
         for i in range(5):  # the fifth sends the pipeline: all five are refused
             producer.publish(f"w{i}", exchange=EXCHANGE, routing_key="u")
-        with pytest.raises(UnconfirmedPublishError, match=r"5 unconfirmed publish\(es\) to 'unconfirmed'.*"
-                                                          r"WRONGTYPE"):
-            producer.publish("next", exchange=EXCHANGE, routing_key="u")
+
+        def next_publish_raises() -> UnconfirmedPublishError | None:
+            try:
+                producer.publish("next", exchange=EXCHANGE, routing_key="u")
+            except UnconfirmedPublishError as error:
+                return error
+            return None
+
+        # The replies are read by the sender within the flush delay, or when the next batch
+        # (the fifth "next") goes: one of the publishes after that raises.
+        error = wait_until(next_publish_raises, timeout=5, what="a publish raises the refusals")
+        found = re.match(r"(\d+) unconfirmed publish\(es\) to 'unconfirmed'.*WRONGTYPE", str(error))
+        assert found and int(found[1]) >= 5, error  # the five, and "next"s the sender sent since
+
+
+def test_a_batch_is_stored_while_the_next_one_fills(server: Server) -> None:
+    """The replies of a batch are read when the next one goes, not before the caller may go
+    on: after a full pipeline, the publish call returns with that batch on the wire."""
+    with connection(server, publish_pipeline=10, publish_flush_delay=1.0) as conn:
+        producer = conn.Producer(serializer="raw")
+        cache_the_route(server, conn, producer)
+        counted = ScriptCalls(server.client())
+        pipeline = conn.default_channel.unconfirmed
+        for i in range(10):
+            producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
+        assert pipeline.due() is not None  # replies unread, for the sender to collect
+        wait_until(lambda: ready(server) == 12, timeout=5, what="the batch stored")
+        for i in range(10, 25):
+            producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
+        conn.release()
+    assert counted.stop().get("publish") == 25
+    assert stored(server) == ["first", "second", *(f"m{i}" for i in range(25))]
+
+
+def test_a_forked_child_never_sends_its_parents_publishes(server: Server) -> None:
+    with connection(server, publish_flush_delay=1.0) as conn:
+        producer = conn.Producer(serializer="raw")
+        producer.publish("declared", exchange=EXCHANGE, routing_key="u", declare=[QUEUE])
+        conn.default_channel.settle_unconfirmed()
+        for i in range(3):
+            producer.publish(f"p{i}", exchange=EXCHANGE, routing_key="u")  # pending: delay 1 s
+        child = os.fork()
+        if child == 0:  # the child closes its copy of the channel, which flushes
+            code = 1
+            try:
+                conn.release()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    assert stored(server) == ["declared", "p0", "p1", "p2"]
 
 
 def test_out_of_memory_is_raised_at_close(server: Server) -> None:
@@ -157,3 +215,51 @@ def test_the_options_are_checked() -> None:
                              ({"publish_flush_delay": 5}, "publish_flush_delay")]:
         with pytest.raises(ValueError, match=problem):
             Connection("redislua://127.0.0.1:1/0", transport_options=options).transport  # noqa: B018
+
+
+def test_a_lost_connection_with_a_batch_on_the_wire_is_raised_never_silent(server: Server) -> None:
+    with connection(server, publish_pipeline=5, publish_flush_delay=1.0) as conn:
+        producer = conn.Producer(serializer="raw")
+        producer.publish("declared", exchange=EXCHANGE, routing_key="u", declare=[QUEUE])
+        conn.default_channel.settle_unconfirmed()
+        for i in range(5):  # written; replies unread
+            producer.publish(f"a{i}", exchange=EXCHANGE, routing_key="u")
+        writer = conn.default_channel.unconfirmed._writer  # its socket, to kill it
+        host, port = writer._connection._sock.getsockname()[:2]
+        wait_until(lambda: ready(server) == 6, timeout=5, what="the first batch stored")
+        server.client().client_kill(f"{host}:{port}")
+        # The fifth writes its batch (into a socket the server closed: it may fail there) and
+        # reads the first batch's replies (already received before the kill).
+        with contextlib.suppress(redis.ConnectionError):
+            for i in range(5):
+                producer.publish(f"b{i}", exchange=EXCHANGE, routing_key="u")
+        # Reading the second batch's replies meets the lost connection (raised as it is), and
+        # what was lost with it is named by the next settle (or the close).
+        errors: list[Exception] = []
+        for _ in range(2):
+            try:
+                conn.default_channel.settle_unconfirmed()
+            except (redis.ConnectionError, UnconfirmedPublishError) as error:
+                errors.append(error)
+        refused = [e for e in errors if isinstance(e, UnconfirmedPublishError)]
+        assert len(refused) == 1, errors
+        assert re.match(r"(5|10) unconfirmed publish\(es\).*ConnectionError", str(refused[0])), refused
+    # The first batch landed once; the second never reached the server.
+    assert stored(server) == ["declared", *(f"a{i}" for i in range(5))]
+
+
+def test_a_health_check_never_reads_a_reply_of_the_batch_on_the_wire(server: Server) -> None:
+    """redis-py PINGs before a command once health_check_interval passed; with a batch's
+    replies unread, that PING would read one of them as its PONG."""
+    with connection(server, publish_pipeline=5, publish_flush_delay=1.0, health_check_interval=0.01) as conn:
+        producer = conn.Producer(serializer="raw")
+        producer.publish("declared", exchange=EXCHANGE, routing_key="u", declare=[QUEUE])
+        conn.default_channel.settle_unconfirmed()
+        for batch in "abc":
+            for i in range(5):  # the fifth writes its batch, the one before still unread
+                producer.publish(f"{batch}{i}", exchange=EXCHANGE, routing_key="u")
+            written = time.monotonic()
+            wait_until(lambda written=written: time.monotonic() > written + 0.02,
+                       what="the health check interval passed")
+        conn.default_channel.settle_unconfirmed()
+    assert stored(server) == ["declared", *(f"{b}{i}" for b in "abc" for i in range(5))]

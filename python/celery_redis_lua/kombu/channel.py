@@ -557,6 +557,8 @@ class Channel(FanoutMixin, virtual.Channel):
                 self.unconfirmed.check()
             except UnconfirmedPublishError as refused:
                 return refused
+        finally:
+            self.unconfirmed.close()
         return None
 
 

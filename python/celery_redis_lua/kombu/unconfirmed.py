@@ -6,23 +6,28 @@ the pipeline goes to the server in one write when it holds ``publish_pipeline`` 
 when its oldest has waited ``publish_flush_delay`` seconds (a daemon thread sends it), before
 the channel reads queue state or consumes, and when the channel closes.
 
-The replies are read when the pipeline goes. NOSCRIPT is recovered there (the runner loads
-the script and sends only the calls that met it: they never ran). A publish the server
-refused (out of memory, a key of the wrong type, a script refusing its input) is kept and
-raised as :class:`UnconfirmedPublishError` by the next publish on the channel, or by its
-close: never dropped silently. A publish refused because its cached route went stale (a
+A batch's replies are read when the next batch goes (on a standalone server or a Sentinel
+primary without durability: the server stores one batch while the caller fills the next),
+or ``publish_flush_delay`` after it went; elsewhere when it goes. NOSCRIPT is recovered
+there (the runner loads the script and sends only the calls that met it: they never ran).
+A publish the server refused (out of memory, a key of the wrong type, a script refusing
+its input) is kept and raised as :class:`UnconfirmedPublishError` by the first publish on
+the channel after its reply was read, by a call that reads queue state, or by the close:
+never dropped silently. A publish refused because its cached route went stale (a
 bind or unbind since) stored nothing and is published again, synchronously, with a fresh
 lookup, by the next publish or the close (in the caller's thread, not the sender's).
 
 What a crash can lose: the publishes still in the pipeline (at most ``publish_pipeline``,
 or ``publish_flush_delay`` seconds' worth); a lost connection also loses those on the wire
-whose replies were not read (they may or may not be stored: kombu does not retry them).
+whose replies were not read (at most two batches; they may or may not be stored: kombu
+does not retry them).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -58,15 +63,32 @@ class Send:
 
 
 class Pipeline:
-    """A channel's unconfirmed publishes, gathered and sent in one write."""
+    """A channel's unconfirmed publishes, gathered and sent in one write.
+
+    On a standalone server (or a Sentinel primary) without durability, a batch's replies
+    are read when the next batch is written (runner.BatchWriter, a connection of the
+    pipeline's own), so the server stores one batch while the caller fills the next; the
+    sender thread reads the last one's replies ``delay`` after it went. Elsewhere (a
+    cluster routes every call by slot; durability ends each batch with a wait) each batch
+    is one pipeline whose replies are read at once."""
 
     def __init__(self, lib: Any, size: int, delay: float) -> None:
         self.lib, self.size, self.delay = lib, size, delay
-        self._lock = threading.Lock()  # the caller's thread and the sender's
+        self._lock = threading.Lock()  # the pending list and the results, between two threads
+        self._wire = threading.Lock()  # one batch written at a time: in order, replies in order
+        self._writer = lib.runner.batch_writer()
         self._calls: list[tuple[Send | None, str, Call[Any]]] = []
+        self._on_wire: list[tuple[Send | None, str, Call[Any]]] = []  # written, replies unread
         self._oldest = 0.0
+        self._written_at = 0.0
         self.refused: list[tuple[str, BaseException]] = []
         self.stale: list[Send] = []
+
+    def forked(self) -> None:
+        """In a forked child: the parent's pending and on-the-wire publishes are the parent's
+        to send and read (a child that sent them would store them twice)."""
+        self._lock, self._wire = threading.Lock(), threading.Lock()
+        self._calls, self._on_wire = [], []
 
     def add(self, send: Send | None, queue: str, call: Call[Any]) -> None:
         with self._lock:
@@ -76,28 +98,62 @@ class Pipeline:
             self._calls.append((send, queue, call))
             full = len(self._calls) >= self.size
         if full:
-            self.flush()
+            self.push()
         elif first:  # the sender wakes once per batch, not once per publish
             SENDER.watch(self)
 
     def due(self) -> float | None:
-        """When the oldest pending publish must go (monotonic), or None if none is pending."""
+        """When the sender must act (monotonic): the oldest pending publish's deadline, or
+        the deadline for the replies of the batch on the wire; None if neither."""
         with self._lock:
-            return self._oldest + self.delay if self._calls else None
+            if self._calls:
+                return self._oldest + self.delay
+        return self._written_at + self.delay if self._on_wire else None
 
-    def flush(self) -> None:
-        """Send what is pending and read the replies (the errors are kept for :meth:`check`).
-        A lost connection is raised as it is: the calls on the wire are lost with it."""
-        with self._lock:
-            calls, self._calls = self._calls, []
+    def push(self) -> None:
+        """Write what is pending. With a batch writer, read the replies of the batch before
+        it; else read its own. A lost connection is raised as it is: the calls whose replies
+        were not read are lost with it (they may or may not be stored)."""
+        with self._wire:
+            with self._lock:
+                calls, self._calls = self._calls, []
             if not calls:
                 return
-            try:
-                results = self.lib.run_many([call for _, _, call in calls], raise_on_error=False)
-            except Exception as error:  # a lost connection: these may or may not be stored
+            if self._writer is None:
+                self._settle(calls, lambda: self.lib.run_many([c for _, _, c in calls], raise_on_error=False))
+                return
+            previous, self._on_wire = self._on_wire, []
+            self._written_at = time.monotonic()
+            self._settle(previous + calls, lambda: self._writer.send([c for _, _, c in calls]),
+                         settled=previous)
+            self._on_wire = calls
+
+    def flush(self) -> None:
+        """Write what is pending and read every reply."""
+        self.push()
+        with self._wire:
+            if self._on_wire:
+                previous, self._on_wire = self._on_wire, []
+                self._settle(previous, self._writer.finish)
+
+    def close(self) -> None:
+        """The batch writer's connection goes (after a flush)."""
+        if self._writer is not None:
+            with self._wire:
+                self._writer.close()
+
+    def _settle(self, calls: list[tuple[Send | None, str, Call[Any]]], read: Any,
+                settled: list[tuple[Send | None, str, Call[Any]]] | None = None) -> None:
+        """Record the results ``read()`` returns, for ``settled`` (default: ``calls``); when it
+        raises (a lost connection), every one of ``calls`` is refused with that error."""
+        try:
+            results = read()
+        except Exception as error:  # a lost connection: these may or may not be stored
+            with self._lock:
                 self.refused.extend((queue, error) for _, queue, _ in calls)
-                raise
-            for (send, queue, _), result in zip(calls, results, strict=True):
+            raise
+        with self._lock:
+            for (send, queue, _), result in zip(calls if settled is None else settled, results, strict=True):
                 if isinstance(result, StaleRoute) and send is not None:
                     if not self.stale or self.stale[-1] is not send:
                         self.stale.append(send)
@@ -154,6 +210,13 @@ class Sender:
             except Exception as error:  # a lost connection: the owner's next call meets it too
                 logger.warning("celery-redis-lua: unconfirmed publishes could not be sent (%s)", error)
 
+    def forked(self) -> None:
+        """In a forked child: the parent's thread does not run here (watch starts one), and
+        the parent's publishes are forgotten."""
+        self._wake = threading.Condition()
+        for pipeline in list(self._pipelines):
+            pipeline.forked()
+
     def flush_all(self) -> None:
         """At exit: what is still pending goes (a process that never closed its channel)."""
         for pipeline in list(self._pipelines):
@@ -164,3 +227,4 @@ class Sender:
 
 
 SENDER = Sender()
+os.register_at_fork(after_in_child=SENDER.forked)

@@ -130,6 +130,77 @@ class HeldConnection:
                 self._connection = None
 
 
+class BatchWriter:
+    """Batches of calls written on a connection of their own, each batch's replies read once
+    the next batch is on the wire (or at :meth:`finish`): the server runs one batch while
+    the client prepares the next, instead of the client waiting on every batch's replies.
+    For one thread at a time (the caller locks); standalone servers and Sentinel primaries.
+
+    A reply is never read as another call's: a lost connection, a timeout or a signal while
+    replies are pending disconnects it, and raises; the calls of both batches then may or
+    may not have run (nothing is sent again). A forked child never reads its parent's."""
+
+    def __init__(self, runner: ScriptRunner) -> None:
+        self.runner = runner
+        self._connection: Any = None
+        self._pending: Sequence[Call[Any]] = ()  # written, replies unread
+        self._pid = os.getpid()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending) if self._pid == os.getpid() else 0
+
+    def send(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Write ``calls``; return the results of the batch written before them (see
+        :meth:`ScriptRunner.run_many` with ``raise_on_error=False``), or [] if none."""
+        connection = self._ready()
+        try:
+            # No health check: its PING would read a reply of the batch on the wire as PONG.
+            connection.send_packed_command(connection.pack_commands(
+                [self.runner._evalsha_command(call) for call in calls]), check_health=False)
+        except BaseException:
+            connection.disconnect()
+            self._pending = ()
+            raise
+        previous, self._pending = self._pending, calls
+        return self._read(previous)
+
+    def finish(self) -> list[Any]:
+        """The results of the batch on the wire ([] if none)."""
+        self._ready()
+        previous, self._pending = self._pending, ()
+        return self._read(previous)
+
+    def close(self) -> None:
+        if self._connection is not None and self._pid == os.getpid():
+            self._connection.disconnect()
+        self._connection, self._pending = None, ()
+
+    def _ready(self) -> Any:
+        if self._pid != os.getpid():  # forked: the parent's socket and replies are not ours
+            self._connection, self._pending, self._pid = None, (), os.getpid()
+        if self._connection is None:
+            self._connection = dedicated_connection(self.runner.client.connection_pool)
+        self._connection.connect()  # as HeldConnection: Sentinel finds the primary here
+        return self._connection
+
+    def _read(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        if not calls:
+            return []
+        replies: list[Any] = []
+        try:
+            for _ in calls:
+                try:
+                    replies.append(self._connection.read_response())
+                except ResponseError as error:  # an error reply: still in step
+                    replies.append(error)
+        except BaseException:
+            self._connection.disconnect()
+            self._pending = ()
+            raise
+        return self.runner.rerun_noscript(calls, replies, raise_on_error=False)
+
+
 class ScriptRunner:
     """Runs :class:`Call` objects on a redis-py client (standalone or cluster). With
     ``hold_connection`` (a standalone or Sentinel client), single calls go over a
@@ -142,6 +213,14 @@ class ScriptRunner:
         self.durability = durability
         pool = getattr(client, "connection_pool", None)
         self.held = HeldConnection(pool) if hold_connection and pool is not None else None
+
+    def batch_writer(self) -> BatchWriter | None:
+        """A writer whose batches' replies are read one batch later, on a standalone server or
+        a Sentinel primary without durability (a cluster routes each call to its slot's node,
+        a durability wait must end each batch); None elsewhere."""
+        if getattr(self.client, "connection_pool", None) is None or self.durability is not None:
+            return None
+        return BatchWriter(self)
 
     def close(self) -> None:
         """Disconnect the held connection (the client and its pool are the caller's)."""
@@ -160,11 +239,11 @@ class ScriptRunner:
             return self.run_many([call])[0]  # the call and its wait share one connection
         script = self.scripts[call.script]
         try:
-            reply = self._evalsha_one(script, call)
+            reply = self._execute_one(*self._evalsha_command(call))
         except NoScriptError:
             self._execute_one("SCRIPT", "LOAD", script.source)
             try:
-                reply = self._evalsha_one(script, call)
+                reply = self._execute_one(*self._evalsha_command(call))
             except ResponseError as error:
                 raise to_script_error(call.script, error) from None
         except ResponseError as error:
@@ -199,6 +278,16 @@ class ScriptRunner:
             self._check_wait(calls, waited, results)
         return results
 
+    def rerun_noscript(self, calls: Sequence[Call[Any]], replies: list[Any], *,
+                       raise_on_error: bool) -> list[Any]:
+        """The results of ``calls`` from replies read elsewhere (BatchWriter): the calls that
+        met NOSCRIPT (they never ran) are loaded and run again, in one pipeline."""
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        again = dict(zip(missing, self.run_many([calls[i] for i in missing], raise_on_error=raise_on_error),
+                         strict=True)) if missing else {}
+        return [again[i] if i in again else self._decode([call], [reply], raise_on_error)[0]
+                for i, (call, reply) in enumerate(zip(calls, replies, strict=True))]
+
     def run_transaction(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """Run ``calls`` in one MULTI (their keys in one slot): another client sees all of them
         or none. The scripts are loaded first; a call the server refuses (NOSCRIPT after a
@@ -208,7 +297,7 @@ class ScriptRunner:
         self.load(sorted({call.script for call in calls}))
         pipe = self.client.pipeline(transaction=True)
         for call in calls:
-            self._evalsha(pipe, self.scripts[call.script], call)
+            self._evalsha(pipe, call)
         return self._decode(calls, list(pipe.execute(raise_on_error=False)), raise_on_error=False)
 
     def _wait_for(self, calls: Sequence[Call[Any]]) -> Durability | None:
@@ -257,7 +346,7 @@ class ScriptRunner:
             return self._pipeline_per_node(calls, wait)
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
-            self._evalsha(pipe, self.scripts[call.script], call)
+            self._evalsha(pipe, call)
         if wait is not None:
             pipe.execute_command(*wait.command())
         replies = list(pipe.execute(raise_on_error=False))
@@ -282,7 +371,7 @@ class ScriptRunner:
                 node = self.client.get_node(node_name=name)
                 pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
                 for i in indexes:
-                    self._evalsha(pipe, self.scripts[calls[i].script], calls[i])
+                    self._evalsha(pipe, calls[i])
                 pipe.execute_command(*wait.command())
                 *got, waited = pipe.execute(raise_on_error=False)
                 ran = False
@@ -300,10 +389,8 @@ class ScriptRunner:
         raise ClusterError(f"{sorted({calls[i].script for i in todo})}: the slot kept moving "
                            f"({REDIRECT_ATTEMPTS} redirections); nothing ran")
 
-    def _evalsha_one(self, script: Script, call: Call[Any]) -> Any:
-        if self.held is None:
-            return self._evalsha(self.client, script, call)
-        return self._execute_one("EVALSHA", script.sha1, len(call.keys), *call.keys, *call.args)
+    def _evalsha_command(self, call: Call[Any]) -> tuple[Any, ...]:
+        return ("EVALSHA", self.scripts[call.script].sha1, len(call.keys), *call.keys, *call.args)
 
     def _execute_one(self, *command: Any) -> Any:
         """A single command of ``run``: over the held connection when there is one."""
@@ -311,8 +398,7 @@ class ScriptRunner:
             return self.client.execute_command(*command)
         return self.held.execute(self.client, *command)
 
-    @staticmethod
-    def _evalsha(target: Any, script: Script, call: Call[Any]) -> Any:
+    def _evalsha(self, target: Any, call: Call[Any]) -> Any:
         # execute_command, not .evalsha(): redis-py's ClusterPipeline blocks the
         # evalsha method, while the raw command is routed by its first key.
-        return target.execute_command("EVALSHA", script.sha1, len(call.keys), *call.keys, *call.args)
+        return target.execute_command(*self._evalsha_command(call))
