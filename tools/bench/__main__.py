@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -24,10 +25,11 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tools.servers import Cluster, Server, available_kinds
 
-from . import broker_mechanics, celery_level, durability, kombu_level, report, shutdown
+from . import backlog, broker_mechanics, celery_level, durability, kombu_level, report, shutdown
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
 from .server_cost import version_of
 
@@ -49,6 +51,8 @@ def options() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
     p.add_argument("--size", type=int, default=300, help="message body bytes")
     p.add_argument("--kombu-n", type=int, default=3000)
+    p.add_argument("--memory-n", type=int, default=30000, help="messages queued for memory per message "
+                   "(0: not measured)")
     p.add_argument("--prefetch", type=int, default=100, help="kombu consume prefetch_count")
     p.add_argument("--celery-n", type=int, default=1500)
     p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late,"
@@ -84,6 +88,7 @@ def options() -> argparse.Namespace:
     o = p.parse_args()
     if o.quick:
         o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
+        o.memory_n = min(o.memory_n, 3000)
         o.variants = "threads_early,prefork_early,solo_early,gevent_early"
         o.durability_slow_n = min(o.durability_slow_n, 3)
     o.durability = o.durability or o.durability_only
@@ -121,7 +126,10 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
                  *(["shutdown"] if o.shutdown else [])]
     todo = []
     for rep in range(1, o.repeat + 1):
-        todo += [(rep, s, p) for s in scenarios for p in peers if s == "kombu" or not p.kombu_only]
+        todo += [(rep, s, p) for s in scenarios for p in peers
+                 if s == "kombu" or s.startswith("celery_") or not p.publish_variant]
+        if rep == 1 and o.memory_n:  # a byte count, the same every repetition: measured once
+            todo += [(rep, "memory", p) for p in peers if p.is_standalone_redis and not p.publish_variant]
         shift = (rep - 1) % max(1, len(durability_peers))
         rotated = [*durability_peers[shift:], *durability_peers[:shift]]
         todo += [(rep, "durability", p) for p in rotated]
@@ -136,6 +144,8 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
     if scenario == "shutdown":
         r = shutdown.run(peer, o.processes)
         return r, shutdown.text(r)
+    if scenario == "memory":
+        return memory(o, peer)
     if scenario == "kombu":
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
@@ -157,6 +167,20 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
     workers = int(scenario.removeprefix("mech_"))
     r = broker_mechanics.run(peer, o.mech_n, workers, o.mech_prefetch, o.size, o.mech_timeout)
     return r, f"{r['jobs_per_sec']:7,.0f} jobs/s  p99 {r['latency_us']['p99'] / 1000:.0f} ms in queue"
+
+
+def memory(o: argparse.Namespace, peer: Peer) -> tuple[dict[str, Any], str]:
+    """Memory per queued message through ``peer``'s transport, on a throwaway server of the
+    run's kind (used_memory is server-wide, so not on the shared one): kombu messages, and
+    Celery-like ones that carry a task id."""
+    with Server(o.server_kind) as server:
+        url = urlsplit(peer.url)._replace(netloc=f"127.0.0.1:{server.port}").geturl()
+        there = dataclasses.replace(peer, url=url)
+        r = {f"{kind}_bytes_per_message": backlog.memory_of(server.client(), there.connection(), o.memory_n,
+                                                            o.size, task_ids=kind == "celery")
+             for kind in ("kombu", "celery")}
+    return r, (f"{r['kombu_bytes_per_message']:,.0f} B/msg "
+               f"(with task ids {r['celery_bytes_per_message']:,.0f})")
 
 
 def without_checkouts(argv: list[str]) -> list[str]:

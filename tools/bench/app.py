@@ -1,7 +1,7 @@
 """The Celery app the benchmark's workers run (``celery -A tools.bench.app worker``).
 
-Configured from the environment (BENCH_BROKER_URL, BENCH_TRANSPORT, BENCH_QUEUE,
-BENCH_ACKS_LATE); the producer builds the same app in-process with ``make_app``.
+Configured from the environment (BENCH_BROKER_URL, BENCH_TRANSPORT, BENCH_TRANSPORT_OPTIONS
+as JSON, BENCH_QUEUE, BENCH_ACKS_LATE); the producer builds the same app in-process with ``make_app``.
 The one task, ``bench.noop``, appends ``<tag> <sent> <started>`` (time.monotonic(),
 a system-wide clock) to the file BENCH_LEDGER with one O_APPEND write, so recording
 costs no broker or network round trip. The worker touches BENCH_READY when ready.
@@ -9,6 +9,7 @@ costs no broker or network round trip. The worker touches BENCH_READY when ready
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ def _record(tag: str, sent: float) -> None:
 
 
 def make_app(broker_url: str, transport: str | None = None, queue: str = "bench",
-             acks_late: bool = False) -> Celery:
+             acks_late: bool = False, transport_options: dict[str, Any] | None = None) -> Celery:
     app = Celery("bench", broker=broker_url, set_as_current=False)
     config: dict[str, Any] = {
         "task_default_queue": queue,
@@ -43,6 +44,8 @@ def make_app(broker_url: str, transport: str | None = None, queue: str = "bench"
     }
     if transport:
         config["broker_transport"] = transport
+    if transport_options:  # e.g. confirm_publish, for the producer and the worker alike
+        config["broker_transport_options"] = transport_options
     app.conf.update(config)
 
     @app.task(name="bench.noop")
@@ -57,6 +60,7 @@ app = make_app(
     os.environ.get("BENCH_TRANSPORT") or None,
     os.environ.get("BENCH_QUEUE", "bench"),
     os.environ.get("BENCH_ACKS_LATE") == "1",
+    json.loads(os.environ.get("BENCH_TRANSPORT_OPTIONS") or "{}"),
 )
 
 

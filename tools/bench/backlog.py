@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -77,24 +78,28 @@ def envelope(size: int) -> str:
     return json.dumps(message)
 
 
-def memory_per_message(server: Server, count: int, size: int) -> dict[str, float]:
-    """used_memory delta per queued message: ours (publish script) and stock (kombu's LPUSH)."""
-    client = server.client()
-    out = {}
-    for name, url in (("lua", f"redislua://127.0.0.1:{server.port}/0"),
-                      ("stock", f"redis://127.0.0.1:{server.port}/1")):
-        client.flushall()
-        before = int(client.info("memory")["used_memory"])
-        queue = bind_queue(f"mem-{name}")
-        with Connection(url) as conn:
-            producer = conn.Producer()
-            body = body_of_size(size)
-            for _ in range(count):
-                producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key,
-                                 declare=[queue])
-        out[name] = (int(client.info("memory")["used_memory"]) - before) / count
+def memory_of(client: Any, connection: Connection, count: int, size: int, *, task_ids: bool = False) -> float:
+    """used_memory delta per queued message: ``count`` kombu publishes through ``connection``
+    into a fresh queue of ``client``'s server (flushed first). With ``task_ids``, each
+    message carries a Celery task id header (``headers.id``), as every Celery task does."""
     client.flushall()
-    return out
+    before = int(client.info("memory")["used_memory"])
+    queue = bind_queue("mem")
+    body = body_of_size(size)
+    with connection:
+        producer = connection.Producer()
+        for i in range(count):
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue],
+                             headers={"id": str(uuid.UUID(int=i))} if task_ids else None)
+    delta = (int(client.info("memory")["used_memory"]) - before) / count
+    client.flushall()
+    return delta
+
+
+def memory_per_message(server: Server, count: int, size: int) -> dict[str, float]:
+    """Ours (publish script) and stock (kombu's LPUSH), kombu messages without task ids."""
+    return {name: memory_of(server.client(), Connection(f"{scheme}://127.0.0.1:{server.port}/0"), count, size)
+            for name, scheme in (("lua", "redislua"), ("stock", "redis"))}
 
 
 def run(o: argparse.Namespace) -> dict[str, Any]:

@@ -13,6 +13,7 @@ every peer), in their own process group, and are stopped by PID.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -48,10 +49,11 @@ class Worker:
         self.timings: dict[str, float] = {}  # start_s (to 'ready'), stop_s (SIGTERM to exit)
 
     def app(self) -> Any:
-        return make_app(self.peer.url, self.peer.transport, self.queue, self.acks_late)
+        return make_app(self.peer.url, self.peer.transport, self.queue, self.acks_late, self.peer.options)
 
     def start(self) -> Worker:
         env = dict(os.environ, BENCH_BROKER_URL=self.peer.url, BENCH_TRANSPORT=self.peer.transport or "",
+                   BENCH_TRANSPORT_OPTIONS=json.dumps(self.peer.options or {}),
                    BENCH_QUEUE=self.queue, BENCH_ACKS_LATE="1" if self.acks_late else "0",
                    BENCH_LEDGER=str(self.ledger), BENCH_READY=str(self.ready), PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -42,11 +42,17 @@ class Peer:
     # message count that overrides --kombu-n for this peer's kombu-level jobs.
     options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     n: int | None = None
-    kombu_only: bool = False  # a column for the kombu-level phases only (RabbitMQ with confirms)
+    # A variant of another peer's publish path (confirms on or off): it runs the kombu and
+    # Celery throughput phases, not the broker mechanics or the shutdown timing.
+    publish_variant: bool = False
 
     @property
     def is_redis(self) -> bool:
         return urlsplit(self.url).scheme in REDIS_SCHEMES
+
+    @property
+    def is_standalone_redis(self) -> bool:
+        return self.is_redis and not urlsplit(self.url).scheme.endswith("+cluster")
 
     def redis_client(self) -> redis.Redis | RedisCluster | None:
         """A plain client to the peer's server (for INFO), or None for non-Redis brokers."""
@@ -114,15 +120,15 @@ def default_peers(port: int, amqp_url: str, wanted: list[str]) -> tuple[list[Pee
     base = f"127.0.0.1:{port}"
     candidates = {
         "lua": (Peer("lua", f"redislua://{base}/0"), None),
-        # the opt-in pipelined publish (confirm_publish=False), kombu phases only
+        # the opt-in pipelined publish (confirm_publish=False): like RabbitMQ's default
         "lua-unconfirmed": (Peer("lua-unconfirmed", f"redislua://{base}/3",
-                                 options={"confirm_publish": False}, kombu_only=True), None),
+                                 options={"confirm_publish": False}, publish_variant=True), None),
         "stock": (Peer("stock", f"redis://{base}/1"), None),
         "plus": (Peer("plus", f"redis://{base}/2", PLUS_TRANSPORT), plus_available),
         "rabbit": (Peer("rabbit", amqp_url), lambda: amqp_available(amqp_url)),
         # py-amqp waits for the broker's confirm of each publish (what our publish always does)
         "rabbit-confirm": (Peer("rabbit-confirm", amqp_url, options={"confirm_publish": True},
-                                kombu_only=True),
+                                publish_variant=True),
                            lambda: amqp_available(amqp_url)),
     }
     peers, skipped = [], {}
