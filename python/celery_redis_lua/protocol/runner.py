@@ -146,30 +146,29 @@ class BatchWriter:
         self._pending: Sequence[Call[Any]] = ()  # written, replies unread
         self._pid = os.getpid()
 
-    @property
-    def pending(self) -> int:
-        return len(self._pending) if self._pid == os.getpid() else 0
-
     def send(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """Write ``calls``; return the results of the batch written before them (see
         :meth:`ScriptRunner.run_many` with ``raise_on_error=False``), or [] if none."""
         connection = self._ready()
+        previous, self._pending = self._pending, calls
         try:
             # No health check: its PING would read a reply of the batch on the wire as PONG.
             connection.send_packed_command(connection.pack_commands(
                 [self.runner._evalsha_command(call) for call in calls]), check_health=False)
+            return self._results(previous)
         except BaseException:
-            connection.disconnect()
-            self._pending = ()
+            self._lose()
             raise
-        previous, self._pending = self._pending, calls
-        return self._read(previous)
 
     def finish(self) -> list[Any]:
         """The results of the batch on the wire ([] if none)."""
         self._ready()
         previous, self._pending = self._pending, ()
-        return self._read(previous)
+        try:
+            return self._results(previous)
+        except BaseException:
+            self._lose()
+            raise
 
     def close(self) -> None:
         if self._connection is not None and self._pid == os.getpid():
@@ -184,21 +183,20 @@ class BatchWriter:
         self._connection.connect()  # as HeldConnection: Sentinel finds the primary here
         return self._connection
 
-    def _read(self, calls: Sequence[Call[Any]]) -> list[Any]:
-        if not calls:
-            return []
+    def _lose(self) -> None:
+        """Whatever interrupted a write or a read (anything at all, between any two steps):
+        the replies still due are not read from this connection by anyone."""
+        self._connection.disconnect()
+        self._pending = ()
+
+    def _results(self, calls: Sequence[Call[Any]]) -> list[Any]:
         replies: list[Any] = []
-        try:
-            for _ in calls:
-                try:
-                    replies.append(self._connection.read_response())
-                except ResponseError as error:  # an error reply: still in step
-                    replies.append(error)
-        except BaseException:
-            self._connection.disconnect()
-            self._pending = ()
-            raise
-        return self.runner.rerun_noscript(calls, replies, raise_on_error=False)
+        for _ in calls:
+            try:
+                replies.append(self._connection.read_response())
+            except ResponseError as error:  # an error reply: still in step
+                replies.append(error)
+        return self.runner.rerun_noscript(calls, replies, raise_on_error=False) if calls else []
 
 
 class ScriptRunner:
