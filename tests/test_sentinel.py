@@ -66,6 +66,20 @@ def test_both_routes_reach_the_primary_the_sentinels_name(group: SentinelGroup, 
     wait_until(lambda: replica.keys("*{kept}*"), what="the replica has the queue")
 
 
+def test_held_and_batch_connections_find_the_primary_through_the_sentinels(group: SentinelGroup) -> None:
+    """The channel's own connections (runner.HeldConnection for single calls, BatchWriter for
+    unconfirmed batches) are Sentinel-managed: they ask the sentinels where the primary is
+    (a Sentinel-managed connection that skipped connect() would go to localhost:6379)."""
+    options = {**OPTIONS, "confirm_publish": False, "publish_pipeline": 10}
+    with Connection(group.broker_url("redislua+sentinel"), transport_options=options) as connection:
+        queue = Queue("held", routing_key="held")
+        producer = Producer(connection, routing_key="held")
+        for i in range(25):  # two full batches written, five pending until the close
+            producer.publish({"n": i}, declare=[queue])
+    primary = celery_redis_lua.ScriptLibrary(group.primary.client(), celery_redis_lua.Keyspace())
+    assert primary.stats(["held"])[0].ready == 25
+
+
 def consume_until(connection: Connection, queue: Queue, got: list[Any], count: int,
                   timeout: float) -> None:
     """A consumer that survives connection loss as kombu users write one: on a connection
