@@ -19,6 +19,7 @@ import redis
 from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.runner import packed
 from helpers import wait_until
 from tools.servers import Server
 
@@ -148,3 +149,15 @@ def test_a_closed_channel_lets_its_held_connection_go(server: Server) -> None:
         wait_until(lambda: held not in {c["id"] for c in ours(server)},
                    what="the channel's held connection is closed")
         assert ours(server)  # the transport's pool keeps its own
+
+
+@pytest.mark.parametrize("command", [
+    ("EVALSHA", "e16099e555ed9dc82fc3312214a70ed590388be4", 2, "queue:{q}", "message:{q}", "é", 0, -1, ""),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("EVALSHA", "0" * 40, 0, b"\x00\xffbytes", 255, 9999999999999),
+])
+def test_the_packer_writes_what_redis_py_writes(command: tuple[object, ...]) -> None:
+    """runner.packed uses hiredis's packer directly (skipping redis-py's per-argument checks):
+    the bytes must be redis-py's own, for every argument type the scripts take."""
+    connection = redis.Connection()
+    assert packed(connection, command) == b"".join(connection.pack_command(*command))

@@ -76,6 +76,21 @@ def to_script_error(script: str, error: ResponseError) -> ResponseError:
     return error
 
 
+try:  # the hiredis extra: its packer takes our arguments (str, bytes, int) as they are
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - without the extra, redis-py's own
+    _hiredis_pack = None
+
+
+def packed(connection: Any, command: Sequence[Any]) -> bytes:
+    """``command`` in the wire protocol. hiredis's packer directly when it is installed: redis-py's
+    wrapper around it checks and converts every argument first (measured 4.0 against 1.3 µs for
+    a publish call); the bytes are the same."""
+    if _hiredis_pack is not None:
+        return _hiredis_pack(tuple(command))
+    return b"".join(connection.pack_command(*command))
+
+
 def dedicated_connection(pool: Any) -> Any:
     """A connection made with ``pool``'s settings (address, credentials, TLS, db, a Sentinel
     pool's primary lookup) but kept outside it: it never counts against max_connections."""
@@ -113,7 +128,7 @@ class HeldConnection:
                 # where the primary is only there; send_command alone would connect to its
                 # default address (localhost:6379).
                 connection.connect()
-                connection.send_command(*command)
+                connection.send_packed_command([packed(connection, command)])
                 return connection.read_response()
             except ResponseError:
                 raise  # an error reply: the connection is in step
@@ -153,8 +168,8 @@ class BatchWriter:
         previous, self._pending = self._pending, calls
         try:
             # No health check: its PING would read a reply of the batch on the wire as PONG.
-            connection.send_packed_command(connection.pack_commands(
-                [self.runner._evalsha_command(call) for call in calls]), check_health=False)
+            batch = b"".join(packed(connection, self.runner._evalsha_command(call)) for call in calls)
+            connection.send_packed_command([batch], check_health=False)
             return self._results(previous)
         except BaseException:
             self._lose()
