@@ -1,5 +1,6 @@
-"""Small helpers shared by the tests: server time, polling, slot-aware queue names, and a
-bash session for replaying documented shell sessions."""
+"""Small helpers shared by the tests: server time, polling, slot-aware queue names, the
+transport's wake pipe in a kombu hub, and a bash session for replaying documented shell
+sessions."""
 
 from __future__ import annotations
 
@@ -201,3 +202,14 @@ class Placement:
 
 
 PLACEMENT = Placement()
+
+
+def hub_wake_fd(hub: Any) -> int:
+    """The read end of the pipe the transport writes to make a kombu hub's poll return."""
+    [fd] = [fd for fd, (callback, _) in hub.readers.items() if callback.__name__ == "on_wake"]
+    return fd
+
+
+def hub_readable(hub: Any) -> set[int]:
+    """The descriptors a kombu hub's poll would report readable now."""
+    return {fd for fd, _ in hub.poller.poll(0) or ()}

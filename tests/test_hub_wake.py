@@ -9,16 +9,8 @@ from celery import signals
 from kombu import Connection
 from kombu.asynchronous import Hub
 
+from helpers import hub_readable, hub_wake_fd
 from tools.servers import Server
-
-
-def wake_fd(hub: Hub) -> int:
-    [fd] = [fd for fd, (callback, _) in hub.readers.items() if callback.__name__ == "on_wake"]
-    return fd
-
-
-def readable(hub: Hub) -> set[int]:
-    return {fd for fd, _ in hub.poller.poll(0) or ()}
 
 
 def test_worker_shutting_down_makes_the_hub_poll_return(valkey_server: Server) -> None:
@@ -28,10 +20,10 @@ def test_worker_shutting_down_makes_the_hub_poll_return(valkey_server: Server) -
         with Connection(f"redislua://127.0.0.1:{valkey_server.port}/0") as conn:
             conn.default_channel  # noqa: B018  (the transport is made)
             conn.transport.register_with_event_loop(conn.connection, hub)
-            fd = wake_fd(hub)
-            assert fd not in readable(hub)
+            fd = hub_wake_fd(hub)
+            assert fd not in hub_readable(hub)
             signals.worker_shutting_down.send(sender="test@host", sig="SIGTERM", how="Warm", exitcode=0)
-            assert fd in readable(hub)
+            assert fd in hub_readable(hub)
             conn.transport.poller.unregister()
         # Unregistered (the connection closed): the receiver is gone with its pipe.
         assert len(signals.worker_shutting_down.receivers) == receivers

@@ -168,6 +168,7 @@ class Consuming(Protocol):
 
     def waits(self) -> list[BlockingRead]: ...
     def poll_queues(self) -> int: ...
+    def refill_due(self) -> float | None: ...
     def poll_streams(self) -> int: ...
     def on_wait_readable(self, wait: BlockingRead) -> int: ...
     def upkeep(self, *, from_loop: bool) -> None: ...
@@ -209,6 +210,12 @@ class Poller:
             wait.disconnect()  # nothing expected: the server closed the connection
             return 0
         return channel.on_wait_readable(wait)
+
+    def refill_due(self) -> float | None:
+        """The earliest refill a channel held back (monotonic), if any: the loop must not
+        sleep past it."""
+        return min((due for channel in list(self.channels) if (due := channel.refill_due()) is not None),
+                   default=None)
 
     # -- periodic work ----------------------------------------------------------------------
 
@@ -261,6 +268,9 @@ class Poller:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError()
             step = TICK_SECONDS if remaining is None else min(remaining, TICK_SECONDS)
+            refill = self.refill_due()
+            if refill is not None:
+                step = min(step, max(0.0, refill - time.monotonic()))
             if not waits:
                 time.sleep(min(step, 0.05))
                 continue
@@ -306,6 +316,19 @@ class Poller:
         def on_readable(channel: Consuming, wait: BlockingRead) -> None:
             self.on_readable(channel, wait)
 
+        # The hub sleeps until its next timer or event: a refill a channel held back sets a
+        # timer of its own (once per due time), or it would wait for the next tick. The hub
+        # reckons its poll's timeout before it runs the on_tick callbacks, so the byte on the
+        # pipe makes this poll return and the next one count the new timer.
+        refill_timer: list[float] = []
+
+        def wake_for_refill() -> None:
+            due = self.refill_due()
+            if due is not None and (not refill_timer or not time.monotonic() <= refill_timer[0] <= due):
+                refill_timer[:] = [due]
+                loop.call_later(max(0.0, due - time.monotonic()), lambda: None)
+                wake()
+
         def on_tick() -> None:
             for channel in list(self.channels):
                 if self.poll_round(channel):
@@ -321,6 +344,7 @@ class Poller:
                     if owned(fd, wait):
                         loop.remove_reader(fd)
                     del registered[fd]
+            wake_for_refill()
 
         def unregister() -> None:
             if shutting_down is not None:

@@ -1,0 +1,129 @@
+"""Refilling the prefetch window (channel.py ``_gathering``): a slot freed while most of the
+window is still held waits a moment for others, so that one consume call refills many (the
+prefork pool frees its slots one task at a time), but never longer than
+REFILL_GATHER_SECONDS, in plain kombu's drain_events and in Celery's event loop alike."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.asynchronous import Hub
+from kombu.message import Message
+
+from celery_redis_lua.kombu.channel import REFILL_GATHER_SECONDS
+from helpers import hub_readable, hub_wake_fd, wait_until
+from tools.servers import Server
+
+QUEUE = Queue("refill", Exchange("refill", "direct"), routing_key="refill")
+
+
+@pytest.fixture
+def got() -> list[Message]:
+    """What a test's consumer was given."""
+    return []
+
+
+@pytest.fixture
+def conn(valkey_server: Server, got: list[Message]) -> Iterator[Connection]:
+    with Connection(f"redislua://127.0.0.1:{valkey_server.port}/0") as connection:
+        producer = Producer(connection, exchange=QUEUE.exchange, routing_key="refill")
+        for i in range(30):
+            producer.publish(i, declare=[QUEUE])
+        yield connection
+        for message in got:  # settled before the close, or the orphans registry adopts them
+            if not message.acknowledged:
+                message.ack()
+
+
+def take(conn: Connection, got: list[Message], n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} delivered"
+        with contextlib.suppress(socket.timeout):
+            conn.drain_events(timeout=1)
+
+
+def test_a_freed_slot_waits_for_company_and_one_call_refills_them_all(
+        conn: Connection, got: list[Message]) -> None:
+    with Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=8):
+        take(conn, got, 8)
+        channel = conn.default_channel
+        got[0].ack()
+        # 7 of 8 still held: held back, and the loop is told when to come back.
+        assert channel.poll_queues() == 0
+        due = channel.refill_due()
+        assert due is not None and due <= time.monotonic() + REFILL_GATHER_SECONDS
+        for message in got[1:4]:
+            message.ack()
+        # Half the window free: the four go in one call, at once.
+        assert channel.poll_queues() == 4
+        assert channel.refill_due() is None
+        assert [m.payload for m in got] == list(range(12))
+
+
+def test_a_held_back_refill_goes_once_its_time_is_up(conn: Connection, got: list[Message]) -> None:
+    with Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=8):
+        take(conn, got, 8)
+        channel = conn.default_channel
+        got[0].ack()
+        held_at = time.monotonic()
+        assert channel.poll_queues() == 0
+        wait_until(lambda: channel.poll_queues() == 1, timeout=5, interval=0.0005,
+                   what="the held-back refill")
+        assert time.monotonic() - held_at >= REFILL_GATHER_SECONDS
+        assert channel.refill_due() is None
+        assert len(got) == 9
+
+
+def test_drain_events_comes_back_for_a_held_back_refill(conn: Connection, got: list[Message]) -> None:
+    """Nothing else wakes it (the window was full, so no blocking wait is pending): the
+    refill must still come within drain_events's own time."""
+    with Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=8):
+        take(conn, got, 8)
+        got[0].ack()
+        conn.drain_events(timeout=5)
+        assert len(got) == 9
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_window_of_one_or_two_is_refilled_at_once(
+        conn: Connection, got: list[Message], window: int) -> None:
+    with Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=window):
+        take(conn, got, window)
+        got[0].ack()
+        assert conn.default_channel.poll_queues() == 1
+        assert conn.default_channel.refill_due() is None
+
+
+def test_the_event_loop_sets_a_timer_for_a_held_back_refill(conn: Connection, got: list[Message]) -> None:
+    """In Celery's hub the poll sleeps until the next timer or event; a held-back refill must
+    be one of those timers, or an idle pool child waits for the next 1 s tick."""
+    hub = Hub()
+    try:
+        with Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=8):
+            take(conn, got, 8)
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            got[0].ack()
+            for tick in list(hub.on_tick):
+                tick()
+            due = conn.default_channel.refill_due()
+            assert due is not None
+
+            def timers_at_due() -> int:
+                return sum(abs(entry.eta - due) < 0.001 for entry in hub.timer.queue)
+
+            assert timers_at_due() == 1
+            # The hub reckoned this poll's timeout before the tick set the timer: the poll
+            # must return now, for the next one to count it.
+            assert hub_wake_fd(hub) in hub_readable(hub)
+            for tick in list(hub.on_tick):  # the same due time: no second timer
+                tick()
+            assert timers_at_due() == 1
+            conn.transport.poller.unregister()
+    finally:
+        hub.close()
