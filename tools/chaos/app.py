@@ -2,7 +2,8 @@
 
 Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
 CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
-The one task records its start (worker, pid, delivery count) and finish in the ledger.
+The one task records its start (worker, pid, delivery count, and when the worker received
+that delivery) and finish in the ledger.
 Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
 topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
 run also proves that an expiring queue and its binding outlive every refresh interval.
@@ -13,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 from celery import Celery
+from celery.signals import task_received
 from kombu import Exchange, Queue
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
@@ -43,12 +46,24 @@ app.conf.task_queues = (
 )
 
 
+# The header the worker's consumer stamps a delivery with when it receives it: a task can
+# start long after (prefetched behind others, or held across a reconnect), and a fault in
+# between explains a second run as much as one after the start (verdict.attribute).
+RECEIVED = "chaos-received"
+
+
+@task_received.connect
+def _stamp_receipt(request: Any, **_: Any) -> None:
+    # The request's dict is what the pool's child (or thread) builds the task's request from.
+    request.request_dict[RECEIVED] = time.time()
+
+
 @app.task(name="chaos.work", bind=True)
 def work(self, kind: str, seconds: float) -> None:
     request = self.request
     info = request.delivery_info or {}
     ledger.record("start", id=request.id, kind=kind, t=time.time(), worker=request.hostname,
                   pid=os.getpid(), delivery_count=vars(request).get("x-delivery-count"),
-                  redelivered=info.get("redelivered"))
+                  redelivered=info.get("redelivered"), received=vars(request).get(RECEIVED))
     time.sleep(seconds)
     ledger.record("finish", id=request.id, t=time.time(), worker=request.hostname, pid=os.getpid())

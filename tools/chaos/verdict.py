@@ -61,17 +61,22 @@ def broker_state(client: redis.Redis, transport: str) -> dict[str, Any]:
 def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, Any]],
               window: float) -> dict[str, Any] | None:
     """The fault that explains a duplicate: one between (just before) the previous
-    execution's start and this one, at most ``window`` before it. A worker fault counts only
-    if it hit the worker of the previous execution, and is preferred (it is the specific
-    cause); otherwise the earliest broker-wide fault in that span.
+    execution's receipt by its worker and this one's start, at most ``window`` before it. A
+    worker fault counts only if it hit the worker of the previous execution, and is
+    preferred (it is the specific cause); otherwise the earliest broker-wide fault in that
+    span. The receipt, not the start: a worker that lost its connection goes on running
+    what it had received, and those tasks' late acks are lost with the channel (the Valkey
+    cluster run of 2026-12-02 saw seven start up to a second after a primary_kill). Entries
+    of earlier runs have no receipt time; their start stands in.
 
     A failover (a fault entry with ``failover``) lasts from the fault to ``writes_until``,
     when the old primary stopped serving: until then two primaries can each deliver a
     message both hold (a countdown both promote, a message one of them already handed out)
     and take acks the other never sees. So a failover explains a duplicate whose executions
     span any part of that interval, not only those whose first execution came before it."""
+    held_from = min(prev.get("received") or prev["t"], prev["t"]) - 1.0
     candidates = [f for f in faults if not f.get("skipped")
-                  and prev["t"] - 1.0 <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
+                  and held_from <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
                   and dup["t"] - f.get("writes_until", f["t"]) <= window]
     on_worker = [f for f in candidates if f["kind"] in WORKER_FAULTS
                  and f.get("target") == prev["worker"]]
