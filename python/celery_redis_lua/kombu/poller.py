@@ -317,15 +317,16 @@ class Poller:
             self.on_readable(channel, wait)
 
         # The hub sleeps until its next timer or event: a refill a channel held back sets a
-        # timer of its own (once per due time), or it would wait for the next tick. The hub
-        # reckons its poll's timeout before it runs the on_tick callbacks, so the byte on the
-        # pipe makes this poll return and the next one count the new timer.
-        refill_timer: list[float] = []
+        # timer of its own (one per due time: a channel keeps its due time until the refill),
+        # or it would wait for the next tick. The hub reckons its poll's timeout before it
+        # runs the on_tick callbacks, so the byte on the pipe makes this poll return and the
+        # next one count the new timer.
+        armed: list[float | None] = [None]  # the due time of the last timer set
 
         def wake_for_refill() -> None:
             due = self.refill_due()
-            if due is not None and (not refill_timer or not time.monotonic() <= refill_timer[0] <= due):
-                refill_timer[:] = [due]
+            if due is not None and due != armed[0]:
+                armed[0] = due
                 loop.call_later(max(0.0, due - time.monotonic()), lambda: None)
                 wake()
 
