@@ -151,6 +151,35 @@ def test_a_closed_channel_lets_its_held_connection_go(server: Server) -> None:
         assert ours(server)  # the transport's pool keeps its own
 
 
+def test_a_batch_goes_in_one_write_on_the_held_connection_each_reply_in_its_place(server: Server) -> None:
+    lib = held_lib(server)
+    lib.client.set(lib.keys.message("wrongtype"), "not a hash")  # its publish meets WRONGTYPE
+    calls = [lib.calls.publish("batched", "one"), lib.calls.publish("wrongtype", "refused"),
+             lib.calls.publish("batched", "two")]
+    first, refused, second = lib.run_many(calls, raise_on_error=False)
+    assert isinstance(refused, redis.ResponseError) and "WRONGTYPE" in str(refused)
+    assert [stored(lib, "batched", i) for i in (first, second)] == [b"one", b"two"]
+    assert len(ours(server, "evalsha")) == 1  # the held connection; no pool pipeline
+    assert lib.publish("batched", "after") > second  # still in step
+    lib.close()
+
+
+def test_a_batch_a_timeout_cut_off_leaves_no_reply_for_the_next_batch(server: Server) -> None:
+    lib = held_lib(server, socket_timeout=0.2)
+    lib.publish("late-batch", "warm")
+    admin = server.client()
+    admin.execute_command("CLIENT", "PAUSE", 600, "WRITE")
+    try:
+        with pytest.raises(redis.TimeoutError):
+            lib.run_many([lib.calls.publish("late-batch", f"paused {i}") for i in range(3)])
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    after = lib.run_many([lib.calls.publish("late-batch", f"after {i}") for i in range(2)])
+    assert [stored(lib, "late-batch", m) for m in after] == [b"after 0", b"after 1"]
+    assert admin.hget(lib.keys.meta("late-batch"), "last_id") == after[-1].encode()
+    lib.close()
+
+
 @pytest.mark.parametrize("command", [
     ("EVALSHA", "e16099e555ed9dc82fc3312214a70ed590388be4", 2, "queue:{q}", "message:{q}", "é", 0, -1, ""),
     ("SCRIPT", "LOAD", "return 1"),

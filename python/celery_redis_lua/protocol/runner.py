@@ -115,19 +115,11 @@ class HeldConnection:
         self._pid = os.getpid()
 
     def execute(self, client: Any, *command: Any) -> Any:
-        if self._pid != os.getpid():  # forked: the parent's connection and lock stay its own
-            self._lock, self._connection, self._pid = threading.Lock(), None, os.getpid()
-        if not self._lock.acquire(blocking=False):
+        if not self._acquire():
             return client.execute_command(*command)
         try:
-            connection = self._connection
-            if connection is None:
-                connection = self._connection = dedicated_connection(self._pool)
+            connection = self._connected()
             try:
-                # connect() first, always: a Sentinel-managed connection asks the sentinels
-                # where the primary is only there; send_command alone would connect to its
-                # default address (localhost:6379).
-                connection.connect()
                 connection.send_packed_command([packed(connection, command)])
                 return connection.read_response()
             except ResponseError:
@@ -137,6 +129,48 @@ class HeldConnection:
                 raise
         finally:
             self._lock.release()
+
+    def execute_many(self, client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """``commands`` in one write, their replies in order (an error reply in its place as
+        the exception, as a pipeline's ``execute(raise_on_error=False)`` gives it). Without
+        redis-py's Pipeline object, its retry wrapper and a pool checkout: the event loop's
+        consume that carries the acks gathered meanwhile (acks.py) goes this way."""
+        if not self._acquire():
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute(raise_on_error=False))
+        try:
+            connection = self._connected()
+            try:
+                connection.send_packed_command([b"".join(packed(connection, c) for c in commands)])
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(connection.read_response())
+                    except ResponseError as error:  # in step: the next reply is the next call's
+                        replies.append(error)
+                return replies
+            except BaseException:
+                connection.disconnect()
+                raise
+        finally:
+            self._lock.release()
+
+    def _acquire(self) -> bool:
+        """Take the connection for this thread, or False if another thread has it."""
+        if self._pid != os.getpid():  # forked: the parent's connection and lock stay its own
+            self._lock, self._connection, self._pid = threading.Lock(), None, os.getpid()
+        return self._lock.acquire(blocking=False)
+
+    def _connected(self) -> Any:
+        """The held connection, connected (lock held). connect() first, always: a
+        Sentinel-managed connection asks the sentinels where the primary is only there;
+        send_command alone would connect to its default address (localhost:6379)."""
+        if self._connection is None:
+            self._connection = dedicated_connection(self._pool)
+        self._connection.connect()
+        return self._connection
 
     def close(self) -> None:
         with self._lock:
@@ -227,13 +261,17 @@ class ScriptRunner:
         pool = getattr(client, "connection_pool", None)
         self.held = HeldConnection(pool) if hold_connection and pool is not None else None
 
+    @property
+    def batches_in_one_write(self) -> bool:
+        """Whether a batch of calls goes as one write on one connection with nothing to wait
+        for: a standalone server or a Sentinel primary without durability (a cluster routes
+        each call to its slot's node, a durability wait must end each batch)."""
+        return getattr(self.client, "connection_pool", None) is not None and self.durability is None
+
     def batch_writer(self) -> BatchWriter | None:
-        """A writer whose batches' replies are read one batch later, on a standalone server or
-        a Sentinel primary without durability (a cluster routes each call to its slot's node,
-        a durability wait must end each batch); None elsewhere."""
-        if getattr(self.client, "connection_pool", None) is None or self.durability is not None:
-            return None
-        return BatchWriter(self)
+        """A writer whose batches' replies are read one batch later (see
+        :attr:`batches_in_one_write`); None where batches are not one write."""
+        return BatchWriter(self) if self.batches_in_one_write else None
 
     def close(self) -> None:
         """Disconnect the held connection (the client and its pool are the caller's)."""
@@ -357,12 +395,16 @@ class ScriptRunner:
         """The replies of ``calls`` in one pipeline, and of the wait that ends it (or None)."""
         if wait is not None and hasattr(self.client, "get_node_from_key"):
             return self._pipeline_per_node(calls, wait)
-        pipe = self.client.pipeline(transaction=False)
-        for call in calls:
-            self._evalsha(pipe, call)
-        if wait is not None:
-            pipe.execute_command(*wait.command())
-        replies = list(pipe.execute(raise_on_error=False))
+        if self.held is not None:
+            commands = [self._evalsha_command(call) for call in calls]
+            replies = self.held.execute_many(self.client, [*commands, wait.command()] if wait else commands)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                self._evalsha(pipe, call)
+            if wait is not None:
+                pipe.execute_command(*wait.command())
+            replies = list(pipe.execute(raise_on_error=False))
         return (replies[:-1], replies[-1]) if wait is not None else (replies, None)
 
     def _pipeline_per_node(self, calls: Sequence[Call[Any]], wait: Durability) -> tuple[list[Any], Any]:
