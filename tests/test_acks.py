@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.message import Message
 
@@ -129,3 +130,75 @@ def test_a_batch_that_meets_a_dead_broker_is_sent_again_and_nothing_runs_twice(s
         fresh.drain_events(timeout=3)
     assert got == []
     assert server.client().hlen("message:{acked-a}") == 0
+
+
+def take_one_at_a_time(conn: Connection, queue: Queue, got: list[Message]) -> Consumer:
+    """A consumer of ``queue`` with a prefetch window of one: each delivery after the first
+    waits for the ack of the one before."""
+    return Consumer(conn, [queue], prefetch_count=1, callbacks=[lambda body, message: got.append(message)])
+
+
+def test_an_ack_rides_the_consumers_next_consume_and_the_thread_sends_nothing(server: Server) -> None:
+    queue = QUEUES[0]
+    with connect(server, ack_flush_delay=1.0) as conn:  # the thread would hold it a whole second
+        publish(conn, 2)
+        got: list[Message] = []
+        with take_one_at_a_time(conn, queue, got):
+            conn.drain_events(timeout=10)
+            lib = got[0].channel.lib
+            lib.runner.load(["ack"])  # not loaded yet on this server: a NOSCRIPT would count twice
+            counted = ScriptCalls(server.client())
+            got[0].ack()
+            assert ACKS.pending(lib) == 1
+            conn.drain_events(timeout=10)  # the window has room again: consume, with the ack
+            assert len(got) == 2
+            assert ACKS.pending(lib) == 0  # gone with the consume, long before the thread's 1 s
+            assert counts(server)["acked-a"] == (0, 1, 0)  # the first acked, the second in flight
+            calls = counted.stop()
+            got[1].ack()
+    assert calls.get("ack") == 1 and calls.get("consume", 0) + calls.get("claim", 0) == 1, calls
+
+
+def test_acks_riding_a_consume_that_meets_a_lost_connection_are_sent_again(server: Server) -> None:
+    queue = QUEUES[0]
+    with connect(server, ack_flush_delay=1.0) as conn:
+        publish(conn, 2)
+        got: list[Message] = []
+        with take_one_at_a_time(conn, queue, got):
+            conn.drain_events(timeout=10)
+            held = got[0].channel.lib.runner.held
+            admin = server.client()
+            (port,) = {held._connection._sock.getsockname()[1]}
+            admin.client_kill(f"127.0.0.1:{port}")  # the connection the consume (and acks) go on
+            got[0].ack()
+            with pytest.raises(redis.ConnectionError):
+                conn.drain_events(timeout=10)
+            assert ACKS.pending(got[0].channel.lib) == 0 and len(ORPHANS) == 1  # kept, not lost
+            wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
+                       what="the kept ack sent")
+    assert sum(counts(server)["acked-a"]) == 1  # only the second is left
+    got_again: list[Message] = []
+    with (connect(server) as fresh,
+          Consumer(fresh, [queue], callbacks=[lambda body, message: got_again.append(message)])):
+        fresh.drain_events(timeout=10)  # the second: never delivered, the consume was lost
+        with pytest.raises(TimeoutError):  # past the visibility timeout: the acked one stays gone
+            fresh.drain_events(timeout=3)
+    assert [m.body for m in got_again] == [b"acked-a-1"]
+
+
+def test_acks_stay_with_the_thread_when_a_durability_wait_would_stall_the_consumer(server: Server) -> None:
+    queue = QUEUES[0]
+    with connect(server) as plain:
+        publish(plain, 2)
+    # replicas:1 on a server without replicas: every wait runs out its timeout (the ack is
+    # applied, only not confirmed), which a consume carrying the ack would sit out too.
+    with connect(server, ack_flush_delay=0.5, durability="replicas:1", durability_timeout=0.05) as conn:
+        got: list[Message] = []
+        with take_one_at_a_time(conn, queue, got):
+            conn.drain_events(timeout=10)
+            got[0].ack()
+            conn.drain_events(timeout=10)
+            assert ACKS.pending(got[0].channel.lib) == 1  # the consume went alone
+            wait_until(lambda: counts(server)["acked-a"] == (0, 1, 0), timeout=10,
+                       what="the thread sent the ack")
+            got[1].ack()

@@ -1,17 +1,20 @@
 """Acks in batches: one ``ack`` script call per queue carries the acks of many deliveries.
 
-``message.ack()`` hands its delivery to :data:`ACKS` and returns; one daemon thread per
-process sends what has gathered, every queue's ids of one channel in one pipeline (one
-round trip). While a batch is on the wire the next acks gather, so under load a round trip
-carries many acks; an ack that comes alone leaves as soon as the thread runs (Python hands
-it the GIL within its switch interval, 5 ms), or ``ack_flush_ms`` after it when that option
-asks to wait for company.
+``message.ack()`` hands its delivery to :data:`ACKS` and returns. The channel's next
+consume or claim (the consumer's own round trip: a prefork worker refills its prefetch
+window as its pool frees slots) carries what has gathered, in front of it in the same
+write; what no consume picks up within ``ack_flush_delay`` (5 ms by default), one daemon
+thread per process sends, every queue's ids of one channel in one pipeline. So under load
+the acks cost no round trip of their own, and the thread, which competed with the event
+loop for the GIL and the CPU on every ack (a prefork worker's main process spent a third
+of its time in it), mostly sleeps. On a cluster or with a durability wait the thread sends
+them all (a consume must not wait for an fsync, and its node need not be the acks').
 
 What this costs, and why it is safe:
 - The caller does not wait for the server: an ack gathered but not yet sent dies with a
   crashing process. Its message then comes back after the visibility timeout and runs
   again, exactly as when a crash beats a synchronous ack to the wire; the window is the
-  few milliseconds a batch waits.
+  few milliseconds a batch waits (``ack_flush_delay`` at most).
 - A batch that meets a lost connection is not dropped: its acks go to the orphans
   registry, which sends them again once the broker answers (before the deadline lapses,
   the task does not run twice).
@@ -29,21 +32,24 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..protocol.library import ScriptLibrary
+from ..protocol.runner import Call
 from .orphans import ORPHANS, RETRYABLE
 
 logger = logging.getLogger(__name__)
 
 # At exit, the acks still gathered get this long to reach an unreachable broker.
 EXIT_BUDGET_SECONDS = 10.0
+T = TypeVar("T")
 
 
 @dataclass
 class Batch:
     """The acks of one channel (one script library) waiting to be sent."""
 
-    due: float  # monotonic time at which the batch goes (first ack + ack_flush_ms)
+    due: float  # monotonic time at which the thread sends it (first ack + ack_flush_delay)
     ids: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # queue -> ids
 
 
@@ -63,11 +69,11 @@ class AckBatcher:
         """Gather one ack; it is sent within ``wait`` seconds (plus the thread's wake-up)."""
         with self._cond:
             batch = self._pending.get(lib)
-            if batch is None:
+            if batch is None:  # a new due time: the thread must learn it
                 batch = self._pending[lib] = Batch(time.monotonic() + wait)
+                self._start()
+                self._cond.notify_all()
             batch.ids[queue].append(message_id)
-            self._start()
-            self._cond.notify_all()
 
     def flush(self, lib: ScriptLibrary, timeout: float | None = None) -> None:
         """Send ``lib``'s gathered acks now, from this thread, after any batch of ``lib``
@@ -80,6 +86,31 @@ class AckBatcher:
                 return
             self._sending.add(lib)
         self._send(lib, batch)
+
+    def run_with_acks(self, lib: ScriptLibrary, call: Call[T]) -> T:
+        """Run ``call`` (a consumer's consume or claim) with ``lib``'s gathered acks in front
+        of it, in one write: the consumer's own round trip carries them and this thread
+        makes none. The acks are settled as this thread settles its batches; ``call``'s
+        result is returned, its error raised. Where a batch is not one write with nothing to
+        wait for (a cluster, a durability wait, which would stall the consumer for an fsync)
+        the acks stay with the thread."""
+        if not lib.runner.batches_in_one_write:
+            return lib.run(call)
+        with self._cond:
+            batch = self._pending.pop(lib, None)
+        if batch is None:
+            return lib.run(call)
+        queues = list(batch.ids.items())
+        try:
+            results = lib.run_many([*(lib.calls.ack(queue, ids) for queue, ids in queues), call],
+                                   raise_on_error=False)
+        except Exception as error:  # a lost connection: the acks are kept (orphans), call fails
+            results = [error] * (len(queues) + 1)
+        for (queue, ids), result in zip(queues, results, strict=False):
+            self._settled(lib, queue, ids, result)
+        if isinstance(results[-1], Exception):
+            raise results[-1]
+        return results[-1]
 
     def pending(self, lib: ScriptLibrary) -> int:
         """How many of ``lib``'s acks are gathered or on the wire (tests, and the upkeep)."""
@@ -160,3 +191,4 @@ class AckBatcher:
 
 
 ACKS = AckBatcher()
+

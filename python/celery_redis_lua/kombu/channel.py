@@ -25,7 +25,8 @@ from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Delivery, StaleRoute
+from ..protocol.ops import Consumed, Delivery, StaleRoute
+from ..protocol.runner import Call
 from .acks import ACKS
 from .fanout import FanoutMixin
 from .leases import KEEPER
@@ -433,7 +434,7 @@ class Channel(FanoutMixin, virtual.Channel):
             room = self.headroom()
             if not group or room <= 0:
                 continue
-            consumed = self.lib.consume(group, room, no_ack=no_ack)
+            consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
             _log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
@@ -471,9 +472,15 @@ class Channel(FanoutMixin, virtual.Channel):
             self.lib.unpop(queue, popped)
             return 0
         no_ack = queue in self._no_ack_queues
-        consumed = self.lib.claim(queue, [member for member, _ in popped], no_ack=no_ack)
+        ids = [member for member, _ in popped]
+        consumed = self._run_with_acks(self.lib.calls.claim(queue, ids, no_ack=no_ack))
         _log_expired(consumed.expired, [queue])
         return self._deliver_all(consumed.deliveries, no_ack)
+
+    def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
+        """A consume or claim of the loop, carrying this channel's gathered acks (acks.py):
+        a consumer's own round trip sends them, the ack thread makes none of its own."""
+        return ACKS.run_with_acks(self.lib, call)
 
     def _deliver_all(self, deliveries: Iterable[Delivery], no_ack: bool) -> int:
         delivered = 0

@@ -71,8 +71,11 @@ class TransportOptions:
     durability: str | None = None
     durability_timeout: float = 1.0
     # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
-    # others to share its round trip. 0 sends each batch as soon as the ack thread runs.
-    ack_flush_delay: float = 0.0
+    # the consumer's next consume or claim to carry it (or for others to share its own round
+    # trip); 0 sends each batch as soon as the ack thread runs. 5 ms: a prefork worker's
+    # refill comes within it (a freed slot gathers for up to 2 ms, channel.py), and it is
+    # all a killed worker can replay beyond a synchronous ack's window.
+    ack_flush_delay: float = 0.005
     # Unconfirmed publishes (kombu/unconfirmed.py): False pipelines them, publish_pipeline per
     # write at most, none waiting longer than publish_flush_delay seconds.
     confirm_publish: bool = True

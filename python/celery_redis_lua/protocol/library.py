@@ -162,13 +162,16 @@ class ScriptLibrary:
             groups.setdefault(self.keys.slot(queue), []).append(queue)
         return list(groups.values())
 
-    def consume(self, queues: Sequence[str], count: int = 1, *, no_ack: bool = False) -> Consumed:
+    def consume(self, queues: Sequence[str], count: int = 1, *, no_ack: bool = False,
+                run: Callable[[Call[Consumed]], Consumed] | None = None) -> Consumed:
         """Up to ``count`` messages across ``queues``. Priority order holds across the
-        queues of one cluster slot; on a cluster, slot groups are asked in turn."""
+        queues of one cluster slot; on a cluster, slot groups are asked in turn. ``run``
+        runs each consume call (default :meth:`run`; a kombu channel's also carries the acks
+        gathered meanwhile)."""
         deliveries, wake, expired = [], [], 0
+        run = run or self.run
         for group in self.slot_groups(queues):
-            consumed = self.run(ops.consume(self.keys, self.policy, group, count - len(deliveries),
-                                            no_ack=no_ack))
+            consumed = run(ops.consume(self.keys, self.policy, group, count - len(deliveries), no_ack=no_ack))
             deliveries += consumed.deliveries
             expired += consumed.expired
             if consumed.wake_in_ms is not None:
