@@ -57,6 +57,9 @@ def options() -> argparse.Namespace:
     p.add_argument("--celery-n", type=int, default=1500)
     p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late,"
                                          "solo_early,gevent_early")
+    p.add_argument("--drains", default="prefork_early,prefork_late",
+                   help="Celery variants also measured draining a prefilled queue ('' for none)")
+    p.add_argument("--drain-n", type=int, default=6000, help="tasks queued for each drain")
     p.add_argument("--threads", type=int, default=4, help="--pool=threads concurrency")
     p.add_argument("--processes", type=int, default=2, help="--pool=prefork concurrency")
     p.add_argument("--greenlets", type=int, default=10, help="--pool=gevent concurrency")
@@ -90,11 +93,13 @@ def options() -> argparse.Namespace:
         o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
         o.memory_n = min(o.memory_n, 3000)
         o.variants = "threads_early,prefork_early,solo_early,gevent_early"
+        o.drains, o.drain_n = "prefork_early", 1500
         o.durability_slow_n = min(o.durability_slow_n, 3)
     o.durability = o.durability or o.durability_only
     if o.durability_n is None:
         o.durability_n = o.kombu_n
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    o.drains = [v.strip() for v in o.drains.split(",") if v.strip()]
     o.mech_workers = [int(w) for w in o.mech_workers.split(",") if w.strip()]
     return o
 
@@ -122,7 +127,8 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
          ) -> list[tuple[int, str, Peer]]:
     """Every repetition runs every scenario for every peer; the durability peers (kombu
     level) end each repetition, their order rotated from one repetition to the next."""
-    scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"mech_{w}" for w in o.mech_workers),
+    scenarios = ["kombu", *(f"celery_{v}" for v in o.variants), *(f"drain_{v}" for v in o.drains),
+                 *(f"mech_{w}" for w in o.mech_workers),
                  *(["shutdown"] if o.shutdown else [])]
     todo = []
     for rep in range(1, o.repeat + 1):
@@ -150,6 +156,13 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
                    f"consume+ack {r['consume']['msgs_per_s']:7,.0f} msg/s")
+    if scenario.startswith("drain_"):  # the consuming side only: not for publish variants (jobs)
+        pool, ack = scenario.removeprefix("drain_").split("_")
+        concurrency = {"threads": o.threads, "prefork": o.processes, "solo": 1, "gevent": o.greenlets}[pool]
+        r = celery_level.drain(peer, pool, ack == "late", o.drain_n, concurrency)
+        share = r["main_over_children"] or 0.0
+        return r, (f"{r['tasks_per_s']:7,.0f} tasks/s drained  main process "
+                   f"{r['main_cpu_us_per_task']:,.0f} µs/task ({share:.2f}x its children)")
     if scenario.startswith("celery_"):
         pool, ack = scenario.removeprefix("celery_").split("_")
         rate = o.rate if (pool, ack) == ("threads", "early") else None
@@ -305,7 +318,7 @@ def main() -> int:
         return 1 if failed else 0
     runs = [r for r in runs if r["scenario"] != "durability"]
 
-    rows = report.metrics(o.variants, o.mech_workers)
+    rows = report.metrics(o.variants, o.mech_workers, o.drains)
     names = [p.name for p in peers]
     summary = report.summarize(runs, names, rows)
     verdicts = report.targets(summary)

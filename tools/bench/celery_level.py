@@ -5,7 +5,9 @@ publishes N tasks as fast as it can while the worker runs; tasks/s is N over the
 time from the first publish to the last task start. Open loop: tasks are sent on a
 fixed schedule (R per second for S seconds) and each carries its *scheduled* send
 time, so a producer that falls behind shows up as latency (no coordinated
-omission); latency is scheduled send -> task start, as percentiles.
+omission); latency is scheduled send -> task start, as percentiles. Drain: the tasks are
+queued before the worker starts, and the worker's rate and CPU per task are taken in its
+steady state, with no producer on the machine.
 
 Workers run ``--without-heartbeat --without-gossip --without-mingle`` (the same for
 every peer), in their own process group, and are stopped by PID.
@@ -32,6 +34,7 @@ from .server_cost import Probe
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Worker:
@@ -165,6 +168,46 @@ def open_loop(worker: Worker, app: Any, rate: float, seconds: float, probe: Prob
     return {"rate": rate, "seconds": seconds, "n": count, "producer_max_behind_ms": behind * 1e3,
             "latency_us": hdr.summary((started - sent) * 1e6 for sent, started in ran),
             "server": probe.cost(before, after, count)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _worker_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of a worker's main process and of its pool children (prefork)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return _cpu_seconds(pid), sum(_cpu_seconds(c) for c in children)
+
+
+def drain(peer: Peer, pool: str, acks_late: bool, n: int, concurrency: int) -> dict[str, Any]:
+    """Steady state without a producer: ``n`` tasks are queued before the worker starts, and
+    the rate and the worker's CPU per task are taken over the middle 60% of the drain (its
+    start and its tail left out). The main process does the broker work (consume, ack, the
+    jobs to the pool's pipes); its CPU per task over its children's (the same work with every
+    broker) tells the transport's share apart on a host whose speed wanders between runs."""
+    worker = Worker(peer, pool, concurrency, acks_late)
+    app = worker.app()
+    tag = uuid.uuid4().hex[:8]
+    try:
+        for _ in range(n):
+            app.send_task("bench.noop", args=(tag, time.monotonic()))
+    finally:
+        app.close()
+    with worker:
+        assert worker.process is not None
+        pid = worker.process.pid
+        before = len(worker.wait_for(tag, int(n * 0.2), timeout=60 + n / 20))
+        began, (main0, children0) = time.monotonic(), _worker_cpu(pid)
+        window = len(worker.wait_for(tag, int(n * 0.8) - before, timeout=60 + n / 20))
+        seconds, (main1, children1) = time.monotonic() - began, _worker_cpu(pid)
+        worker.wait_for(tag, n - before - window, timeout=60 + n / 20)
+    main_us, children_us = (main1 - main0) * 1e6 / window, (children1 - children0) * 1e6 / window
+    return {"n": n, "window": window, "seconds": seconds, "tasks_per_s": window / seconds,
+            "main_cpu_us_per_task": main_us, "children_cpu_us_per_task": children_us,
+            "main_over_children": main_us / children_us if children_us else None}
 
 
 def run(peer: Peer, pool: str, acks_late: bool, n: int, concurrency: int,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ def _ms(us: float | None) -> float | None:
     return None if us is None else us / 1000
 
 
-def metrics(celery_variants: list[str], mech_workers: list[int]) -> list[tuple[str, str, str, Getter, bool]]:
+def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequence[str] = ()
+            ) -> list[tuple[str, str, str, Getter, bool]]:
     """(key, label, scenario, getter, higher_is_better) of every metric in the table."""
     rows: list[tuple[str, str, str, Getter, bool]] = [
         ("kombu_publish", "kombu publish, msg/s", "kombu",
@@ -36,6 +37,16 @@ def metrics(celery_variants: list[str], mech_workers: list[int]) -> list[tuple[s
     for variant in celery_variants:
         rows.append((f"celery_{variant}", f"Celery {variant.replace('_', ' ')}-ack, tasks/s",
                      f"celery_{variant}", lambda r: _dig(r, "throughput", "tasks_per_s"), True))
+    for variant in drains:
+        label, scenario = variant.replace("_", " "), f"drain_{variant}"
+        rows += [
+            (scenario, f"Celery {label}-ack, prefilled drain, tasks/s", scenario,
+             lambda r: _dig(r, "tasks_per_s"), True),
+            (f"{scenario}_main_cpu", f"worker main-process CPU µs/task, {label} drain", scenario,
+             lambda r: _dig(r, "main_cpu_us_per_task"), False),
+            (f"{scenario}_main_share", f"main-process / children CPU, {label} drain", scenario,
+             lambda r: _dig(r, "main_over_children"), False),
+        ]
     for name, label in (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"), ("max", "max")):
         rows.append((f"latency_{name}", f"open-loop latency {label}, ms", "celery_threads_early",
                      lambda r, n=name: _ms(_dig(r, "open_loop", "latency_us", n)), False))
@@ -97,6 +108,7 @@ def ratios(summary: dict[str, dict[str, float | None]]) -> dict[str, dict[str, f
 
 
 CELERY_TARGETS = ("threads_early", "threads_late", "prefork_early", "prefork_late")
+DRAIN_TARGETS = ("prefork_early", "prefork_late")
 
 
 def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabbit: str = "rabbit",
@@ -139,6 +151,9 @@ def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabb
                    f"celery_{v}", rabbit, 1.2) for v in CELERY_TARGETS),
         *(check_as(f"Celery {v.replace('_', ' ')}-ack, both confirmed, >= 1.2x RabbitMQ", ours,
                    f"celery_{v}", confirmed, 1.2) for v in CELERY_TARGETS),
+        # The consuming side alone (no producer on the machine): a prefilled queue drained.
+        *(check(f"Celery {v.replace('_', ' ')}-ack, prefilled drain, >= 1.2x RabbitMQ", f"drain_{v}", rabbit,
+                1.2, True) for v in DRAIN_TARGETS if f"drain_{v}" in summary.get(ours, {})),
         check("server CPU/msg <= 0.6x stock", "server_cpu", BASELINE, 0.6, False),
         check("server CPU/publish <= stock", "server_cpu_publish", BASELINE, 1.0, False),
         absolute("client CPU/publish <= 100 µs", "client_cpu_publish", 100.0),
