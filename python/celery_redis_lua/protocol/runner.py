@@ -91,6 +91,19 @@ def packed(connection: Any, command: Sequence[Any]) -> bytes:
     return b"".join(connection.pack_command(*command))
 
 
+def read_replies(connection: Any, count: int) -> list[Any]:
+    """The next ``count`` replies on ``connection``, an error reply in its place as the
+    exception (as a pipeline's ``execute(raise_on_error=False)`` gives it): after one, the
+    connection is still in step, the next reply is the next call's."""
+    replies: list[Any] = []
+    for _ in range(count):
+        try:
+            replies.append(connection.read_response())
+        except ResponseError as error:
+            replies.append(error)
+    return replies
+
+
 def dedicated_connection(pool: Any) -> Any:
     """A connection made with ``pool``'s settings (address, credentials, TLS, db, a Sentinel
     pool's primary lookup) but kept outside it: it never counts against max_connections."""
@@ -131,8 +144,7 @@ class HeldConnection:
             self._lock.release()
 
     def execute_many(self, client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """``commands`` in one write, their replies in order (an error reply in its place as
-        the exception, as a pipeline's ``execute(raise_on_error=False)`` gives it). Without
+        """``commands`` in one write, their replies in order (:func:`read_replies`). Without
         redis-py's Pipeline object, its retry wrapper and a pool checkout: the event loop's
         consume that carries the acks gathered meanwhile (acks.py) goes this way."""
         if not self._acquire():
@@ -144,13 +156,7 @@ class HeldConnection:
             connection = self._connected()
             try:
                 connection.send_packed_command([b"".join(packed(connection, c) for c in commands)])
-                replies: list[Any] = []
-                for _ in commands:
-                    try:
-                        replies.append(connection.read_response())
-                    except ResponseError as error:  # in step: the next reply is the next call's
-                        replies.append(error)
-                return replies
+                return read_replies(connection, len(commands))
             except BaseException:
                 connection.disconnect()
                 raise
@@ -239,12 +245,7 @@ class BatchWriter:
         self._pending = ()
 
     def _results(self, calls: Sequence[Call[Any]]) -> list[Any]:
-        replies: list[Any] = []
-        for _ in calls:
-            try:
-                replies.append(self._connection.read_response())
-            except ResponseError as error:  # an error reply: still in step
-                replies.append(error)
+        replies = read_replies(self._connection, len(calls))
         return self.runner.rerun_noscript(calls, replies, raise_on_error=False) if calls else []
 
 
