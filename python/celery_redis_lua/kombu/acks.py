@@ -31,8 +31,9 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.runner import Call
@@ -100,17 +101,10 @@ class AckBatcher:
             batch = self._pending.pop(lib, None)
         if batch is None:
             return lib.run(call)
-        queues = list(batch.ids.items())
-        try:
-            results = lib.run_many([*(lib.calls.ack(queue, ids) for queue, ids in queues), call],
-                                   raise_on_error=False)
-        except Exception as error:  # a lost connection: the acks are kept (orphans), call fails
-            results = [error] * (len(queues) + 1)
-        for (queue, ids), result in zip(queues, results, strict=False):
-            self._settled(lib, queue, ids, result)
-        if isinstance(results[-1], Exception):
-            raise results[-1]
-        return results[-1]
+        (result,) = self._run_settled(lib, batch, [call])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def pending(self, lib: ScriptLibrary) -> int:
         """How many of ``lib``'s acks are gathered or on the wire (tests, and the upkeep)."""
@@ -151,18 +145,25 @@ class AckBatcher:
     def _send(self, lib: ScriptLibrary, batch: Batch) -> None:
         """One ack call per queue, in one pipeline. Runs with ``lib`` marked as sending."""
         try:
-            queues = list(batch.ids.items())
-            try:
-                results = lib.run_many([lib.calls.ack(queue, ids) for queue, ids in queues],
-                                       raise_on_error=False)
-            except Exception as error:  # this thread must go on; see _settled
-                results = [error] * len(queues)
-            for (queue, ids), result in zip(queues, results, strict=True):
-                self._settled(lib, queue, ids, result)
+            self._run_settled(lib, batch)
         finally:
             with self._cond:
                 self._sending.discard(lib)
                 self._cond.notify_all()
+
+    def _run_settled(self, lib: ScriptLibrary, batch: Batch, after: Sequence[Call[Any]] = ()) -> list[Any]:
+        """``batch``'s ack calls (one per queue), then ``after``, in one pipeline; the acks
+        settled, the results of ``after`` returned (an error in its place, as the exception:
+        a lost connection fails them all, and the acks go to the orphans registry)."""
+        queues = list(batch.ids.items())
+        calls = [*(lib.calls.ack(queue, ids) for queue, ids in queues), *after]
+        try:
+            results = lib.run_many(calls, raise_on_error=False)
+        except Exception as error:  # the caller (the sending thread) must go on; see _settled
+            results = [error] * len(calls)
+        for (queue, ids), result in zip(queues, results, strict=False):
+            self._settled(lib, queue, ids, result)
+        return results[len(queues):]
 
     @staticmethod
     def _settled(lib: ScriptLibrary, queue: str, ids: list[str], result: object) -> None:
@@ -191,4 +192,3 @@ class AckBatcher:
 
 
 ACKS = AckBatcher()
-
