@@ -53,6 +53,9 @@ def options() -> argparse.Namespace:
     p.add_argument("--kombu-n", type=int, default=3000)
     p.add_argument("--memory-n", type=int, default=30000, help="messages queued for memory per message "
                    "(0: not measured)")
+    p.add_argument("--backlog-sizes", default="1000,100000,1000000",
+                   help="messages queued behind our transport's kombu phases and sweep, once per run on "
+                        "a throwaway server (backlog.py; '' for none)")
     p.add_argument("--prefetch", type=int, default=100, help="kombu consume prefetch_count")
     p.add_argument("--celery-n", type=int, default=1500)
     p.add_argument("--variants", default="threads_early,threads_late,prefork_early,prefork_late,"
@@ -92,6 +95,7 @@ def options() -> argparse.Namespace:
     if o.quick:
         o.repeat, o.kombu_n, o.celery_n, o.mech_n, o.rate_seconds = 1, 1000, 600, 1000, 4
         o.memory_n = min(o.memory_n, 3000)
+        o.backlog_sizes = "1000,20000" if o.backlog_sizes else ""
         o.variants = "threads_early,prefork_early,solo_early,gevent_early"
         o.drains, o.drain_n = "prefork_early", 1500
         o.durability_slow_n = min(o.durability_slow_n, 3)
@@ -101,6 +105,7 @@ def options() -> argparse.Namespace:
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
     o.drains = [v.strip() for v in o.drains.split(",") if v.strip()]
     o.mech_workers = [int(w) for w in o.mech_workers.split(",") if w.strip()]
+    o.backlog_sizes = [int(n) for n in o.backlog_sizes.split(",") if n.strip()]
     return o
 
 
@@ -136,6 +141,8 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
                  if s == "kombu" or s.startswith("celery_") or not p.publish_variant]
         if rep == 1 and o.memory_n:  # a byte count, the same every repetition: measured once
             todo += [(rep, "memory", p) for p in peers if p.is_standalone_redis and not p.publish_variant]
+        if rep == 1 and o.backlog_sizes:  # a million messages to fill: once, its own repetitions inside
+            todo += [(rep, "backlog", p) for p in peers if p.is_ours_standalone and not p.publish_variant]
         shift = (rep - 1) % max(1, len(durability_peers))
         rotated = [*durability_peers[shift:], *durability_peers[:shift]]
         todo += [(rep, "durability", p) for p in rotated]
@@ -152,6 +159,8 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
         return r, shutdown.text(r)
     if scenario == "memory":
         return memory(o, peer)
+    if scenario == "backlog":
+        return cost_in_backlog(o, peer)
     if scenario == "kombu":
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
@@ -194,6 +203,19 @@ def memory(o: argparse.Namespace, peer: Peer) -> tuple[dict[str, Any], str]:
              for kind in ("kombu", "celery")}
     return r, (f"{r['kombu_bytes_per_message']:,.0f} B/msg "
                f"(with task ids {r['celery_bytes_per_message']:,.0f})")
+
+
+def cost_in_backlog(o: argparse.Namespace, peer: Peer) -> tuple[dict[str, Any], str]:
+    """Our transport's rates and slowest calls with a growing backlog (backlog.py), on a
+    throwaway server of the run's kind: a million queued messages would weigh on every other
+    peer of the shared one."""
+    with Server(o.server_kind) as server:
+        url = urlsplit(peer.url)._replace(netloc=f"127.0.0.1:{server.port}").geturl()
+        r = backlog.cost_in_backlog(server, dataclasses.replace(peer, url=url), o.backlog_sizes, n=o.kombu_n,
+                                    prefetch=o.prefetch, size=o.size, repeat=o.repeat)
+    return r, (f"slowest size / fastest: publish {r['publish_flat']:.2f}, "
+               f"consume+ack {r['consume_flat']:.2f}; "
+               f"slowest sweep call {r['sweep_slowest_call_ms'] or 0:.1f} ms")
 
 
 def without_checkouts(argv: list[str]) -> list[str]:
@@ -318,7 +340,7 @@ def main() -> int:
         return 1 if failed else 0
     runs = [r for r in runs if r["scenario"] != "durability"]
 
-    rows = report.metrics(o.variants, o.mech_workers, o.drains)
+    rows = report.metrics(o.variants, o.mech_workers, o.drains, bool(o.backlog_sizes))
     names = [p.name for p in peers]
     summary = report.summarize(runs, names, rows)
     verdicts = report.targets(summary)

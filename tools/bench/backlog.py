@@ -5,14 +5,17 @@ per queued message against kombu's stock Redis transport.
 
 ``python -m tools.bench.backlog [--sizes 1000,100000,1000000] [--kind redis]`` on a
 throwaway server of its own; the backlog is filled with pipelined publish calls (1,000 per
-round trip), then each phase runs kombu_level on a second queue of the same server while
-the backlog sits in the first. Prints a markdown table; writes bench-results/backlog-*.json.
+round trip), then each phase runs kombu_level on that queue (publish behind the backlog,
+consume+ack from its front); the smallest size comes again at the end. Prints a markdown
+table; writes bench-results/backlog-*.json. ``make bench-all`` runs the same measurement
+(``cost_in_backlog``) as its ``backlog`` job and reports its targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import uuid
 from datetime import UTC, datetime
@@ -102,63 +105,131 @@ def memory_per_message(server: Server, count: int, size: int) -> dict[str, float
             for name, scheme in (("lua", "redislua"), ("stock", "redis"))}
 
 
+def kombu_phase(peer: Peer, client: Any, n: int, prefetch: int, size: int, repeat: int) -> dict[str, Any]:
+    """``repeat`` kombu publish and consume+ack runs on the backlog's queue itself (``n``
+    published behind it, the first ``n`` of it consumed and acked: as deep after as before),
+    every script call in SLOWLOG: the rates of each run, and the slowest call of them all."""
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    runs = [kombu_level.run(peer, n, prefetch, size, queue_name=BACKLOG) for _ in range(repeat)]
+    slowest = slowest_call(client)
+    client.config_set("slowlog-log-slower-than", 10000)
+    return {"publish_msgs_per_s": [r["publish"]["msgs_per_s"] for r in runs],
+            "consume_msgs_per_s": [r["consume"]["msgs_per_s"] for r in runs],
+            "slowest_during_kombu": slowest}
+
+
+def sweep_phase(client: Any, lib: ScriptLibrary, queue: str, in_flight: int) -> dict[str, Any]:
+    """``in_flight`` messages of the backlog delivered and overdue at once, then one sweep
+    (every call of it in SLOWLOG): how long it took, its slowest call, what it handed back."""
+    made_overdue = overdue(client, queue, in_flight)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    began = time.perf_counter()
+    report = lib.sweep([queue], max_rounds=1000)
+    seconds = time.perf_counter() - began
+    slowest = slowest_call(client)
+    client.config_set("slowlog-log-slower-than", 10000)
+    return {"made_overdue": made_overdue, "sweep_requeued": report.requeued, "sweep_seconds": seconds,
+            "sweep_slowest_call": slowest}
+
+
+def cost_in_backlog(server: Server, peer: Peer, sizes: list[int], *, n: int = 3000, prefetch: int = 100,
+                    size: int = 300, repeat: int = 1) -> dict[str, Any]:
+    """Our transport (``peer``, on ``server``, a throwaway one: the backlog fills it) with each
+    of ``sizes`` messages queued, smallest first: kombu publish and consume+ack (medians of
+    ``repeat`` runs) and the slowest script call meanwhile, then a sweep of up to IN_FLIGHT
+    overdue deliveries. The smallest size is measured again at the end, on a fresh server
+    state, so that a host whose speed drifts during the run does not pass for a cost that
+    grows with the backlog. The summary: each rate's slowest size over its fastest (1.0 =
+    flat), and the slowest sweep call, in ms."""
+    client = server.client()
+    lib = ScriptLibrary(client, Keyspace())
+    payload = envelope(size)
+    client.config_set("slowlog-max-len", SLOWLOG_LEN)
+    kombu_level.run(peer, n, prefetch, size)  # a warm-up on a queue of its own: imports, script loads
+    order = sorted(sizes)
+    rounds: list[tuple[int, dict[str, Any]]] = []
+    queued = 0
+    for count in [*order, order[0]] if len(order) > 1 else order:
+        if count < queued:  # back to the smallest: start again from an empty server
+            client.flushall(asynchronous=True)
+            queued = 0
+        began = time.perf_counter()
+        fill(lib, BACKLOG, count - queued, payload)
+        queued = count
+        entry = {"size": count, "fill_seconds": time.perf_counter() - began,
+                 **kombu_phase(peer, client, n, prefetch, size, repeat),
+                 **sweep_phase(client, lib, BACKLOG, min(count, IN_FLIGHT)),
+                 "used_memory": int(client.info("memory")["used_memory"])}
+        rounds.append((count, entry))
+        print(f"backlog {count:>9,}: publish {statistics.median(entry['publish_msgs_per_s']):7,.0f} msg/s, "
+              f"consume+ack {statistics.median(entry['consume_msgs_per_s']):7,.0f} msg/s, slowest call "
+              f"{entry['slowest_during_kombu']}, sweep {entry['sweep_seconds']:.3f} s (slowest call "
+              f"{entry['sweep_slowest_call']})", flush=True)
+    return {"rounds": [entry for _, entry in rounds], **summarize(rounds)}
+
+
+def summarize(rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per size, the median rate over all its runs; how flat they are; the slowest calls."""
+    by_size: dict[int, dict[str, list[float]]] = {}
+    for count, entry in rounds:
+        rates = by_size.setdefault(count, {"publish": [], "consume": []})
+        rates["publish"] += entry["publish_msgs_per_s"]
+        rates["consume"] += entry["consume_msgs_per_s"]
+    medians = {count: {kind: statistics.median(values) for kind, values in rates.items()}
+               for count, rates in by_size.items()}
+
+    def flat(kind: str) -> float:
+        values = [m[kind] for m in medians.values()]
+        return min(values) / max(values)
+
+    def slowest_ms(key: str) -> float | None:
+        calls = [entry[key]["us"] for _, entry in rounds if entry[key]]
+        return max(calls) / 1000 if calls else None
+
+    largest = max(medians)
+    return {"sizes": {str(count): m for count, m in sorted(medians.items())},
+            "publish_flat": flat("publish"), "consume_flat": flat("consume"),
+            "publish_msgs_per_s_largest": medians[largest]["publish"],
+            "consume_msgs_per_s_largest": medians[largest]["consume"],
+            "slowest_call_ms": slowest_ms("slowest_during_kombu"),
+            "sweep_slowest_call_ms": slowest_ms("sweep_slowest_call"),
+            "largest": largest}
+
+
 def run(o: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"sizes": {}, "kind": o.kind}
     with Server(o.kind) as server:
-        client = server.client()
-        lib = ScriptLibrary(client, Keyspace())
-        payload = envelope(o.size)
         peer = Peer("lua", f"redislua://127.0.0.1:{server.port}/0")
-        client.config_set("slowlog-max-len", SLOWLOG_LEN)
-        kombu_level.run(peer, o.n, o.prefetch, o.size)  # a warm-up: the first run pays for imports
-        queued = 0
-        for size in o.sizes:
-            began = time.perf_counter()
-            fill(lib, BACKLOG, size - queued, payload)
-            queued = size
-            filled_s = time.perf_counter() - began
-            client.config_set("slowlog-log-slower-than", 0)
-            client.slowlog_reset()
-            kombu = kombu_level.run(peer, o.n, o.prefetch, o.size)
-            during = slowest_call(client)
-            made_overdue = overdue(client, BACKLOG, min(size, IN_FLIGHT))
-            client.slowlog_reset()
-            began = time.perf_counter()
-            report = lib.sweep([BACKLOG], max_rounds=1000)
-            sweep_s = time.perf_counter() - began
-            swept = slowest_call(client)
-            results["sizes"][size] = {
-                "fill_seconds": filled_s, "publish_msgs_per_s": kombu["publish"]["msgs_per_s"],
-                "consume_msgs_per_s": kombu["consume"]["msgs_per_s"], "slowest_during_kombu": during,
-                "sweep_seconds": sweep_s, "sweep_slowest_call": swept, "sweep_requeued": report.requeued,
-                "made_overdue": made_overdue,
-                "used_memory": int(client.info("memory")["used_memory"])}
-            print(f"backlog {size:>9,}: publish {kombu['publish']['msgs_per_s']:7,.0f} msg/s, "
-                  f"consume+ack {kombu['consume']['msgs_per_s']:7,.0f} msg/s, slowest call {during}, "
-                  f"sweep {sweep_s:.3f} s (slowest call {swept})", flush=True)
-        client.config_set("slowlog-log-slower-than", 10000)
+        results = {"kind": o.kind, **cost_in_backlog(server, peer, o.sizes, n=o.n, prefetch=o.prefetch,
+                                                     size=o.size, repeat=o.repeat)}
         results["memory_per_message"] = memory_per_message(server, o.memory_n, o.size)
     return results
 
 
 def markdown(results: dict[str, Any]) -> str:
-    sizes = results["sizes"]
-    base = sizes[min(sizes, key=int)]
+    rounds = results["rounds"]
+    base = results["sizes"][str(min(r["size"] for r in rounds))]
     lines = ["| backlog | kombu publish, msg/s | consume+ack, msg/s | slowest script call during them, µs "
              "| overdue in flight, swept back | sweep, s | its slowest call, µs |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
-    for size, r in sizes.items():
-        pub = r["publish_msgs_per_s"] / base["publish_msgs_per_s"]
-        con = r["consume_msgs_per_s"] / base["consume_msgs_per_s"]
-        lines.append(f"| {int(size):,} | {r['publish_msgs_per_s']:,.0f} ({pub:.2f}×) | "
-                     f"{r['consume_msgs_per_s']:,.0f} ({con:.2f}×) | "
+    for r in rounds:
+        publish = statistics.median(r["publish_msgs_per_s"])
+        consume = statistics.median(r["consume_msgs_per_s"])
+        lines.append(f"| {r['size']:,} | {publish:,.0f} ({publish / base['publish']:.2f}×) | "
+                     f"{consume:,.0f} ({consume / base['consume']:.2f}×) | "
                      f"{(r['slowest_during_kombu'] or {}).get('us', '–')} | "
                      f"{r['made_overdue']:,} / {r['sweep_requeued']:,} | {r['sweep_seconds']:.3f} | "
                      f"{(r['sweep_slowest_call'] or {}).get('us', '–')} |")
-    mem = results["memory_per_message"]
     lines.append("")
-    lines.append(f"Memory per queued message (used_memory delta): ours {mem['lua']:,.0f} B, stock "
-                 f"{mem['stock']:,.0f} B ({mem['lua'] / mem['stock']:.2f}×).")
+    lines.append(f"Slowest size over fastest: publish {results['publish_flat']:.2f}, consume+ack "
+                 f"{results['consume_flat']:.2f} (ratios above are to the smallest size's median over "
+                 f"both of its rounds).")
+    mem = results.get("memory_per_message")
+    if mem:
+        lines.append("")
+        lines.append(f"Memory per queued message (used_memory delta): ours {mem['lua']:,.0f} B, stock "
+                     f"{mem['stock']:,.0f} B ({mem['lua'] / mem['stock']:.2f}×).")
     return "\n".join(lines)
 
 
@@ -169,6 +240,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=3000, help="messages per kombu phase")
     p.add_argument("--prefetch", type=int, default=100)
     p.add_argument("--size", type=int, default=300, help="message body bytes")
+    p.add_argument("--repeat", type=int, default=3, help="kombu runs per backlog size (medians)")
     p.add_argument("--memory-n", type=int, default=30000)
     o = p.parse_args()
     o.sizes = [int(s) for s in o.sizes.split(",") if s.strip()]

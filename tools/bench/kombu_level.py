@@ -21,8 +21,10 @@ from .server_cost import Probe
 DRAIN_TIMEOUT = 10.0  # seconds without a single delivery = the run is broken
 
 
-def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
-    name = unique_queue("k")
+def run(peer: Peer, n: int, prefetch: int, size: int, queue_name: str | None = None) -> dict[str, Any]:
+    """With ``queue_name``, on that queue as it is (the consume phase takes the first ``n`` of
+    what it holds; the queue is left in place, as deep as before); else on a fresh one."""
+    name = queue_name or unique_queue("k")
     queue = bind_queue(name)
     body = body_of_size(size)
     probe = Probe(peer)
@@ -42,9 +44,13 @@ def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
             acked = 0
 
             def on_message(_body: Any, message: Any) -> None:
+                # Exactly n acked: a transport that hands over a prefetch batch per
+                # drain_events (ours) would otherwise ack up to prefetch - 1 more than it is
+                # timed for; the rest go back to the queue when the channel closes.
                 nonlocal acked
-                message.ack()
-                acked += 1
+                if acked < n:
+                    message.ack()
+                    acked += 1
 
             consumer = Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
                                 prefetch_count=prefetch)
@@ -68,7 +74,8 @@ def run(peer: Peer, n: int, prefetch: int, size: int) -> dict[str, Any]:
                 "server_cpu_us_per_msg": total_cpu, "ceiling": ceiling(peer, n)}
     finally:
         probe.close()
-        delete_queue(peer, name)
+        if queue_name is None:
+            delete_queue(peer, name)
 
 
 def ceiling(peer: Peer, n: int) -> dict[str, float] | None:

@@ -54,6 +54,11 @@ class Peer:
     def is_standalone_redis(self) -> bool:
         return self.is_redis and not urlsplit(self.url).scheme.endswith("+cluster")
 
+    @property
+    def is_ours_standalone(self) -> bool:
+        """Our transport on one server (not a cluster, not another broker's transport)."""
+        return self.transport is None and urlsplit(self.url).scheme in {"redislua", "redisluas"}
+
     def redis_client(self) -> redis.Redis | RedisCluster | None:
         """A plain client to the peer's server (for INFO), or None for non-Redis brokers."""
         if not self.is_redis:
