@@ -2,8 +2,9 @@
 as the payload of the publish script. Pure: no I/O, no clock; the caller supplies the ETA.
 
 What a worker needs from it (Celery 5, ``celery.worker.request.Request`` and kombu's
-virtual ``Message``): ``headers.task`` and ``headers.id``; ``body`` with
-``properties.body_encoding = "base64"`` over the JSON of ``[args, kwargs, embed]``;
+virtual ``Message``): ``headers.task`` and ``headers.id``; ``body``, the JSON text of
+``[args, kwargs, embed]`` as it is (as the transport stores what ``send_task`` publishes; a
+body in base64 needs ``properties.body_encoding = "base64"``, as stock kombu writes it);
 ``content-type`` and ``content-encoding`` to decode it; ``properties.delivery_info``
 (``exchange``, ``routing_key``) and ``properties.priority`` for the request's delivery info.
 Every other header is what ``celery.app.amqp.AMQP.as_task_v2`` sends, with its default, so a
@@ -29,14 +30,18 @@ REPR_MAXSIZE = 1024  # Celery's argsrepr_maxsize / kwargsrepr_maxsize default
 
 
 def encode_body(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """The base64 of the JSON ``[args, kwargs, embed]``, as Celery's JSON serializer writes it."""
+    """The JSON ``[args, kwargs, embed]``, as Celery's JSON serializer writes it."""
     embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-    return base64.b64encode(json.dumps([list(args), dict(kwargs), embed]).encode()).decode()
+    return json.dumps([list(args), dict(kwargs), embed])
 
 
 def decode_body(envelope: Mapping[str, Any]) -> list[Any]:
-    """``[args, kwargs, embed]`` of an envelope built by :func:`build_envelope` (or Celery)."""
-    return json.loads(base64.b64decode(envelope["body"]))
+    """``[args, kwargs, embed]`` of an envelope built by :func:`build_envelope` or stored by
+    the transport (text), or by stock kombu and other producers (``body_encoding`` base64)."""
+    body = envelope["body"]
+    if (envelope.get("properties") or {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    return json.loads(body)
 
 
 def eta_iso(eta_ms: int) -> str:
@@ -83,7 +88,6 @@ def build_envelope(
             "delivery_mode": 2,
             "delivery_info": {"exchange": "", "routing_key": queue},
             "priority": priority,
-            "body_encoding": "base64",
         },
     }
 
