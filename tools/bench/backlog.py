@@ -153,7 +153,7 @@ def cost_in_backlog(server: Server, peer: Peer, sizes: list[int], *, n: int = 30
     queued = 0
     for count in [*order, order[0]] if len(order) > 1 else order:
         if count < queued:  # back to the smallest: start again from an empty server
-            client.flushall(asynchronous=True)
+            client.flushall()  # not ASYNC: the lazy free of a million would run beside the round
             queued = 0
         began = time.perf_counter()
         fill(lib, BACKLOG, count - queued, payload)

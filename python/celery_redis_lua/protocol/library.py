@@ -76,11 +76,8 @@ class Calls:
         return functools.partial(op, self._lib.keys, self._lib.policy)
 
 
-# A sweep call that hands back 1,000 overdue deliveries held the server for 9-18 ms
-# (tools/bench/backlog.py, 100,000 overdue in a 1,000,000 backlog); 200 keeps each call to a
-# few ms, and 500 rounds hand back as many per sweep as 100 rounds of 1,000 did.
-SWEEP_BATCH = 200
-SWEEP_ROUNDS = 500
+# 1,000 rounds of SWEEP_BATCH (ops.py) hand back as many per sweep as 100 rounds of 1,000 did.
+SWEEP_ROUNDS = 1000
 
 
 class ScriptLibrary:
@@ -180,7 +177,7 @@ class ScriptLibrary:
                 break
         return Consumed(deliveries, min(wake) if wake else None, expired)
 
-    def sweep(self, queues: Sequence[str], *, batch: int = SWEEP_BATCH, report_limit: int = 10,
+    def sweep(self, queues: Sequence[str], *, batch: int = ops.SWEEP_BATCH, report_limit: int = 10,
               max_rounds: int = SWEEP_ROUNDS) -> SweepReport:
         """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up."""
         total = EMPTY_SWEEP
