@@ -14,10 +14,12 @@ table; writes bench-results/backlog-*.json. ``make bench-all`` runs the same mea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,15 +107,24 @@ def memory_per_message(server: Server, count: int, size: int) -> dict[str, float
             for name, scheme in (("lua", "redislua"), ("stock", "redis"))}
 
 
+@contextlib.contextmanager
+def every_call_logged(client: Any) -> Iterator[None]:
+    """SLOWLOG records every call (from an empty log) inside the block; the default after."""
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    try:
+        yield
+    finally:
+        client.config_set("slowlog-log-slower-than", 10000)
+
+
 def kombu_phase(peer: Peer, client: Any, n: int, prefetch: int, size: int, repeat: int) -> dict[str, Any]:
     """``repeat`` kombu publish and consume+ack runs on the backlog's queue itself (``n``
     published behind it, the first ``n`` of it consumed and acked: as deep after as before),
     every script call in SLOWLOG: the rates of each run, and the slowest call of them all."""
-    client.config_set("slowlog-log-slower-than", 0)
-    client.slowlog_reset()
-    runs = [kombu_level.run(peer, n, prefetch, size, queue_name=BACKLOG) for _ in range(repeat)]
-    slowest = slowest_call(client)
-    client.config_set("slowlog-log-slower-than", 10000)
+    with every_call_logged(client):
+        runs = [kombu_level.run(peer, n, prefetch, size, queue_name=BACKLOG) for _ in range(repeat)]
+        slowest = slowest_call(client)
     return {"publish_msgs_per_s": [r["publish"]["msgs_per_s"] for r in runs],
             "consume_msgs_per_s": [r["consume"]["msgs_per_s"] for r in runs],
             "slowest_during_kombu": slowest}
@@ -123,13 +134,11 @@ def sweep_phase(client: Any, lib: ScriptLibrary, queue: str, in_flight: int) -> 
     """``in_flight`` messages of the backlog delivered and overdue at once, then one sweep
     (every call of it in SLOWLOG): how long it took, its slowest call, what it handed back."""
     made_overdue = overdue(client, queue, in_flight)
-    client.config_set("slowlog-log-slower-than", 0)
-    client.slowlog_reset()
-    began = time.perf_counter()
-    report = lib.sweep([queue], max_rounds=1000)
-    seconds = time.perf_counter() - began
-    slowest = slowest_call(client)
-    client.config_set("slowlog-log-slower-than", 10000)
+    with every_call_logged(client):
+        began = time.perf_counter()
+        report = lib.sweep([queue], max_rounds=1000)
+        seconds = time.perf_counter() - began
+        slowest = slowest_call(client)
     return {"made_overdue": made_overdue, "sweep_requeued": report.requeued, "sweep_seconds": seconds,
             "sweep_slowest_call": slowest}
 
