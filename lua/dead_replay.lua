@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 3
+-- version: 4
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -32,20 +32,23 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: dead_replay: ' .. message)
 end
 
--- The id after `last_id` (nil for none): 14 hex digits of server microseconds and 2 of a
+-- The id after `last_id` (nil for none): 13 hex digits of server microseconds and 1 of a
 -- counter within one, never below the last one (the same microsecond, or a clock that
 -- stepped back). Three script calls (publish, delete, publish) cannot share one
 -- microsecond, so a queue declared again after a delete or expiry never reuses an id.
+-- 14 characters, not 16: Redis keeps a string of up to 14 in a 16-byte allocation, and
+-- the id is stored four times per message (66 bytes less per message on Redis 7.0).
+-- 13 digits of microseconds last until 2112.
 local function next_id(last_id, now_us)
   local id_us, counter = now_us, 0
   if last_id then
-    local last_us = tonumber(string.sub(last_id, 1, 14), 16)
+    local last_us = tonumber(string.sub(last_id, 1, 13), 16)
     if last_us and last_us >= now_us then
-      id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
-      if counter > 0xFF then id_us, counter = id_us + 1, 0 end
+      id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
+      if counter > 0xF then id_us, counter = id_us + 1, 0 end
     end
   end
-  return string.format('%014x%02x', id_us, counter)
+  return string.format('%013x%x', id_us, counter)
 end
 
 -- The Celery task id of a payload (headers.id of a protocol 2 envelope), so a replayed

@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 5
+-- version: 6
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -19,7 +19,7 @@
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
 --   7  exchange       string, optional, with 8             the exchange a cached route to this queue came from
 --   8  routed_ms      integer >= 0, optional, with 7       the binding table server's unix ms when that route was looked up (lookup's first reply)
--- returns: bulk string, the new message id: 16 hex digits, 14 of server unix microseconds and 2 of a counter;
+-- returns: bulk string, the new message id: 14 hex digits, 13 of server unix microseconds and 1 of a counter;
 --   with a task_id whose indexed message holds the same payload, that message's id (nothing is written);
 --   with a cached route (7, 8) older than the queue's last binding change for that exchange (rerouted),
 --   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
@@ -59,20 +59,23 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: publish: ' .. message)
 end
 
--- The id after `last_id` (nil for none): 14 hex digits of server microseconds and 2 of a
+-- The id after `last_id` (nil for none): 13 hex digits of server microseconds and 1 of a
 -- counter within one, never below the last one (the same microsecond, or a clock that
 -- stepped back). Three script calls (publish, delete, publish) cannot share one
 -- microsecond, so a queue declared again after a delete or expiry never reuses an id.
+-- 14 characters, not 16: Redis keeps a string of up to 14 in a 16-byte allocation, and
+-- the id is stored four times per message (66 bytes less per message on Redis 7.0).
+-- 13 digits of microseconds last until 2112.
 local function next_id(last_id, now_us)
   local id_us, counter = now_us, 0
   if last_id then
-    local last_us = tonumber(string.sub(last_id, 1, 14), 16)
+    local last_us = tonumber(string.sub(last_id, 1, 13), 16)
     if last_us and last_us >= now_us then
-      id_us, counter = last_us, (tonumber(string.sub(last_id, 15), 16) or 0) + 1
-      if counter > 0xFF then id_us, counter = id_us + 1, 0 end
+      id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
+      if counter > 0xF then id_us, counter = id_us + 1, 0 end
     end
   end
-  return string.format('%014x%02x', id_us, counter)
+  return string.format('%013x%x', id_us, counter)
 end
 
 local function integer(value, default)

@@ -90,9 +90,23 @@ def message_exists(client: Any, keys: Keyspace, queue: str, message_id: str) -> 
                 or client.hexists(keys.state(queue), message_id))
 
 
+# A message id as publish returns it: 13 hex digits of the server's unix microseconds, then
+# 1 of a counter within that microsecond.
+MESSAGE_ID = r"[0-9a-f]{14}"
+
+
+def is_message_id(value: str) -> bool:
+    return re.fullmatch(MESSAGE_ID, value) is not None
+
+
+def id_microseconds(message_id: str) -> int:
+    """The server's unix microseconds at publish, read off a message id."""
+    return int(message_id[:13], 16)
+
+
 # In documented expected output: an integer (a time, a score, a count of ms), a message
-# id (16 hex digits: 11 of server ms, 5 of a counter) and a stream entry id.
-PLACEHOLDERS = {"<ms>": r"\d+", "<id>": r"[0-9a-f]{16}", "<stream-id>": r"\d+-\d+"}
+# id and a stream entry id.
+PLACEHOLDERS = {"<ms>": r"\d+", "<id>": MESSAGE_ID, "<stream-id>": r"\d+-\d+"}
 
 
 def matches(expected: str, actual: str) -> bool:

@@ -18,7 +18,7 @@ import redis
 
 from celery_redis_lua import Keyspace, QueueStats, ScriptLibrary, load_scripts
 from conftest import Target, make_target
-from helpers import names_on_each_node, server_now_ms, wait_for_server_time
+from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time
 
 CLUSTERS = ("valkey-cluster", "redis-cluster")
 
@@ -139,7 +139,7 @@ def test_pipelined_calls_work_on_a_cluster(cluster: Target, keyspace: Keyspace) 
     lib = ScriptLibrary(cluster.client, keyspace, visibility_ms=60_000)
     queues = names_on_each_node(cluster.client, keyspace, stem="pipe")
     ids = lib.run_many([lib.calls.publish(q, f"{q}-{i}") for q in queues for i in range(2)])
-    assert len(ids) == 6 and all(len(i) == 16 for i in ids)
+    assert len(ids) == 6 and all(is_message_id(i) for i in ids)
     for n, q in enumerate(queues):  # each queue has its own id sequence, on its own node
         first, second = ids[2 * n:2 * n + 2]
         assert first < second

@@ -23,6 +23,7 @@ from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.contract import Contract, parse_contract
 from celery_redis_lua.protocol.library import LOOPED
 from celery_redis_lua.protocol.ops import OPERATIONS
+from helpers import is_message_id
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(ROOT.glob("lua/*.lua"))
@@ -243,7 +244,7 @@ def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis)
         results[name] = lib.runner.run_many([built[name][0]], raise_on_error=False)[0]
     failed = {name: r for name, r in results.items() if isinstance(r, Exception)}
     assert not failed, failed
-    assert re.fullmatch(r"[0-9a-f]{16}", results["publish"])
+    assert is_message_id(results["publish"])
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
     assert results["claim"] == Consumed([], None, 0)  # unknown ids: nothing to claim
     assert results["unpop"] == 0  # nor to put back

@@ -28,7 +28,7 @@ from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
 from celery_redis_lua import Keyspace, Policy, Rejected, ScriptLibrary
-from helpers import names_on_each_node, server_now_ms, wait_for_server_time, wait_until
+from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
 from tools.servers import Cluster, Server
 
 F = 10**13  # score = (255 - priority) * F + ready_at_ms
@@ -187,7 +187,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                                      for q, p in zip(into, payloads, strict=True)])
             t1 = self.now()
             for queue, payload, message_id in zip(into, payloads, ids, strict=True):
-                assert len(message_id) == 16 and int(message_id, 16) >= 0
+                assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
                 m = Msg(queue, message_id, payload.encode(), priority, "ready")

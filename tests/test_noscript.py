@@ -20,7 +20,7 @@ import redis
 from celery_redis_lua import Call, Keyspace, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.contract import load_scripts
 from conftest import require_kind as require
-from helpers import names_on_each_node
+from helpers import is_message_id, names_on_each_node
 from tools.servers import Server
 
 SHA = {name: script.sha1 for name, script in load_scripts().items()}
@@ -44,7 +44,7 @@ def drain(lib: ScriptLibrary, queue: str) -> list[bytes]:
 def issued_once(lib: ScriptLibrary, queue: str, ids: list[str], after: str | None = None) -> None:
     """``ids`` (in call order) are valid message ids, strictly increasing and above
     ``after``, and the queue issued no id after the last of them: every call ran once."""
-    assert all(len(i) == 16 and int(i, 16) >= 0 for i in ids), ids
+    assert all(is_message_id(i) for i in ids), ids
     chain = ([after] if after else []) + ids
     assert chain == sorted(set(chain)), chain
     assert lib.client.hget(lib.keys.meta(queue), "last_id") == ids[-1].encode()

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 from celery_redis_lua import Declared, Keyspace, QueueStats, ScriptLibrary
 from conftest import Target
-from helpers import message_exists, names_on_each_node, server_now_ms, wait_for_server_time
+from helpers import (
+    id_microseconds,
+    is_message_id,
+    message_exists,
+    names_on_each_node,
+    server_now_ms,
+    wait_for_server_time,
+)
 
 LATER = 3_600_000  # an ETA an hour away: delayed for the whole test
 
@@ -105,7 +112,7 @@ def test_delete_is_one_call_that_unlinks_every_key_of_the_queue(target: Target, 
     # Declared again under the same name, the queue starts empty and without its old arguments,
     # and (in a later server ms: see the next test for the same one) its ids stay above the
     # old ones, so a late ack of an old delivery touches nothing.
-    wait_for_server_time(lib.client, int(max(ids)[:11], 16) + 1)
+    wait_for_server_time(lib.client, id_microseconds(max(ids)) // 1000 + 1)
     declared = lib.declare("gone")
     assert declared == Declared(0, 0, 0, None, None, None)
     reborn = lib.publish("gone", "reborn")
@@ -240,6 +247,17 @@ def test_replay_all_and_by_count(lib: ScriptLibrary) -> None:
     replayed = lib.consume(["ra"], 5).deliveries
     assert [(d.id, d.payload, d.delivery_count) for d in replayed] == [
         (first[0], b"m0", 0), (rest[0], b"m1", 0), (rest[1], b"m2", 0)]
+
+
+def test_one_replay_of_many_letters_mints_distinct_ids_in_order(lib: ScriptLibrary) -> None:
+    """One dead_replay call reads the clock once: past 16 letters its counter (one hex digit)
+    carries into the next microsecond, and the ids stay well-formed, distinct and ordered."""
+    make_dead_letters(lib, "many", [0] * 40)
+    new_ids = lib.dead_replay("many")
+    assert len(new_ids) == 40 and all(is_message_id(i) for i in new_ids)
+    assert new_ids == sorted(set(new_ids))
+    assert id_microseconds(new_ids[-1]) - id_microseconds(new_ids[0]) >= 2  # carried twice
+    assert [d.payload for d in lib.consume(["many"], 40).deliveries] == [f"m{i}".encode() for i in range(40)]
 
 
 def test_dead_purge(lib: ScriptLibrary) -> None:

@@ -7,12 +7,11 @@ line per array item, error replies as their bare text.
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
 from celery_redis_lua import Keyspace
-from helpers import server_now_ms
+from helpers import id_microseconds, is_message_id, server_now_ms
 from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +47,10 @@ def test_publish_then_consume_with_redis_cli(redis_cli: str, scratch_server: Ser
                          ["hello from redis-cli", "7", "", "", "60000"])
     assert_no_error(published)
     message_id = published.strip()
-    # 14 hex digits of the server's unix microseconds, then 2 of a counter (0: the queue's first id)
-    assert re.fullmatch(r"[0-9a-f]{16}", message_id), message_id
-    assert before * 1000 <= int(message_id[:14], 16) <= (server_now_ms(client) + 1) * 1000
-    assert message_id[14:] == "00"
+    # 13 hex digits of the server's unix microseconds, then 1 of a counter (0: the queue's first id)
+    assert is_message_id(message_id), message_id
+    assert before * 1000 <= id_microseconds(message_id) <= (server_now_ms(client) + 1) * 1000
+    assert message_id[13:] == "0"
 
     assert client.hget(KS.message(QUEUE), message_id) == b"hello from redis-cli"
     assert client.hget(KS.state(QUEUE), message_id) == b"ready 0 7 -"

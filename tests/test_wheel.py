@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import id_microseconds, is_message_id
 from tools.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,10 +149,10 @@ def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_p
     assert not Path(report["lua_dir"]).resolve().is_relative_to(ROOT)
     assert report["scripts"] == sorted(p.stem for p in (ROOT / "lua").glob("*.lua"))
     assert report["manifest"] == json.loads((ROOT / "lua" / "manifest.json").read_text())["scripts"]
-    # The queue's first id: 14 hex digits of the server's microseconds at publish, counter 0.
+    # The queue's first id: 13 hex digits of the server's microseconds at publish, counter 0.
     before, after = report["published_between"]
-    assert len(report["id"]) == 16 and report["id"].endswith("00")
-    assert before * 1000 <= int(report["id"][:14], 16) <= (after + 1) * 1000
+    assert is_message_id(report["id"]) and report["id"].endswith("0")
+    assert before * 1000 <= id_microseconds(report["id"]) <= (after + 1) * 1000
     assert report["deliveries"] == [["wheel-q", report["id"], 0, "from the installed wheel"]]
     # Installed, too, the package is only what runs in production: no development tools.
     installed = [f for f in report["installed"] if not f.startswith("../")  # the console script

@@ -91,12 +91,12 @@ argv=("$payload" "$priority" "$eta_ms" '' "$visibility_ms" "$id")  # the task id
 sha=$(sha1sum <"$script") && sha=${sha%% *}
 
 # EVALSHA with the file's SHA1; on NOSCRIPT (a fresh, restarted or flushed server) load
-# the file's exact bytes once and retry. The reply must be a 16-hex-digit message id.
+# the file's exact bytes once and retry. The reply must be a 14-hex-digit message id.
 reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 if [[ $reply == NOSCRIPT* ]]; then
   loaded=$(cli -x SCRIPT LOAD <"$script") || fail "redis-cli failed"
   [ "$loaded" = "$sha" ] || fail "SCRIPT LOAD: ${loaded%%$'\n'*}"
   reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 fi
-[[ $reply =~ ^[0-9a-f]{16}$ ]] || fail "publish: ${reply%%$'\n'*}"
+[[ $reply =~ ^[0-9a-f]{14}$ ]] || fail "publish: ${reply%%$'\n'*}"
 echo "$id"
