@@ -9,15 +9,18 @@ after their connection closed (:mod:`.orphans`) have no loop at all. The first l
 run showed the cost: a warm shutdown let the deadlines of running tasks lapse, another
 worker's sweep restored them, and they ran twice.
 
-So one daemon thread per process tends every *source* once a second: a poller whose
-loop's last upkeep is more than 1.5 intervals old runs the upkeep itself (so a deadline
-``3 * interval`` away is pushed forward at most ``2 * interval`` after the loop's last
-one); the orphans registry sends its pending acks, hands back what was dropped and extends
-what is held. Extending is idempotent, so an overlap with the loop does no harm. Sources
-are held weakly (a connection dropped without ``close()`` is not kept alive, nor are its
-deliveries extended); the thread runs only while there are any, and a forked child starts
-with none (the parent's are the parent's). A SIGKILLed process takes the thread with it,
-so the visibility timeout still returns a dead worker's messages.
+So one daemon thread per process tends every *source* once a second: a poller whose loop's
+last upkeep is more than 1.5 intervals old runs the upkeep itself, so a deadline
+``3 * interval`` away is pushed forward at most ``1.5 * interval`` plus one tick (1 s)
+after the loop's last one. With the default visibility (300 s, an interval of 100 s) that
+leaves 149 s; a visibility of 3 s leaves 0.5 s against a stall of the process (the tick
+does not shrink with the interval). The orphans registry sends its pending acks, hands
+back what was dropped and extends what is held. Extending is idempotent, so an overlap
+with the loop does no harm. Sources are held weakly (a connection dropped without
+``close()`` is not kept alive, nor are its deliveries extended); the thread runs only
+while there are any, and a forked child starts with none (the parent's are the parent's).
+A SIGKILLed process takes the thread with it, so the visibility timeout still returns a
+dead worker's messages.
 """
 
 from __future__ import annotations
