@@ -121,12 +121,19 @@ def every_call_logged(client: Any) -> Iterator[None]:
 def kombu_phase(peer: Peer, client: Any, n: int, prefetch: int, size: int, repeat: int) -> dict[str, Any]:
     """``repeat`` kombu publish and consume+ack runs on the backlog's queue itself (``n``
     published behind it, the first ``n`` of it consumed and acked: as deep after as before),
-    every script call in SLOWLOG: the rates of each run, and the slowest call of them all."""
+    each followed at once by the same run on a fresh, empty queue of the same server, every
+    script call in SLOWLOG: the rates of each run, and the slowest call of them all. The
+    empty-queue run shares the backlog run's seconds of host speed and the server's size, so
+    their ratio is the cost of the queue's depth alone (this host's speed drifts by more
+    than the 10% the target allows within a run)."""
     with every_call_logged(client):
-        runs = [kombu_level.run(peer, n, prefetch, size, queue_name=BACKLOG) for _ in range(repeat)]
+        pairs = [(kombu_level.run(peer, n, prefetch, size, queue_name=BACKLOG),
+                  kombu_level.run(peer, n, prefetch, size)) for _ in range(repeat)]
         slowest = slowest_call(client)
-    return {"publish_msgs_per_s": [r["publish"]["msgs_per_s"] for r in runs],
-            "consume_msgs_per_s": [r["consume"]["msgs_per_s"] for r in runs],
+    return {"publish_msgs_per_s": [deep["publish"]["msgs_per_s"] for deep, _ in pairs],
+            "consume_msgs_per_s": [deep["consume"]["msgs_per_s"] for deep, _ in pairs],
+            "empty_publish_msgs_per_s": [empty["publish"]["msgs_per_s"] for _, empty in pairs],
+            "empty_consume_msgs_per_s": [empty["consume"]["msgs_per_s"] for _, empty in pairs],
             "slowest_during_kombu": slowest}
 
 
@@ -193,6 +200,15 @@ def summarize(rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         values = [m[kind] for m in medians.values()]
         return min(values) / max(values)
 
+    def flat_against_empty(kind: str) -> float:
+        """Per size, the median of each run's rate over its empty-queue run's; slowest over fastest."""
+        ratios: dict[int, list[float]] = {}
+        for count, entry in rounds:
+            pairs = zip(entry[f"{kind}_msgs_per_s"], entry[f"empty_{kind}_msgs_per_s"], strict=True)
+            ratios.setdefault(count, []).extend(deep / empty for deep, empty in pairs)
+        values = [statistics.median(r) for r in ratios.values()]
+        return min(values) / max(values)
+
     def slowest_ms(key: str) -> float | None:
         calls = [entry[key]["us"] for _, entry in rounds if entry[key]]
         return max(calls) / 1000 if calls else None
@@ -200,6 +216,8 @@ def summarize(rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     largest = max(medians)
     return {"sizes": {str(count): m for count, m in sorted(medians.items())},
             "publish_flat": flat("publish"), "consume_flat": flat("consume"),
+            "publish_flat_against_empty": flat_against_empty("publish"),
+            "consume_flat_against_empty": flat_against_empty("consume"),
             "publish_msgs_per_s_largest": medians[largest]["publish"],
             "consume_msgs_per_s_largest": medians[largest]["consume"],
             "slowest_call_ms": slowest_ms("slowest_during_kombu"),
@@ -219,21 +237,26 @@ def run(o: argparse.Namespace) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     rounds = results["rounds"]
     base = results["sizes"][str(min(r["size"] for r in rounds))]
-    lines = ["| backlog | kombu publish, msg/s | consume+ack, msg/s | slowest script call during them, µs "
+    lines = ["| backlog | kombu publish, msg/s | on an empty queue beside it | consume+ack, msg/s "
+             "| on an empty queue beside it | slowest script call during them, µs "
              "| overdue in flight, swept back | sweep, s | its slowest call, µs |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rounds:
         publish = statistics.median(r["publish_msgs_per_s"])
         consume = statistics.median(r["consume_msgs_per_s"])
         lines.append(f"| {r['size']:,} | {publish:,.0f} ({publish / base['publish']:.2f}×) | "
+                     f"{statistics.median(r['empty_publish_msgs_per_s']):,.0f} | "
                      f"{consume:,.0f} ({consume / base['consume']:.2f}×) | "
+                     f"{statistics.median(r['empty_consume_msgs_per_s']):,.0f} | "
                      f"{(r['slowest_during_kombu'] or {}).get('us', '–')} | "
                      f"{r['made_overdue']:,} / {r['sweep_requeued']:,} | {r['sweep_seconds']:.3f} | "
                      f"{(r['sweep_slowest_call'] or {}).get('us', '–')} |")
     lines.append("")
     lines.append(f"Slowest size over fastest: publish {results['publish_flat']:.2f}, consume+ack "
                  f"{results['consume_flat']:.2f} (ratios above are to the smallest size's median over "
-                 f"both of its rounds).")
+                 f"both of its rounds); each run against the empty-queue run beside it: publish "
+                 f"{results['publish_flat_against_empty']:.2f}, consume+ack "
+                 f"{results['consume_flat_against_empty']:.2f}.")
     mem = results.get("memory_per_message")
     if mem:
         lines.append("")

@@ -87,6 +87,11 @@ def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequenc
              lambda r: _dig(r, "publish_flat"), True),
             ("backlog_consume_flat", "kombu consume+ack, slowest / fastest backlog size", "backlog",
              lambda r: _dig(r, "consume_flat"), True),
+            ("backlog_publish_flat_paired", "kombu publish, slowest / fastest backlog size, each run over "
+             "an empty queue's beside it", "backlog", lambda r: _dig(r, "publish_flat_against_empty"), True),
+            ("backlog_consume_flat_paired", "kombu consume+ack, slowest / fastest backlog size, each run "
+             "over an empty queue's beside it", "backlog",
+             lambda r: _dig(r, "consume_flat_against_empty"), True),
             ("backlog_publish_largest", "kombu publish msg/s, largest backlog", "backlog",
              lambda r: _dig(r, "publish_msgs_per_s_largest"), True),
             ("backlog_consume_largest", "kombu consume+ack msg/s, largest backlog", "backlog",
@@ -126,7 +131,9 @@ def ratios(summary: dict[str, dict[str, float | None]]) -> dict[str, dict[str, f
 CELERY_TARGETS = ("threads_early", "threads_late", "prefork_early", "prefork_late")
 DRAIN_TARGETS = ("prefork_early", "prefork_late")
 # Cost flat in the backlog: every size's rate within 10% of the fastest; a sweep call holds
-# the server "a few milliseconds" at most (issue 15).
+# the server "a few milliseconds" at most (issue 15). Each backlog run is taken over the run
+# on an empty queue of the same server just after it: this host's speed drifts by more than
+# 10% within a run (the raw ratio stays in the table).
 BACKLOG_FLAT = 0.9
 SWEEP_CALL_MS = 5.0
 
@@ -188,8 +195,9 @@ def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabb
         check("memory per queued message <= 1.2x stock", "memory_kombu", BASELINE, 1.2, False),
         check("memory per queued Celery message (task id) <= 1.2x stock", "memory_celery", BASELINE, 1.2,
               False),
-        *(absolute(f"kombu {kind} flat in the backlog (slowest size >= {BACKLOG_FLAT}x fastest)",
-                   f"backlog_{key}_flat", BACKLOG_FLAT, higher=True)
+        *(absolute(f"kombu {kind} flat in the backlog (slowest size >= {BACKLOG_FLAT}x fastest, each run "
+                   "over an empty queue's beside it)", f"backlog_{key}_flat_paired", BACKLOG_FLAT,
+                   higher=True)
           for kind, key in (("publish", "publish"), ("consume+ack", "consume")) if backlog),
         *([absolute(f"sweep in the backlog: slowest call <= {SWEEP_CALL_MS:g} ms", "backlog_sweep_slowest",
                     SWEEP_CALL_MS)] if backlog else []),
