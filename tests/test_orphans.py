@@ -115,6 +115,27 @@ def test_a_message_dropped_unacked_after_close_is_handed_back_counted(server: Se
     assert len(ORPHANS) == 0
 
 
+def test_an_adopted_message_acked_then_dropped_before_its_ack_is_sent_is_not_handed_back(
+        server: Server) -> None:
+    """Found by CI (tests/celery_e2e/test_connection_loss.py, both pools): Celery acks a task
+    that finished after a reconnect through its old Message and then drops the Message at
+    once. The ack waits in the batch (acks.py) for up to ack_flush_delay; a tick of the
+    orphans registry in that window saw the Message gone, took it for dropped unacked,
+    and handed it back, so the finished task ran again."""
+    url = f"redislua://127.0.0.1:{server.port}/0"
+    options = {"visibility_timeout": VISIBILITY, "sweep_interval": 0.2, "ack_flush_delay": 0.5}
+    with Connection(url, transport_options=options) as first:
+        message = publish_and_take_one(first, "finished")
+    assert stats(server) == (0, 1, 0), "held at close: adopted"
+    message.ack()  # gathered: the batch is sent up to 0.5 s from now
+    del message
+    gc.collect()
+    ORPHANS.tick()  # the lease keeper's tick, in the window before the batch is sent
+    assert stats(server) == (0, 1, 0), "acked by the application: never handed back"
+    wait_until(lambda: stats(server) == (0, 0, 0), timeout=10, what="the ack landed")
+    assert len(ORPHANS) == 0
+
+
 def test_an_ack_that_meets_a_dead_broker_is_sent_once_it_is_back(server: Server) -> None:
     with connect(server) as conn:
         message = publish_and_take_one(conn, "finished-while-down")

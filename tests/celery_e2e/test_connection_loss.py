@@ -21,12 +21,7 @@ from celery import Celery
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
 
-# Deadlines are extended every third of this and the lease keeper stands in for a stopped
-# loop once its upkeep is half of this old (checking once a second): at 3 s that left
-# 0.5 s against a stall of the worker's process (a one-second tick lands up to 1 s late),
-# and one CI run on a loaded 2-core host saw the running task start a second time. At 6 s
-# the margin is 2 s. A failure prints the worker's log (its warnings say which path).
-VISIBILITY = 6
+VISIBILITY = 3
 QUEUED = ("queued-1", "queued-2", "queued-3")
 
 
@@ -49,7 +44,7 @@ def test_tasks_held_by_a_worker_run_once_when_its_connection_is_killed(
                     env={"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "4"})
     with running(worker):
         # Longer than the visibility timeout: the adopted delivery must keep being extended.
-        producer.send_task("celery_e2e.app.slow", ("long", VISIBILITY + 3))
+        producer.send_task("celery_e2e.app.slow", ("long", 2 * VISIBILITY))
         for label in QUEUED:
             producer.send_task("celery_e2e.app.note", (label,))
         wait_for(lambda: short_broker.entries("started"), timeout=30, what="'long' started")

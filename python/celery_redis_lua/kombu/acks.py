@@ -175,9 +175,8 @@ class AckBatcher:
         elif isinstance(result, Exception):
             logger.error("celery-redis-lua: ack of message(s) %s of queue %r was refused (%s); they "
                          "come back after the visibility timeout", ", ".join(ids), queue, result)
-        else:
-            for message_id in ids:
-                ORPHANS.settle(lib, queue, message_id)
+        # A sent ack has nothing to settle: an adopted delivery left the orphans registry when
+        # it was acked (QoS.ack), before its batch was sent.
 
     def _flush_all_at_exit(self) -> None:
         deadline = time.monotonic() + EXIT_BUDGET_SECONDS

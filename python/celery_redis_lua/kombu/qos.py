@@ -36,6 +36,11 @@ class QoS(virtual.QoS):
         task is done, it must not run again."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
+            # An adopted delivery is no longer the orphans' from here: the caller may drop
+            # its Message before the batch is sent, and a tick in between would take it for
+            # dropped unacked and hand it back (the task would run again). If the batch
+            # meets a lost connection, its acks go back to the registry as pending acks.
+            ORPHANS.settle(self.lib, tag.queue, tag.id)
             ACKS.add(self.lib, tag.queue, tag.id, wait=self.channel.options.ack_flush_delay)
         super().ack(delivery_tag)
 
