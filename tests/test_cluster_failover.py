@@ -216,3 +216,20 @@ def test_the_durability_probe_meets_a_primary_down_as_a_lost_connection(replicat
     replicated.primaries()[0].kill()
     with pytest.raises(redis.exceptions.ConnectionError):
         Durability.parse("replicas:1", 500).check_server(client)
+
+
+def test_the_durability_probe_meets_a_demoted_primary_as_a_lost_connection(replicated: Cluster) -> None:
+    """Connecting with durability while the client's slot map is stale (it still calls a
+    primary that a failover just demoted one): WAIT on that node is refused ("cannot be used
+    with replica instances"), which is a failover under way, not a server that cannot honour
+    the setting. It is a lost connection kombu retries, the map is refreshed by then, and the
+    retry finds the new primary (CI met DurabilityUnavailable here, and a publisher gave up)."""
+    client = replicated.client()
+    demoted = replicated.primaries()[0]
+    assert demoted.port in {int(node.port) for node in client.get_primaries()}
+    replicated.failover(demoted)  # the client's map is now stale: it has not asked since
+    durability = Durability.parse("replicas:1", 500)
+    with pytest.raises(redis.exceptions.ClusterError, match="replica"):
+        durability.check_server(client)
+    assert demoted.port not in {int(node.port) for node in client.get_primaries()}
+    assert durability.check_server(client) == 1  # what kombu's retry meets

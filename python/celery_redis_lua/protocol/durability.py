@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import ClusterError, ConnectionError, RedisClusterException, TimeoutError
+from redis.exceptions import ClusterError, ConnectionError, RedisClusterException, ResponseError, TimeoutError
 
 # The scripts whose writes a durable setting confirms. A publish (or a replay) that falls
 # short raises NotDurable: its caller must know the message may be lost. An ack, a reject,
@@ -29,6 +29,8 @@ from redis.exceptions import ClusterError, ConnectionError, RedisClusterExceptio
 # while every heartbeat waited out the timeout whenever no replica was online.
 RAISE_WHEN_SHORT = frozenset({"publish", "dead_replay"})
 CONFIRMED_SCRIPTS = RAISE_WHEN_SHORT | {"ack", "reject", "declare", "bind"}
+# How WAIT and WAITAOF refuse to run on a replica (Redis 7.0 to 8, Valkey).
+DEMOTED = "cannot be used with replica instances"
 _SETTING = re.compile(r"^(?:(aof)|replicas:(\d+)|aof\+replicas:(\d+))$")
 
 
@@ -114,7 +116,7 @@ class Durability:
         probe = ("WAITAOF", 1, self.replicas, timeout) if self.aof else ("WAIT", self.replicas, timeout)
         try:
             if hasattr(client, "get_primaries"):  # a cluster: every primary must honour it
-                reply = self.least([client.execute_command(*probe, target_nodes=node)
+                reply = self.least([self._probe_primary(client, node, probe)
                                     for node in client.get_primaries()])
             else:
                 reply = client.execute_command(*probe)
@@ -128,3 +130,19 @@ class Durability:
                 f"transport option 'durability'={self.setting!r} cannot be honoured by this "
                 f"server: {message}") from None
         return int(reply[1]) if self.aof else int(reply)
+
+    @staticmethod
+    def _probe_primary(client: Any, node: Any, probe: tuple[Any, ...]) -> Any:
+        """The probe on one node the cluster client's slot map calls a primary. A node a
+        failover demoted since the map was read refuses the wait as a replica: that is a
+        failover under way, not a server that cannot honour the setting. The map is read
+        again and the refusal becomes a cluster error, which the transport treats as a lost
+        connection: kombu's retry probes the new primary."""
+        try:
+            return client.execute_command(*probe, target_nodes=node)
+        except ResponseError as error:
+            if DEMOTED not in str(error):
+                raise
+            client.nodes_manager.initialize()
+            raise ClusterError(f"{probe[0]} on {node.name}: the node is a replica now (a failover "
+                               f"under way); the slot map is read again") from None
