@@ -348,6 +348,33 @@ def test_the_upkeep_runs_three_times_per_x_expires_of_a_consumed_queue(kind_brok
         consumer.cancel()
 
 
+def test_the_lease_keeper_keeps_a_short_visibility_s_deadline_ahead_while_the_loop_stands_still(
+        kind_broker: Broker) -> None:
+    """A visibility of 0.9 s makes an upkeep interval of 0.3 s: the keeper's thread then tends
+    four times per interval, so its stand-in comes at most 1.75 intervals after the last
+    upkeep, well before the deadline three intervals out. While it ticked once a second
+    whatever the interval, a stand-in set the deadline 0.9 s ahead and the next came 1 s
+    later: the delivery was overdue (a sweep anywhere would hand it back) every second."""
+    queue = Queue("brief", Exchange("briefx"), routing_key="brief")
+    client, index = kind_broker.client, kind_broker.keys.index("brief")
+    with kind_broker.connection(visibility_timeout=0.9) as conn:
+        Producer(conn, exchange=queue.exchange, routing_key="brief").publish("task", declare=[queue])
+        consumer, got = collect(conn, [queue])
+        drain(conn, got, 1)
+        (member,) = client.zrange(index, 0, -1)
+        overdue: list[float] = []
+        watch_until = time.monotonic() + 3.0
+        while time.monotonic() < watch_until:  # the loop stands still, as during a solo task
+            deadline_ms, now_ms = client.zscore(index, member), server_now_ms(client)
+            if deadline_ms is None or deadline_ms <= now_ms:
+                overdue.append(now_ms - (deadline_ms or 0))
+            time.sleep(0.01)  # the sampling period of the watch, not a synchronisation
+        assert not overdue, f"the deadline lapsed {len(overdue)} times (by up to {max(overdue)} ms)"
+        assert conn.transport.poller.stood_in >= 3
+        got[0].ack()
+        consumer.cancel()
+
+
 def test_the_lease_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
     """The solo pool runs a task inside the event loop: no upkeep while it runs. The lease
     keeper's thread stands in, so the queue does not expire under the task."""

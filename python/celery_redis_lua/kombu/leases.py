@@ -9,13 +9,15 @@ after their connection closed (:mod:`.orphans`) have no loop at all. The first l
 run showed the cost: a warm shutdown let the deadlines of running tasks lapse, another
 worker's sweep restored them, and they ran twice.
 
-So one daemon thread per process tends every *source* once a second: a poller whose loop's
-last upkeep is more than 1.5 intervals old runs the upkeep itself, so a deadline
-``3 * interval`` away is pushed forward at most ``1.5 * interval`` plus one tick (1 s)
-after the loop's last one. With the default visibility (300 s, an interval of 100 s) that
-leaves 149 s; a visibility of 3 s leaves 0.5 s against a stall of the process (the tick
-does not shrink with the interval). The orphans registry sends its pending acks, hands
-back what was dropped and extends what is held. Extending is idempotent, so an overlap
+So one daemon thread per process tends every *source* once a second, or four times per
+the shortest interval of any source if that is shorter (a short visibility): a poller
+whose loop's last upkeep is more than 1.5 intervals old runs the upkeep itself, so a
+deadline ``3 * interval`` away is pushed forward at most ``1.75 * interval`` after the
+loop's last one (``1.5 * interval`` plus one tick of 1 s, where that is less). With the
+default visibility (300 s, an interval of 100 s) that leaves 149 s; a visibility of 3 s
+leaves 1.25 s against a stall of the process (0.5 s while the tick was always 1 s). The
+orphans registry sends its pending acks, hands back what was dropped and extends what is
+held. Extending is idempotent, so an overlap
 with the loop does no harm. Sources are held weakly (a connection dropped without
 ``close()`` is not kept alive, nor are its deliveries extended); the thread runs only
 while there are any, and a forked child starts with none (the parent's are the parent's).
@@ -34,11 +36,17 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
-TICK_SECONDS = 1.0
+TICK_SECONDS = 1.0  # the longest the thread sleeps between two tends
+MIN_TICK_SECONDS = 0.05  # and the shortest, however short an interval
+TICKS_PER_INTERVAL = 4  # tends per upkeep interval of the source that needs them most often
 
 
 class Source(Protocol):
     def tend(self, now: float) -> None: ...
+
+    def interval(self) -> float:
+        """How often the source's upkeep comes due (seconds)."""
+        ...
 
 
 class Registry(Source, Protocol):
@@ -84,9 +92,16 @@ class LeaseKeeper:
             self._thread = threading.Thread(target=self._run, name="celery-redis-lua-leases", daemon=True)
             self._thread.start()
 
+    def tick_seconds(self) -> float:
+        """The sleep between two tends: a quarter of the shortest interval of any source,
+        between MIN_TICK_SECONDS and TICK_SECONDS."""
+        intervals = [source.interval() / TICKS_PER_INTERVAL
+                     for source in [*list(self._sources), *self._permanent]]
+        return max(MIN_TICK_SECONDS, min([TICK_SECONDS, *intervals]))
+
     def _run(self) -> None:
         while True:
-            time.sleep(TICK_SECONDS)  # the tending period itself, not a synchronisation
+            time.sleep(self.tick_seconds())  # the tending period itself, not a synchronisation
             now = time.monotonic()
             for source in [*list(self._sources), *self._permanent]:
                 try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -152,8 +153,15 @@ class Orphans:
     # -- tending ------------------------------------------------------------------------------
 
     def tend(self, now: float) -> None:
-        """The lease keeper's call, once a second while anything is here."""
+        """The lease keeper's call, once a second (or more often, see :meth:`interval`)
+        while anything is here."""
         self.tick()
+
+    def interval(self) -> float:
+        """How often the held deliveries are extended: the shortest heartbeat among them
+        (none held: no deadline to keep)."""
+        with self._lock:
+            return min((d.lib.policy.heartbeat_seconds for d in self._adopted.values()), default=math.inf)
 
     def tick(self) -> None:
         """Send pending acks, hand back dropped deliveries, extend the held ones when due."""

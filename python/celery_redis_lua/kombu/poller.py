@@ -244,6 +244,10 @@ class Poller:
         for channel in list(self.channels):
             channel.upkeep(from_loop=from_loop)
 
+    def interval(self) -> float:
+        """The lease keeper's question: how often the upkeep comes due."""
+        return self.upkeep_interval()
+
     def tend(self, now: float) -> None:
         """The lease keeper's call, from its thread: stand in for a loop that stopped."""
         if self.channels and now - self.last_upkeep > 1.5 * self.upkeep_interval():
