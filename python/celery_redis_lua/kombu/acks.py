@@ -106,6 +106,27 @@ class AckBatcher:
             raise result
         return result
 
+    def take(self, lib: ScriptLibrary) -> Batch | None:
+        """``lib``'s gathered acks, taken for a consume that goes out without waiting for its
+        reply (channel.py) to carry; the caller settles them (:meth:`settle`) when the
+        replies come, or as lost when they never will. None where batches are not one write
+        (they stay with the thread, as in :meth:`run_with_acks`) or nothing is gathered."""
+        if not lib.runner.batches_in_one_write:
+            return None
+        with self._cond:
+            return self._pending.pop(lib, None)
+
+    @staticmethod
+    def calls(lib: ScriptLibrary, batch: Batch) -> list[Call[Any]]:
+        """The batch's ack calls, one per queue, in the order :meth:`settle` expects."""
+        return [lib.calls.ack(queue, ids) for queue, ids in batch.ids.items()]
+
+    def settle(self, lib: ScriptLibrary, batch: Batch, results: Sequence[Any]) -> None:
+        """Settle the batch's acks by their calls' results (an exception in a call's place:
+        a lost connection sends them to the orphans registry, to be sent again)."""
+        for (queue, ids), result in zip(batch.ids.items(), results, strict=True):
+            self._settled(lib, queue, ids, result)
+
     def pending(self, lib: ScriptLibrary) -> int:
         """How many of ``lib``'s acks are gathered or on the wire (tests, and the upkeep)."""
         with self._cond:
@@ -155,15 +176,14 @@ class AckBatcher:
         """``batch``'s ack calls (one per queue), then ``after``, in one pipeline; the acks
         settled, the results of ``after`` returned (an error in its place, as the exception:
         a lost connection fails them all, and the acks go to the orphans registry)."""
-        queues = list(batch.ids.items())
-        calls = [*(lib.calls.ack(queue, ids) for queue, ids in queues), *after]
+        acks = self.calls(lib, batch)
+        calls = [*acks, *after]
         try:
             results = lib.run_many(calls, raise_on_error=False)
         except Exception as error:  # the caller (the sending thread) must go on; see _settled
             results = [error] * len(calls)
-        for (queue, ids), result in zip(queues, results, strict=False):
-            self._settled(lib, queue, ids, result)
-        return results[len(queues):]
+        self.settle(lib, batch, results[:len(acks)])
+        return results[len(acks):]
 
     @staticmethod
     def _settled(lib: ScriptLibrary, queue: str, ids: list[str], result: object) -> None:

@@ -6,10 +6,15 @@ server (bounded by ``blocking_timeout`` and by the next ETA) and one XREAD acros
 fanout streams; when a wait's socket is readable, what it found is claimed and delivered.
 In Celery's event loop the waits are sockets registered with the hub; without it (plain
 kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way the
-periodic work (the upkeep and the sweep) runs from here.
+periodic work (the upkeep and the sweep) runs from here. In the hub, where it can, the
+round's consume goes out on the wait's connection as a batch (:meth:`BlockingRead.
+send_batch`, with the acks gathered meanwhile in front of it) and is read the same way,
+when the socket is readable: the loop feeds the pool instead of standing still for the
+round trip (channel.py, "consumes in flight").
 
-The waits are the only commands Python sends to Redis directly (Lua cannot block). A
-wait is sent without waiting for its reply, so the loop can watch the socket;
+The waits and those batches are the only commands Python sends to Redis itself, not
+through redis-py's client (Lua cannot block). A wait is sent without waiting for its
+reply, so the loop can watch the socket;
 ``cancel()`` ends a pending wait at once with CLIENT UNBLOCK from another connection, so
 shutting down never waits out ``blocking_timeout``. Where CLIENT UNBLOCK is refused (it is
 in ``@admin``; some managed services lack it) the wait's connection is closed instead: a
@@ -31,7 +36,7 @@ from typing import Any, Protocol
 import redis
 
 from ..protocol.ops import Declared
-from ..protocol.runner import dedicated_connection
+from ..protocol.runner import dedicated_connection, read_replies
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +60,19 @@ class BlockingRead:
     many greenlets or threads (gevent stalled on 'Too many connections')."""
 
     def __init__(self, pool: redis.ConnectionPool | Callable[[], redis.ConnectionPool], *,
-                 on_redirect: Callable[[], None] = lambda: None) -> None:
+                 on_redirect: Callable[[], None] = lambda: None,
+                 on_lost: Callable[[Any], None] = lambda batch: None) -> None:
         # On a cluster, the pool of the node that owns the wait's slot, asked again at every
         # reconnect (a failover or a slot migration moves it); else the channel's pool.
         self._pool_of = pool if callable(pool) else (lambda: pool)
         self._on_redirect = on_redirect  # the slot moved (MOVED, ASK...): refresh the slot map
+        # A pending batch's replies will never be read (the connection is lost or closed):
+        # its owner settles what the batch carried (the acks go to the orphans registry).
+        self._on_lost = on_lost
         self.connection: Any = None
         self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
+        self.batch: Any = None  # what a pending batch (send_batch) stands for, its owner's
+        self._replies = 0  # how many replies the pending batch has
         self.sent_at = 0.0
         self.timeout = 0.0
         self._client_id: int | None = None
@@ -96,6 +107,34 @@ class BlockingRead:
         self.sent_at = time.monotonic()
         self.timeout = timeout
 
+    def send_batch(self, wire: Callable[[Any], bytes], replies: int, batch: Any, *, timeout: float) -> None:
+        """Write the commands ``wire(connection)`` packs (``replies`` of them) without waiting
+        for their replies: the loop reads them (:meth:`read_batch`) when the socket is
+        readable. ``batch`` is the owner's record of what was sent; a write that fails
+        hands it to ``on_lost`` before the error is raised."""
+        try:
+            connection = self._connect()
+            connection.send_packed_command([wire(connection)], check_health=False)
+        except BaseException:
+            self.batch = batch
+            self.disconnect()
+            raise
+        self.pending, self.batch, self._replies = ("batch",), batch, replies
+        self.sent_at = time.monotonic()
+        self.timeout = timeout
+
+    def read_batch(self) -> tuple[list[Any], Any]:
+        """The pending batch's replies (an error reply in its place, :func:`read_replies`)
+        and its record. A read that fails disconnects, which hands the record to ``on_lost``."""
+        batch, replies = self.batch, self._replies
+        try:
+            return read_replies(self.connection, replies), batch
+        except BaseException:
+            self.disconnect()
+            raise
+        finally:
+            self.pending, self.batch = None, None
+
     def overdue(self, grace: float) -> bool:
         """The server should have answered by now (a half-open socket never says so).
         A block without timeout (blocking_timeout 0) is never overdue."""
@@ -128,7 +167,7 @@ class BlockingRead:
         """End a pending wait now; returns whatever the server had already popped (or None).
         CLIENT UNBLOCK goes to the wait's own server (on a cluster, the node of its slot).
         Without CLIENT UNBLOCK the connection is closed (see the module's docstring)."""
-        if self.pending is None:
+        if self.pending is None or self.batch is not None:  # a batch: its owner reads it
             return None
         if self._client_id is None or not self.can_unblock:
             self.disconnect()
@@ -153,9 +192,12 @@ class BlockingRead:
 
     def disconnect(self) -> None:
         self.pending = None
+        lost, self.batch = self.batch, None
         if self.connection is not None:
             with contextlib.suppress(Exception):
                 self.connection.disconnect()
+        if lost is not None:
+            self._on_lost(lost)
 
     def close(self) -> None:
         if self.connection is not None:
@@ -190,6 +232,7 @@ class Poller:
         self.stood_in = 0  # how often the lease keeper ran the upkeep for a loop that stood still
         self._next_sweep = time.monotonic()
         self._unregister: Callable[[], None] = lambda: None
+        self.in_hub = False  # registered with Celery's event loop, which reads the waits' replies
 
     # -- a round --------------------------------------------------------------------------
 
@@ -352,6 +395,7 @@ class Poller:
             wake_for_refill()
 
         def unregister() -> None:
+            self.in_hub = False
             if shutting_down is not None:
                 shutting_down.disconnect(wake)
             loop.on_tick.discard(on_tick)
@@ -367,6 +411,7 @@ class Poller:
 
         loop.add_reader(wake_read, on_wake)
         loop.on_tick.add(on_tick)
+        self.in_hub = True
         # A weak reference: the hub's timer must not keep a closed connection's poller alive.
         periodic = weakref.WeakMethod(self.run_periodic)
         timer = loop.call_repeatedly(TICK_SECONDS, lambda: (run := periodic()) and run())

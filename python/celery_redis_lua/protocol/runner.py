@@ -208,8 +208,7 @@ class BatchWriter:
         previous, self._pending = self._pending, calls
         try:
             # No health check: its PING would read a reply of the batch on the wire as PONG.
-            batch = b"".join(packed(connection, self.runner._evalsha_command(call)) for call in calls)
-            connection.send_packed_command([batch], check_health=False)
+            connection.send_packed_command([self.runner.wire(connection, calls)], check_health=False)
             return self._results(previous)
         except BaseException:
             self._lose()
@@ -444,6 +443,11 @@ class ScriptRunner:
             time.sleep(REDIRECT_PAUSE_SECONDS)  # a slot migration or a failover under way
         raise ClusterError(f"{sorted({calls[i].script for i in todo})}: the slot kept moving "
                            f"({REDIRECT_ATTEMPTS} redirections); nothing ran")
+
+    def wire(self, connection: Any, calls: Sequence[Call[Any]]) -> bytes:
+        """``calls`` as EVALSHAs in one write on ``connection``, for a caller that reads the
+        replies itself (:func:`read_replies`) and gives them to :meth:`rerun_noscript`."""
+        return b"".join(packed(connection, self._evalsha_command(call)) for call in calls)
 
     def _evalsha_command(self, call: Call[Any]) -> tuple[Any, ...]:
         return ("EVALSHA", self.scripts[call.script].sha1, len(call.keys), *call.keys, *call.args)
