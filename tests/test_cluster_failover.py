@@ -73,13 +73,18 @@ class Publisher(threading.Thread):
         self.url, self.options, self.exchange, self.queue = cluster_url, options, exchange, queue
         self.confirmed: list[int] = []
         self.unconfirmed: list[int] = []  # applied, but not yet on a replica (NotDurable)
+        # Publishes kombu retried after a lost connection: the first try may have been stored
+        # (its reply lost with the primary), and a plain kombu message has no task id for the
+        # publish script to know it again, so the retry can store it a second time.
+        self.retried: set[int] = set()
         self.errors: list[BaseException] = []
 
     def run(self) -> None:
-        policy = {"max_retries": 100, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.3}
         with Connection(self.url, transport_options=self.options) as conn:
             producer = conn.Producer()
             for i in range(MESSAGES):
+                policy = {"max_retries": 100, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.3,
+                          "errback": lambda exc, interval, i=i: self.retried.add(i)}
                 try:
                     producer.publish({"i": i}, exchange=self.exchange, routing_key=self.queue.name,
                                      declare=[self.queue], retry=True, retry_policy=policy)
@@ -138,10 +143,11 @@ def test_publishing_and_consuming_go_on_across_a_failover(replicated: Cluster, f
     assert received <= set(publisher.confirmed) | set(publisher.unconfirmed)
     assert len(publisher.unconfirmed) < MESSAGES // 4, "publishes kept failing after the rejoin"
     # A duplicate is a delivery whose ack the old primary took (or never got) as it went
-    # away: its first delivery came before the fault ended.
+    # away (its first delivery came before the fault ended), or a publish kombu retried
+    # after the primary died with its reply (stored twice: no task id to know it again).
     first_seen: dict[int, float] = {}
     for i, at in collector.got:
-        if i in first_seen:
+        if i in first_seen and i not in publisher.retried:
             assert first_seen[i] <= ended + 1.0, f"message {i} delivered twice, first after the fault"
         first_seen.setdefault(i, at)
     assert sum(1 for _, at in collector.got if at > ended) > 0  # consumed after it, same consumer
