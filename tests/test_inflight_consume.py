@@ -61,17 +61,24 @@ def consuming(broker: Broker, hub: Hub, conn: Connection, got: list[Message], pr
     return consumer
 
 
+def two_taken_and_acked(broker: Broker, hub: Hub, conn: Connection, got: list[Message]) -> Consumer:
+    """Four messages queued, a consumer with a window of two in the hub, the first two
+    delivered and acked (gathered: the next refill carries them)."""
+    publish(conn, 4)
+    consumer = consuming(broker, hub, conn, got, prefetch=2)
+    turn_until(hub, lambda: len(got) == 2, what="the first two deliveries")
+    for message in got:
+        message.ack()
+    return consumer
+
+
 def test_a_refill_goes_out_without_waiting_and_carries_the_gathered_acks(
         kind_broker: Broker, hub: Hub) -> None:
     got: list[Message] = []
     with kind_broker.connection(ack_flush_delay=1) as conn:  # the ack thread stays out of it
-        publish(conn, 4)
-        consuming(kind_broker, hub, conn, got, prefetch=2)
-        turn_until(hub, lambda: len(got) == 2, what="the first two deliveries")
+        two_taken_and_acked(kind_broker, hub, conn, got)
         channel = conn.default_channel
         first = {m.properties["delivery_tag"] for m in got}
-        for message in got:
-            message.ack()
         assert ACKS.pending(channel.lib) == 2
         tick(hub)  # the refill is written; its reply is not read here
         wait = channel.queue_wait
@@ -94,13 +101,9 @@ def test_an_in_flight_consume_whose_reply_is_lost_loses_no_ack_and_no_message(
     visibility timeout, counted, and is delivered again."""
     got: list[Message] = []
     with kind_broker.connection(ack_flush_delay=1, visibility_timeout=1, sweep_interval=0.2) as conn:
-        publish(conn, 4)
-        consuming(kind_broker, hub, conn, got, prefetch=2)
-        turn_until(hub, lambda: len(got) == 2, what="the first two deliveries")
+        two_taken_and_acked(kind_broker, hub, conn, got)
         channel = conn.default_channel
         acked = {m.payload["i"] for m in got}
-        for message in got:
-            message.ack()
         tick(hub)
         wait = channel.queue_wait
         assert wait.batch is not None
@@ -125,11 +128,7 @@ def test_a_consume_in_flight_when_its_consumer_goes_gives_its_messages_back_at_o
         kind_broker: Broker, hub: Hub, how: str) -> None:
     got: list[Message] = []
     with kind_broker.connection(ack_flush_delay=1) as conn:  # visibility 300 s: nothing lapses
-        publish(conn, 4)
-        consumer = consuming(kind_broker, hub, conn, got, prefetch=2)
-        turn_until(hub, lambda: len(got) == 2, what="the first two deliveries")
-        for message in got:
-            message.ack()
+        consumer = two_taken_and_acked(kind_broker, hub, conn, got)
         tick(hub)
         assert conn.default_channel.queue_wait.batch is not None
         if how == "cancel":
@@ -147,11 +146,7 @@ def test_an_in_flight_consume_meets_a_flushed_script_cache_and_delivers(
         kind_broker: Broker, hub: Hub) -> None:
     got: list[Message] = []
     with kind_broker.connection(ack_flush_delay=1) as conn:
-        publish(conn, 4)
-        consuming(kind_broker, hub, conn, got, prefetch=2)
-        turn_until(hub, lambda: len(got) == 2, what="the first two deliveries")
-        for message in got:
-            message.ack()
+        two_taken_and_acked(kind_broker, hub, conn, got)
         kind_broker.client.script_flush()
         turn_until(hub, lambda: len(got) == 4, what="the refill's deliveries after SCRIPT FLUSH")
         assert len(ids_in(kind_broker, kind_broker.keys.message("flight"))) == 2
