@@ -29,7 +29,7 @@ from typing import Any
 from kombu import Connection
 
 from celery_redis_lua import Keyspace
-from tools.servers import Server
+from tools.servers import Server, server_version
 
 from .peers import bind_queue, body_of_size
 
@@ -208,16 +208,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with Server(args.kind) as server:
         client = server.client()
-        version = client.info("server")["redis_version"]
+        version = server_version(client)
         rows = published_rows(server, args.count, args.size)
         stock = stock_memory(server, args.count, args.size)
         print(f"## Memory per queued message, {args.count:,} with task ids, "
-              f"{args.kind} {version} (stock kombu: {stock:,.0f} B; 1.2x: {1.2 * stock:,.0f} B)\n")
+              f"{version} (stock kombu: {stock:,.0f} B; 1.2x: {1.2 * stock:,.0f} B)\n")
         print("| layout | bytes per message | over stock |\n|---|---:|---:|")
         for name, layout in LAYOUTS.items():
             used = memory_per_message(client, layout(rows), args.count)
             print(f"| {name} | {used:,.0f} | {used / stock:.2f}x |")
-        print(f"\n## Ready structure, server µs per pop of 100 ids, {args.kind} {version}\n")
+        print(f"\n## Ready structure, server µs per pop of 100 ids, {version}\n")
         print("| depth | ZPOPMIN (ZSET) | LPOP (list) |\n|---:|---:|---:|")
         for depth in (int(d) for d in args.depths.split(",")):
             cost = pop_cost(client, depth)
