@@ -31,32 +31,26 @@ PR_SET_PDEATHSIG = 1
 SERVER_KINDS = ("valkey", "redis")
 
 
-# Directories made by scratch_directory, and the process that made them (a forked child
-# that exits must not remove its parent's).
-_SCRATCH: list[Path] = []
-_SCRATCH_PID = os.getpid()
+# Directories made by scratch_directory, each with the process that made it: a forked child
+# inherits the list and the exit hook, and removes only its own.
+_SCRATCH: list[tuple[int, Path]] = []
 
 
 def scratch_directory(prefix: str) -> Path:
     """A new directory for one server's (or certificate authority's) files, removed at this
     process's exit: a test run starts thousands of servers, and AOF files add up."""
-    global _SCRATCH_PID
     path = Path(tempfile.mkdtemp(prefix=prefix))
-    if os.getpid() != _SCRATCH_PID:  # a forked child's own servers: its own list
-        _SCRATCH.clear()
-        _SCRATCH_PID = os.getpid()
-    if not _SCRATCH:
-        atexit.register(_remove_scratch, os.getpid())
-    _SCRATCH.append(path)
+    _SCRATCH.append((os.getpid(), path))
     return path
 
 
-def _remove_scratch(pid: int) -> None:
-    if pid != os.getpid() or os.environ.get("CRL_KEEP_SERVER_DIRS"):
+@atexit.register
+def _remove_scratch() -> None:
+    if os.environ.get("CRL_KEEP_SERVER_DIRS"):
         return
-    for path in _SCRATCH:
-        shutil.rmtree(path, ignore_errors=True)
-    _SCRATCH.clear()
+    for pid, path in _SCRATCH:
+        if pid == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class ServerUnavailable(RuntimeError):

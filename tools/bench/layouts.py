@@ -36,10 +36,11 @@ from .peers import bind_queue, body_of_size
 PRIORITY_FACTOR = 10_000_000_000_000  # as in publish.lua: (255 - priority) * 10^13 + ready_at_ms
 QUEUE = "mem"
 KEYS = Keyspace().queue_keys(QUEUE)
-# A candidate key, not in the keyspace: one list of ready messages per priority level.
-def ready_key(level: int) -> str:
-    return KEYS.queue.replace("queue:", "ready:", 1) + f":{level}"
 
+
+def ready_key(level: int) -> str:
+    """A candidate key, not in the keyspace: one list of ready messages per priority level."""
+    return KEYS.queue.replace("queue:", "ready:", 1) + f":{level}"
 
 
 @dataclass(frozen=True)
