@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 3
+-- version: 4
 -- summary: Acknowledge messages of one queue: delete them and every trace of them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not touched)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; the message's task-id index entries go too
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
 -- ARGV:
 --   1.. id  string   message ids to acknowledge
 -- returns: integer, how many of the messages still existed
@@ -25,18 +25,22 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
+end
+
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
+local function parse_state(value)
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
 end
 
 local function fail(message)
@@ -57,7 +61,12 @@ local function variadic(command, key)
   return total
 end
 
-for _, id in ipairs(ARGV) do forget_task(KEYS[7], id) end
+for first = 1, #ARGV, 4000 do -- each state names its task id, if any
+  local states = rcall('HMGET', KEYS[7], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
+  for i, raw in ipairs(states) do
+    if raw then forget_task(KEYS[7], ARGV[first + i - 1], parse_state(raw)) end
+  end
+end
 variadic('ZREM', KEYS[3])
 variadic('ZREM', KEYS[1])
 variadic('HDEL', KEYS[7])

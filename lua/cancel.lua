@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 1
+-- version: 2
 -- summary: Take a task's ready or delayed message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; counter 'dropped:cancelled' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; 'task:<task id>' -> id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
 -- ARGV:
 --   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 --   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
@@ -41,24 +41,22 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
-  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
 end
 
@@ -89,7 +87,7 @@ rcall('ZREM', queue_key, id)
 rcall('ZREM', delayed_key, id)
 rcall('ZREM', index_key, id)
 rcall('HDEL', message_key, id)
-forget_task(state_key, id)
+forget_task(state_key, id, s)
 rcall('HDEL', state_key, id)
 if s.state == 'delayed' and rcall('ZCARD', delayed_key) == 0 then
   rcall('ZREM', queue_key, WAKE_MEMBER) -- the wake marker lives only while something is delayed

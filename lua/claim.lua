@@ -1,6 +1,6 @@
 #!lua
 -- name: claim
--- version: 5
+-- version: 6
 -- summary: Index and fetch messages that a blocking BZMPOP/ZMPOP already popped from one queue.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1   visibility_ms       integer > 0    visibility deadline of each claimed message, from now
 --   2   no_ack              0 or 1         1: delete each message as it is delivered
@@ -37,17 +37,12 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
 end
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
@@ -62,10 +57,20 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
-  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 if #KEYS ~= 7 then
@@ -112,17 +117,17 @@ for _, id in ipairs(ids) do
     end
     if payload and s then expired = expired + 1 end
     rcall('HDEL', message_key, id)
-    forget_task(state_key, id)
+    forget_task(state_key, id, s)
     rcall('HDEL', state_key, id)
     gone[#gone + 1] = id
   elseif s.state ~= 'unacked' then -- 'unacked': restored meanwhile and delivered to another consumer
     if no_ack then
       rcall('HDEL', message_key, id)
-      forget_task(state_key, id)
+      forget_task(state_key, id, s)
       rcall('HDEL', state_key, id)
       gone[#gone + 1] = id
     else
-      rcall('HSET', state_key, id, 'unacked ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
+      rcall('HSET', state_key, id, state_line('unacked', s.count, s))
       deadlines[#deadlines + 1] = deadline
       deadlines[#deadlines + 1] = id
     end

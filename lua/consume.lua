@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 4
+-- version: 5
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
 --   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
@@ -38,17 +38,12 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -73,17 +68,26 @@ local function integer(value)
   return tonumber(value)
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; a malformed value reads as a fresh ready message.
 -- Counters for dashboards (metrics.lua reads them): redeliveries and drops by reason, in the
 -- queue's meta hash, so they expire and go with the queue. Written before its expiry refresh.
 local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
-  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
@@ -140,7 +144,7 @@ for _, q in ipairs(queues) do
         local s = parse_state(raw)
         rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + eta), id)
         rcall('ZADD', q.index, look_at(s.expires_at), id)
-        rcall('HSET', q.state, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
+        rcall('HSET', q.state, id, state_line('ready', s.count, s))
       end
       promoted[#promoted + 1] = id
     end
@@ -219,7 +223,7 @@ while skips_left > 0 do
         q.expired = (q.expired or 0) + 1
       end
       rcall('HDEL', q.message, id)
-      forget_task(q.state, id)
+      forget_task(q.state, id, s)
       rcall('HDEL', q.state, id)
       gone[q] = gone[q] or {}
       table.insert(gone[q], id)
@@ -227,12 +231,12 @@ while skips_left > 0 do
     else
       if no_ack then
         rcall('HDEL', q.message, id)
-        forget_task(q.state, id)
+        forget_task(q.state, id, s)
         rcall('HDEL', q.state, id)
         gone[q] = gone[q] or {}
         table.insert(gone[q], id)
       else
-        rcall('HSET', q.state, id, 'unacked ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
+        rcall('HSET', q.state, id, state_line('unacked', s.count, s))
         deadlines[q] = deadlines[q] or {}
         table.insert(deadlines[q], string.format('%d', deadline))
         table.insert(deadlines[q], id)

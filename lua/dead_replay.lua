@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 4
+-- version: 5
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments and last_id
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
 -- ARGV:
 --   1   visibility_ms  integer > 0       how long a replayed message may sit popped but unclaimed
 --   2   count          integer 1..10000  most entries replayed, oldest first (ignored when entry ids are given)
@@ -49,6 +49,13 @@ local function next_id(last_id, now_us)
     end
   end
   return string.format('%013x%x', id_us, counter)
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 -- The Celery task id of a payload (headers.id of a protocol 2 envelope), so a replayed
@@ -105,8 +112,12 @@ for _, entry in ipairs(entries) do
     last_id = id
     rcall('HSET', message_key, id, fields.payload)
     local task = task_of(fields.payload)
-    if task then rcall('HSET', state_key, 'task:' .. task, id, 'tid:' .. id, task) end
-    rcall('HSET', state_key, id, 'ready 0 ' .. string.format('%d', priority) .. ' -')
+    local line = state_line('ready', 0, {priority = string.format('%d', priority), expires_at = '-', task = task or ''})
+    if task then
+      rcall('HSET', state_key, id, line, 'task:' .. task, id)
+    else
+      rcall('HSET', state_key, id, line)
+    end
     rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
     rcall('ZADD', index_key, string.format('%d', now + visibility), id)
     replayed[#replayed + 1] = id

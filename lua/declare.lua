@@ -1,6 +1,6 @@
 #!lua
 -- name: declare
--- version: 2
+-- version: 3
 -- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, and refresh its expiry.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments and last_id; it is what makes a queue exist
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
 --   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT' (expiry refresh only)
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (expiry refresh only)
 -- ARGV:
 --   1  expires_ms      integer > 0 or ''      x-expires: the queue's keys expire after this long without a publish, declare or consumer; floor 10000
 --   2  message_ttl_ms  integer > 0 or ''      x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)

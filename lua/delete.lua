@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: delete
--- version: 3
+-- version: 4
 -- summary: Delete a queue: every message (ready, delayed, in flight), its arguments and its dead letters.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments and last_id
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT', and the task-id index
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]', and the task-id index
 -- ARGV: none
 -- returns: integer, how many messages the queue held
 -- errors:

@@ -1,6 +1,6 @@
 #!lua
 -- name: extend
--- version: 2
+-- version: 3
 -- summary: Push the visibility deadlines of in-flight messages of one queue forward, and refresh the queue's expiry.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages (expiry refresh only)
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
 --   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT' (expiry refresh only)
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (expiry refresh only)
 -- ARGV:
 --   1   visibility_ms  integer > 0   new deadline of each id, from now
 --   2.. id             string        in-flight message ids (may be none: then only the expiry is refreshed)

@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 6
+-- version: 7
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority) and last_id
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'; the task-id index 'task:<task id>' -> id, 'tid:<id>' -> task id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
 -- ARGV:
 --   1  payload        string, non-empty                    the kombu envelope, stored unchanged
 --   2  priority       integer 0..255                       higher is delivered first; '' means 0; capped by the queue's max_priority
@@ -76,6 +76,13 @@ local function next_id(last_id, now_us)
     end
   end
   return string.format('%013x%x', id_us, counter)
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 local function integer(value, default)
@@ -155,15 +162,17 @@ rcall('HSET', meta_key, 'last_id', id)
 local ready_at = math.max(eta, now)
 local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
 rcall('HSET', message_key, id, payload)
+local line = state_line(eta > now and 'delayed' or 'ready', 0,
+                        {priority = priority, expires_at = expires_at, task = task_id})
 if task_id ~= '' then -- a later message of the same task id (a retry) takes the index over
-  rcall('HSET', state_key, 'task:' .. task_id, id, 'tid:' .. id, task_id)
+  rcall('HSET', state_key, id, line, 'task:' .. task_id, id)
+else
+  rcall('HSET', state_key, id, line)
 end
 if eta > now then
-  rcall('HSET', state_key, id, 'delayed 0 ' .. priority .. ' ' .. expires_at)
   rcall('ZADD', delayed_key, string.format('%d', eta), id)
   rcall('ZADD', queue_key, string.format('%d', WAKE_SCORE), WAKE_MEMBER)
 else
-  rcall('HSET', state_key, id, 'ready 0 ' .. priority .. ' ' .. expires_at)
   rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
   local look_at = now + visibility
   if ttl > 0 and ready_at + ttl < look_at then look_at = ready_at + ttl end

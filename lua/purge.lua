@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: purge
--- version: 3
+-- version: 4
 -- summary: Delete a batch of the ready and delayed messages of one queue; in-flight messages are left alone.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not touched)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1  batch  integer 1..100000  most messages deleted by this call
 -- returns: array {purged, remaining}: remaining > 0 means call again
@@ -23,18 +23,22 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
+end
+
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
+local function parse_state(value)
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
 end
 local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
@@ -68,7 +72,10 @@ for _, key in ipairs({KEYS[1], KEYS[2]}) do
   variadic('ZREM', key, ids)
   variadic('ZREM', KEYS[3], messages)
   variadic('HDEL', KEYS[6], messages)
-  for _, id in ipairs(messages) do forget_task(KEYS[7], id) end
+  for _, id in ipairs(messages) do
+    local raw = rcall('HGET', KEYS[7], id)
+    if raw then forget_task(KEYS[7], id, parse_state(raw)) end
+  end
   variadic('HDEL', KEYS[7], messages)
   purged = purged + #messages
   if purged >= batch then break end

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 5
+-- version: 6
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1   requeue             0 or 1           1: back to the queue as a redelivery; 0: drop
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
@@ -39,17 +39,12 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -69,10 +64,20 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
-  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 if #KEYS ~= 7 then
@@ -119,7 +124,7 @@ for i, id in ipairs(ids) do
   elseif payload and s then
     local attempts = s.count + 1
     if requeue and (limit == 0 or attempts < limit) then
-      rcall('HSET', state_key, id, 'ready ' .. attempts .. ' ' .. s.priority .. ' ' .. s.expires_at)
+      rcall('HSET', state_key, id, state_line('ready', attempts, s))
       rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
       local look_at = now + visibility
       local at = tonumber(s.expires_at)
@@ -137,7 +142,7 @@ for i, id in ipairs(ids) do
         deleted = deleted + 1
       end
       rcall('HDEL', message_key, id)
-      forget_task(state_key, id)
+      forget_task(state_key, id, s)
       rcall('HDEL', state_key, id)
       rcall('ZREM', queue_key, id)
       rcall('ZREM', index_key, id)
@@ -145,7 +150,7 @@ for i, id in ipairs(ids) do
   else
     rcall('ZREM', index_key, id) -- already gone (acked elsewhere, expired, or its queue deleted)
     rcall('HDEL', message_key, id)
-    forget_task(state_key, id)
+    forget_task(state_key, id, s)
     rcall('HDEL', state_key, id)
   end
 end

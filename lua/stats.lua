@@ -1,6 +1,6 @@
 #!lua flags=no-writes
 -- name: stats
--- version: 2
+-- version: 3
 -- summary: Count ready, delayed, in-flight and dead-lettered messages per queue.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not read)
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload (not read)
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT' (not read)
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (not read)
 -- ARGV: none
 -- returns: array of 4 integers per queue: ready, delayed, in_flight, dead
 -- errors:

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 4
+-- version: 5
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1  visibility_ms       integer > 0       deadline given to restored and rescheduled entries
 --   2  delivery_limit      integer >= 0      delivery attempts before a message is dead-lettered; 0 means no limit
@@ -40,17 +40,12 @@
 local rcall = redis.call
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
--- id and 'tid:<message id>' -> task id, fields of the state hash. A message that goes takes
--- its entries with it; a newer message of the same task id (a retry) keeps its own.
-local function forget_task(state_key, id)
-  local task = redis.call('HGET', state_key, 'tid:' .. id)
-  if task then
-    local by_task = 'task:' .. task
-    if redis.call('HGET', state_key, by_task) == id then
-      redis.call('HDEL', state_key, 'tid:' .. id, by_task)
-    else
-      redis.call('HDEL', state_key, 'tid:' .. id)
-    end
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own.
+local function forget_task(state_key, id, s)
+  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -72,10 +67,20 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
+-- ready message. The task id goes last because it may hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at = string.match(value, '^(%a+) (%d+) (%d+) (%S+)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-'} end
-  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at}
+  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          task = task}
+end
+
+-- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
+local function state_line(state, count, s)
+  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if s.task == '' then return line end
+  return line .. ' ' .. s.task
 end
 
 if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
@@ -132,7 +137,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
             'delivery_count', count, 'priority', s.priority, 'payload', payload)
     end
     rcall('HDEL', message_key, id)
-    forget_task(state_key, id)
+    forget_task(state_key, id, s)
     rcall('HDEL', state_key, id)
     rcall('ZREM', queue_key, id)
     rcall('ZREM', index_key, id)
@@ -149,7 +154,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       local s = parse_state(raw)
       rcall('ZADD', queue_key, ready_score(s.priority, eta), id)
       rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
-      rcall('HSET', state_key, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
+      rcall('HSET', state_key, id, state_line('ready', s.count, s))
       promoted = promoted + 1
     else
       rcall('HDEL', message_key, id)
@@ -173,7 +178,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       rcall('ZREM', index_key, id)
       rcall('ZREM', queue_key, id)
       rcall('HDEL', message_key, id)
-      forget_task(state_key, id)
+      forget_task(state_key, id, s)
       rcall('HDEL', state_key, id)
       orphans = orphans + 1
     elseif s.state ~= 'unacked' and ttl_at and ttl_at <= now then
@@ -186,7 +191,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
     elseif s.state ~= 'unacked' then
       rcall('ZADD', queue_key, ready_score(s.priority, now), id)
       rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
-      rcall('HSET', state_key, id, 'ready ' .. s.count .. ' ' .. s.priority .. ' ' .. s.expires_at)
+      rcall('HSET', state_key, id, state_line('ready', s.count, s))
       unclaimed = unclaimed + 1
     else
       local attempts = s.count + 1
@@ -194,7 +199,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
         drop(id, s, payload, 'expired', attempts) -- timed out, and its TTL passed meanwhile
         expired = expired + 1
       elseif limit == 0 or attempts < limit then
-        rcall('HSET', state_key, id, 'ready ' .. attempts .. ' ' .. s.priority .. ' ' .. s.expires_at)
+        rcall('HSET', state_key, id, state_line('ready', attempts, s))
         rcall('ZADD', queue_key, ready_score(s.priority, now), id)
         rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
         requeued = requeued + 1

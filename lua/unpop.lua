@@ -1,6 +1,6 @@
 #!lua
 -- name: unpop
--- version: 1
+-- version: 2
 -- summary: Put messages that a BZMPOP popped back into their queue, uncounted, when nobody will claim them.
 -- KEYS: 7
 --   queue    ZSET    P queue:{Q}           the queue BZMPOP popped from
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
 --   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 -- ARGV:
 --   1.. popped  number, string   score, id, score, id, ...: each popped entry as BZMPOP returned it
 -- returns: integer, how many messages went back

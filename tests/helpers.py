@@ -76,11 +76,12 @@ def names_on_each_node(client: Any, keys: Keyspace, stem: str = "node") -> list[
 
 def message_state(client: Any, keys: Keyspace, queue: str,
                   message_id: str) -> tuple[str, int, int, str] | None:
-    """(state, delivery_count, priority, expires_at) of one message, from ``state:{Q}``."""
+    """(state, delivery_count, priority, expires_at) of one message, from ``state:{Q}`` (whose
+    line ends with the Celery task id, when the message has one)."""
     raw = client.hget(keys.state(queue), message_id)
     if raw is None:
         return None
-    state, count, priority, expires_at = raw.decode().split(" ")
+    state, count, priority, expires_at = raw.decode().split(" ", 4)[:4]
     return state, int(count), int(priority), expires_at
 
 

@@ -83,6 +83,62 @@ def test_every_drop_takes_the_index_entries_with_it(lib: ScriptLibrary) -> None:
     assert states == ["absent", "dead", "absent"]
 
 
+def states_of(lib: ScriptLibrary, queue: str) -> dict[str, str]:
+    """The queue's state strings by message id (the task index's fields left out)."""
+    fields = lib.client.hgetall(lib.keys.state(queue))
+    return {k.decode(): v.decode() for k, v in fields.items() if not k.startswith(b"task:")}
+
+
+def test_a_task_id_costs_one_field_and_rides_at_the_end_of_the_state(lib: ScriptLibrary) -> None:
+    """The task index is 'task:<tid>' -> id beside each message's state, whose last word is
+    the task id (a 'tid:<id>' field as well cost ~80 bytes per queued Celery message)."""
+    ids = {task: publish(lib, "mem", task) for task in ("plain", "with spaces in it")}
+    ids[""] = lib.publish("mem", "no task id")
+    assert lib.client.hlen(lib.keys.state("mem")) == 3 + 2  # three states, two index entries
+    states = states_of(lib, "mem")
+    assert states[ids["plain"]] == "ready 0 0 - plain"
+    assert states[ids["with spaces in it"]] == "ready 0 0 - with spaces in it"
+    assert states[ids[""]] == "ready 0 0 -"
+    assert locate_task(lib, "with spaces in it").message_id == ids["with spaces in it"]
+    lib.ack("mem", [d.id for d in lib.consume(["mem"], 10).deliveries])
+    assert lib.client.hlen(lib.keys.state("mem")) == 0
+
+
+def test_the_task_id_moves_with_its_message_through_every_state(lib: ScriptLibrary) -> None:
+    """Promoted, delivered, requeued, claimed after a pop, restored by the sweep: each state
+    string the scripts rewrite keeps the task id, so the message's drop still finds its entry."""
+    short = lib.with_policy(visibility_ms=30)
+    task = "walker"
+    message_id = publish(short, "walk", task, eta_ms=server_now_ms(lib.client) + 20)
+    seen = [states_of(lib, "walk")[message_id]]
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 25)
+    (held,) = short.consume(["walk"], 1).deliveries  # promoted and delivered in one call
+    seen.append(states_of(lib, "walk")[message_id])
+    short.reject("walk", [held.id], requeue=True)
+    seen.append(states_of(lib, "walk")[message_id])
+    popped = lib.client.zpopmin(lib.keys.queue("walk"))  # the blocking consumer's BZMPOP
+    (claimed,) = short.claim("walk", [popped[0][0]]).deliveries
+    seen.append(states_of(lib, "walk")[message_id])
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 40)
+    assert short.sweep(["walk"]).requeued == 1  # the delivery timed out
+    seen.append(states_of(lib, "walk")[message_id])
+    assert seen == [f"delayed 0 0 - {task}", f"unacked 0 0 - {task}", f"ready 1 0 - {task}",
+                    f"unacked 1 0 - {task}", f"ready 2 0 - {task}"]
+    assert claimed.id == message_id and locate_task(lib, task).delivery_count == 2
+    short.ack("walk", [d.id for d in short.consume(["walk"], 1).deliveries])
+    assert index_fields(lib, "walk") == set() and locate_task(lib, task).state == "absent"
+
+
+def test_one_ack_of_a_task_and_its_retry_takes_the_entry_once(lib: ScriptLibrary) -> None:
+    """The entry goes with whichever message holds it; an ack of ids already gone is harmless."""
+    publish(lib, "both", "twice")
+    (first,) = lib.consume(["both"], 1).deliveries
+    publish(lib, "both", "twice", retries=1)
+    (second,) = lib.consume(["both"], 1).deliveries
+    assert lib.ack("both", [second.id, first.id, "00000000000000"]) == 2
+    assert index_fields(lib, "both") == set() and lib.client.hlen(lib.keys.state("both")) == 0
+
+
 def test_a_retry_published_under_the_same_task_id_keeps_its_entry(lib: ScriptLibrary) -> None:
     """Celery's retry publishes the same task id before the first delivery is acked."""
     publish(lib, "r", "retried")

@@ -53,7 +53,7 @@ def test_no_script_writes_a_score_constant_as_a_bare_literal(path: Path) -> None
 # Helpers several scripts need, repeated for the same reason: each must read the same in
 # every script that has it (an id scheme or a state format that drifted between scripts
 # would break messages moving between them).
-SHARED_FUNCTIONS = {"parse_state": 6, "next_id": 2, "count_in_meta": 5,  # name -> scripts defining it
+SHARED_FUNCTIONS = {"parse_state": 8, "next_id": 2, "count_in_meta": 5, "state_line": 6,  # name -> scripts
                     "forget_task": 7}
 
 

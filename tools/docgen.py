@@ -101,7 +101,8 @@ def worked_example(scripts: dict[str, Script]) -> list[Step]:
         Step("Count them with `stats` (`redis-cli --eval` runs a file as it is; keys before the "
              "comma, arguments after it): ready, delayed, in flight, dead. A message is one "
              f"field in each of two hashes: its payload in `{ks.message(q)}`, its state in "
-             f"`{ks.state(q)}` (`STATE DELIVERY_COUNT PRIORITY EXPIRES_AT`; `-`: no TTL).",
+             f"`{ks.state(q)}` (`STATE DELIVERY_COUNT PRIORITY EXPIRES_AT`, then the Celery task id when "
+             "publish is given one; `-`: no TTL).",
              [(stats, ["2", "0", "0", "0"]),
               (state("high"), ["ready 0 9 -"])]),
         Step("Consume up to 10, as a worker does (ARGV: count, `visibility_ms`, `no_ack`, "
