@@ -50,8 +50,11 @@ class Row:
     id: str
     score: int  # its queue:{Q} score
     payload: str
-    state: str  # 'ready 0 PRIORITY EXPIRES_AT'
-    task_id: str
+    state: str  # 'ready 0 PRIORITY EXPIRES_AT TASK_ID'
+
+    @property
+    def task_id(self) -> str:
+        return self.state.split(" ", 4)[4]
 
     @property
     def priority(self) -> int:
@@ -83,34 +86,36 @@ def published_rows(server: Server, count: int, size: int) -> list[Row]:
     payloads = client.hgetall(KEYS.message)
     states = client.hgetall(KEYS.state)
     scores = dict(client.zrange(KEYS.queue, 0, -1, withscores=True))
-    rows = [Row(id, int(scores[id]), payload, states[id], states[f"tid:{id}"])
-            for id, payload in sorted(payloads.items())]
+    rows = [Row(id, int(scores[id]), payload, states[id]) for id, payload in sorted(payloads.items())]
     flush(client)
     client.close()
     return rows
 
 
 def today(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
-    """The layout of 0.2.0: payload and state hashes, ready ZSET, index ZSET, task index both ways."""
+    """The layout of 0.2.0: payload and state hashes (the task id the state's last word, and
+    'task:<tid>' -> id beside it), ready ZSET, index ZSET."""
     for r in rows:
         yield "HSET", KEYS.message, r.id, r.payload
-        yield "HSET", KEYS.state, r.id, r.state, f"task:{r.task_id}", r.id, f"tid:{r.id}", r.task_id
+        yield "HSET", KEYS.state, r.id, r.state, f"task:{r.task_id}", r.id
         yield "ZADD", KEYS.queue, r.score, r.id
         yield "ZADD", KEYS.index, r.score % PRIORITY_FACTOR + 300_000, r.id
 
 
-def tid_in_state(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
-    """The task id at the end of the state string instead of a 'tid:<id>' field."""
-    for r in rows:
-        yield "HSET", KEYS.message, r.id, r.payload
-        yield "HSET", KEYS.state, r.id, f"{r.state} {r.task_id}", f"task:{r.task_id}", r.id
-        yield "ZADD", KEYS.queue, r.score, r.id
-        yield "ZADD", KEYS.index, r.score % PRIORITY_FACTOR + 300_000, r.id
+def tid_field(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
+    """0.2.0 until 2026-12-03: the task id in a 'tid:<id>' field of its own, not in the state."""
+    for command in today(rows):
+        if command[1] != KEYS.state:
+            yield command
+            continue
+        _, key, id, state, *index = command
+        without_task, task_id = state.rsplit(" ", 1)
+        yield "HSET", key, id, without_task, *index, f"tid:{id}", task_id
 
 
 def no_ready_index(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
     """As above, and a ready message has no index entry (only in-flight and TTL'd ones would)."""
-    for command in tid_in_state(rows):
+    for command in today(rows):
         if command[1] != KEYS.index:
             yield command
 
@@ -125,10 +130,10 @@ def ready_lists(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
 
 
 def message_in_list(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
-    """A ready message wholly in its priority's list ('ID STATE TASK_ID' newline payload); only
+    """A ready message wholly in its priority's list ('ID STATE', its task id last, newline, payload); only
     the task index outside it. Consume would move it into the hashes as it goes in flight."""
     for r in rows:
-        yield "RPUSH", ready_key(r.priority), f"{r.id} {r.state} {r.task_id}\n{r.payload}"
+        yield "RPUSH", ready_key(r.priority), f"{r.id} {r.state}\n{r.payload}"
         yield "HSET", KEYS.state, f"task:{r.task_id}", r.id
 
 
@@ -140,8 +145,8 @@ def message_in_list_no_task_index(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
 
 
 LAYOUTS: dict[str, Callable[[list[Row]], Iterable[tuple[Any, ...]]]] = {
-    "today (0.2.0)": today,
-    "task id in the state string": tid_in_state,
+    "0.2.0 until 12-03 (task id also in a 'tid:<id>' field)": tid_field,
+    "today (0.2.0, the task id in the state string)": today,
     "... and no index entry while ready": no_ready_index,
     "... and ready ids in a list per priority": ready_lists,
     "ready message wholly in its priority's list, task index beside": message_in_list,
