@@ -1,8 +1,8 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 4
+-- version: 5
 -- summary: Acknowledge messages of one queue: delete them and every trace of them.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (not touched)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,19 +10,28 @@
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued)
 -- ARGV:
 --   1.. id  string   message ids to acknowledge
 -- returns: integer, how many of the messages still existed
 -- errors:
---   ERR celery-redis-lua: ack: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: ack: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: ack: expected at least one id
 -- why: allow-oom, because acking frees memory and must work on a full server. Acking a
 --   message that the sweep already put back (visibility timeout passed) cancels the
 --   restored copy, so a slow but successful task does not run again. Acking twice is
 --   harmless: ids are never reused, so a late or repeated ack cannot touch another message.
---   Every queue script takes the same seven keys, so a caller builds them in one place.
+--   Every queue script takes the same eight keys, so a caller builds them in one place.
 
 local rcall = redis.call
+
+-- A token wakes a consumer for something that is there; with nothing ready or delayed it
+-- would wake one in vain, and outlive the queue's messages: it goes.
+local function drop_idle_wake(queue_key, delayed_key, wake_key)
+  if redis.call('ZCARD', queue_key) == 0 and redis.call('ZCARD', delayed_key) == 0 then
+    redis.call('DEL', wake_key)
+  end
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -47,8 +56,8 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: ack: ' .. message)
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV < 1 then return fail('expected at least one id') end
 
@@ -68,6 +77,8 @@ for first = 1, #ARGV, 4000 do -- each state names its task id, if any
   end
 end
 variadic('ZREM', KEYS[3])
-variadic('ZREM', KEYS[1])
+if variadic('ZREM', KEYS[1]) > 0 then -- a copy the sweep had put back: its wake may be idle now
+  drop_idle_wake(KEYS[1], KEYS[2], KEYS[8])
+end
 variadic('HDEL', KEYS[7])
 return variadic('HDEL', KEYS[6])

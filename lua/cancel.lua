@@ -1,8 +1,8 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 2
+-- version: 3
 -- summary: Take a task's ready or delayed message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,6 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped once nothing is queued)
 -- ARGV:
 --   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 --   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
@@ -17,7 +18,7 @@
 --   message is gone and dead-lettered), 'in_flight' (a consumer holds it: nothing changed;
 --   revoke the task in Celery), or {'missing'} (no message of that task id in this queue)
 -- errors:
---   ERR celery-redis-lua: cancel: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: cancel: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: cancel: expected 2 arguments, got N
 --   ERR celery-redis-lua: cancel: task_id must be a non-empty string of at most 256 bytes
 --   ERR celery-redis-lua: cancel: dead_letter_maxlen must be an integer >= 0, got 'V'
@@ -29,7 +30,14 @@
 --   be replayed (dead_replay). allow-oom: it frees memory.
 
 local rcall = redis.call
-local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
+
+-- A token wakes a consumer for something that is there; with nothing ready or delayed it
+-- would wake one in vain, and outlive the queue's messages: it goes.
+local function drop_idle_wake(queue_key, delayed_key, wake_key)
+  if redis.call('ZCARD', queue_key) == 0 and redis.call('ZCARD', delayed_key) == 0 then
+    redis.call('DEL', wake_key)
+  end
+end
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: cancel: ' .. message)
@@ -60,8 +68,8 @@ local function forget_task(state_key, id, s)
   end
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV ~= 2 then return fail('expected 2 arguments, got ' .. #ARGV) end
 local task_id = ARGV[1]
@@ -89,9 +97,7 @@ rcall('ZREM', index_key, id)
 rcall('HDEL', message_key, id)
 forget_task(state_key, id, s)
 rcall('HDEL', state_key, id)
-if s.state == 'delayed' and rcall('ZCARD', delayed_key) == 0 then
-  rcall('ZREM', queue_key, WAKE_MEMBER) -- the wake marker lives only while something is delayed
-end
+drop_idle_wake(queue_key, delayed_key, KEYS[8])
 count_in_meta(meta_key, 'dropped:cancelled', 1)
 
 local time = rcall('TIME')
@@ -99,6 +105,6 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return {'cancelled', id, s.state}

@@ -1,15 +1,16 @@
 #!lua
 -- name: consume
--- version: 5
+-- version: 6
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
--- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+-- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   wake     LIST    P wake:{Q}            the wake token: pushed again when a call leaves ready messages behind
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
 --   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
@@ -21,7 +22,7 @@
 --   dead-lettered (reason 'expired') instead of delivered; queue_position is 1-based in
 --   the order of KEYS.
 -- errors:
---   ERR celery-redis-lua: consume: expected 7 keys per queue, got N
+--   ERR celery-redis-lua: consume: expected 8 keys per queue, got N
 --   ERR celery-redis-lua: consume: expected 4 arguments, got N
 --   ERR celery-redis-lua: consume: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: consume: count must be an integer in 1..10000, got 'V'
@@ -32,7 +33,10 @@
 --   they become consumable at their ETA. A message whose TTL passed while it waited is
 --   dead-lettered with reason 'expired' and replaced by the next message; at most
 --   4 * count + 100 are skipped per call, so one call never runs for long. Consuming is
---   consumer activity: it refreshes the expiry of a queue with x-expires. Writes are
+--   consumer activity: it refreshes the expiry of a queue with x-expires. A call that stops
+--   at its count with messages left pushes the wake token, so another blocked consumer
+--   takes them (a burst that one consumer's room cannot hold is shared); a queue left with
+--   nothing ready or delayed drops its token, so none outlives the messages. Writes are
 --   variadic where they can be, which keeps the server's cost per message low.
 
 local rcall = redis.call
@@ -47,10 +51,15 @@ local function forget_task(state_key, id, s)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
-local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
-local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, not the wake marker
-local QUEUE_KEYS = 7
+local QUEUE_KEYS = 8
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: consume: ' .. message)
@@ -90,7 +99,7 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
-if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
+if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 8 keys per queue, got ' .. #KEYS) end
 if #ARGV ~= 4 then return fail('expected 4 arguments, got ' .. #ARGV) end
 local count = integer(ARGV[1])
 if not count or count < 1 or count > 10000 then
@@ -115,19 +124,13 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local close = open and string.find(queue_key, '}', open + 1, true)
   if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
   queues[q] = {queue = queue_key, delayed = KEYS[base + 2], index = KEYS[base + 3], meta = KEYS[base + 4],
-               dead = KEYS[base + 5], message = KEYS[base + 6], state = KEYS[base + 7], base = base}
+               dead = KEYS[base + 5], message = KEYS[base + 6], state = KEYS[base + 7], wake = KEYS[base + 8],
+               base = base}
 end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local deadline = now + visibility
-
--- The sweep looks at a ready message again at `deadline`, or when its TTL runs out if sooner.
-local function look_at(expires_at)
-  local at = tonumber(expires_at)
-  if at and at < deadline then return string.format('%d', at) end
-  return string.format('%d', deadline)
-end
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.
 --    The common case (nothing due) costs one ZRANGE per queue.
@@ -143,15 +146,15 @@ for _, q in ipairs(queues) do
       if raw then -- else an orphan: nothing left to deliver
         local s = parse_state(raw)
         rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + eta), id)
-        rcall('ZADD', q.index, look_at(s.expires_at), id)
+        if tonumber(s.expires_at) then rcall('ZADD', q.index, s.expires_at, id) end -- dropped at its TTL
         rcall('HSET', q.state, id, state_line('ready', s.count, s))
       end
       promoted[#promoted + 1] = id
     end
     variadic('ZREM', q.delayed, promoted)
     first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
-    if not first[1] then rcall('ZREM', q.queue, WAKE_MEMBER) end -- nothing left to wake anyone for
   end
+  q.delayed_left = first[1] ~= nil
   if first[2] then
     local wait = math.max(0, tonumber(first[2]) - now)
     if wake_in < 0 or wait < wake_in then wake_in = wait end
@@ -160,21 +163,17 @@ end
 
 -- 2. Take up to `need` ids off the queues, lowest score (highest priority, then oldest)
 --    first across queues. One queue: ZPOPMIN. Several: merge their heads, then ZREM.
---    A queue that runs short loses its wake marker: this consumer is awake and has the hint.
 local function take(need)
   local taken = {}
   if #queues == 1 then
     local popped = rcall('ZPOPMIN', queues[1].queue, need)
-    for i = 1, #popped, 2 do
-      if popped[i] ~= WAKE_MEMBER then taken[#taken + 1] = {1, popped[i]} end
-    end
+    for i = 1, #popped, 2 do taken[#taken + 1] = {1, popped[i]} end
     return taken, #popped < 2 * need
   end
   local heads, positions = {}, {}
   for q = 1, #queues do
-    heads[q] = rcall('ZRANGE', queues[q].queue, '-inf', READY_MAX, 'BYSCORE', 'LIMIT', 0, need, 'WITHSCORES')
+    heads[q] = rcall('ZRANGE', queues[q].queue, 0, need - 1, 'WITHSCORES')
     positions[q] = 1
-    if #heads[q] < 2 * need then rcall('ZREM', queues[q].queue, WAKE_MEMBER) end
   end
   local removed = {}
   while #taken < need do
@@ -205,7 +204,7 @@ end
 --    passed is dead-lettered, one without a message is an orphan; both are replaced by
 --    more from the queues, a bounded number of times.
 local reply = {wake_in, 0}
-local delivered, expired = 0, 0
+local delivered, expired, drained = 0, 0, false
 local skips_left = 4 * count + 100
 while skips_left > 0 do
   local taken, exhausted = take(count - delivered)
@@ -250,11 +249,21 @@ while skips_left > 0 do
   end
   for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
   for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
-  if exhausted or delivered >= count then break end
+  if exhausted then drained = true break end -- every queue of the call is empty
+  if delivered >= count then break end
 end
 reply[2] = expired
+-- What is left wakes another consumer (a call that stopped at its count, or its skips);
+-- a queue left with nothing to wake anyone for drops its token.
+for _, q in ipairs(queues) do
+  if drained or rcall('ZCARD', q.queue) == 0 then
+    if not q.delayed_left then rcall('DEL', q.wake) end
+  else
+    arm_wake(q.wake)
+  end
+end
 
--- 4. Consuming keeps a queue with x-expires alive, all seven keys at once.
+-- 4. Consuming keeps a queue with x-expires alive, all eight keys at once.
 for _, q in ipairs(queues) do
   count_in_meta(q.meta, 'dropped:expired', q.expired or 0)
   local expires = tonumber(rcall('HGET', q.meta, 'expires'))

@@ -1,8 +1,8 @@
 #!lua
 -- name: dead_replay
--- version: 5
+-- version: 6
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,22 +10,32 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
+--   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready
 -- ARGV:
---   1   visibility_ms  integer > 0       how long a replayed message may sit popped but unclaimed
+--   1   visibility_ms  integer > 0       unused since version 6 (no ready message sits popped); still checked
 --   2   count          integer 1..10000  most entries replayed, oldest first (ignored when entry ids are given)
 --   3.. entry_id       stream id         replay exactly these entries (unknown ids are skipped)
 -- returns: array of the new message ids, in replay order
 -- errors:
---   ERR celery-redis-lua: dead_replay: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: dead_replay: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: dead_replay: expected at least 2 arguments, got N
 --   ERR celery-redis-lua: dead_replay: visibility_ms must be a positive integer, got 'V'
 --   ERR celery-redis-lua: dead_replay: count must be an integer in 1..10000, got 'V'
 --   ERR celery-redis-lua: dead_replay: entry id 'V' is not a stream id
 -- why: a replayed message gets a new id (ids are never reused, and ordering by id must stay
 --   publish order), a fresh delivery count and no TTL, as if it had just been published
---   without one: an operator who replays an expired message wants it to run.
+--   without one: an operator who replays an expired message wants it to run. Being ready
+--   and without TTL, it needs no index entry; the wake token tells a blocked consumer.
 
 local rcall = redis.call
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 
 local function fail(message)
@@ -68,12 +78,12 @@ local function task_of(payload)
   return nil
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV < 2 then return fail('expected at least 2 arguments, got ' .. #ARGV) end
-local queue_key, index_key, meta_key, dead_key, message_key, state_key = KEYS[1], KEYS[3], KEYS[4], KEYS[5],
-  KEYS[6], KEYS[7]
+local queue_key, meta_key, dead_key, message_key, state_key, wake_key = KEYS[1], KEYS[4], KEYS[5], KEYS[6],
+  KEYS[7], KEYS[8]
 local visibility = string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
 if not visibility or visibility == 0 then
   return fail("visibility_ms must be a positive integer, got '" .. ARGV[1] .. "'")
@@ -119,17 +129,19 @@ for _, entry in ipairs(entries) do
       rcall('HSET', state_key, id, line)
     end
     rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
-    rcall('ZADD', index_key, string.format('%d', now + visibility), id)
     replayed[#replayed + 1] = id
   end
   rcall('XDEL', dead_key, entry[1])
 end
-if #replayed > 0 then rcall('HSET', meta_key, 'last_id', last_id) end
+if #replayed > 0 then
+  rcall('HSET', meta_key, 'last_id', last_id)
+  arm_wake(wake_key)
+end
 if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return replayed

@@ -1,24 +1,25 @@
 #!lua
 -- name: declare
--- version: 3
+-- version: 4
 -- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, and refresh its expiry.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
 --   meta     HASH    P meta:{Q}            queue arguments and last_id; it is what makes a queue exist
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
---   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
+--   message  HASH    P message:{Q}         id -> payload (counted; expiry refresh)
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (expiry refresh only)
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (expiry refresh only)
 -- ARGV:
 --   1  expires_ms      integer > 0 or ''      x-expires: the queue's keys expire after this long without a publish, declare or consumer; floor 10000
 --   2  message_ttl_ms  integer > 0 or ''      x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)
 --   3  max_priority    integer 0..255 or ''   x-max-priority: priorities above it are delivered as it
 -- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority}: message
---   counts (in_flight is approximate: index entries minus ready) and the arguments now in
+--   counts (in_flight is approximate: messages stored minus ready and delayed) and the arguments now in
 --   force (-1 where not set)
 -- errors:
---   ERR celery-redis-lua: declare: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: declare: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: declare: expected 3 arguments, got N
 --   ERR celery-redis-lua: declare: expires_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: message_ttl_ms must be a positive integer or empty, got 'V'
@@ -33,8 +34,6 @@
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
-local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
 local NAMES = {'expires', 'message_ttl', 'max_priority'}
 local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority'}
 
@@ -51,8 +50,8 @@ local function optional(value, name, low, high, what)
   return n
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV ~= 3 then return fail('expected 3 arguments, got ' .. #ARGV) end
 local expires, err1 = optional(ARGV[1], 'expires_ms', 1, nil, 'a positive integer')
@@ -95,9 +94,9 @@ if stored.expires then
   local time = rcall('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   local at = string.format('%d', now + stored.expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 
-local ready = rcall('ZCARD', KEYS[1]) - rcall('ZCOUNT', KEYS[1], string.format('%d', WAKE_SCORE), '+inf')
-return {ready, rcall('ZCARD', KEYS[2]), math.max(0, rcall('ZCARD', KEYS[3]) - ready),
+local ready, delayed = rcall('ZCARD', KEYS[1]), rcall('ZCARD', KEYS[2])
+return {ready, delayed, math.max(0, rcall('HLEN', KEYS[6]) - ready - delayed),
         stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1}

@@ -1,21 +1,22 @@
 #!lua
 -- name: extend
--- version: 3
+-- version: 4
 -- summary: Push the visibility deadlines of in-flight messages of one queue forward, and refresh the queue's expiry.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (expiry refresh only)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
 --   message  HASH    P message:{Q}         id -> payload (expiry refresh only)
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (expiry refresh only)
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (expiry refresh only)
 -- ARGV:
 --   1   visibility_ms  integer > 0   new deadline of each id, from now
 --   2.. id             string        in-flight message ids (may be none: then only the expiry is refreshed)
 -- returns: integer, how many ids were still indexed and got a new deadline
 -- errors:
---   ERR celery-redis-lua: extend: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: extend: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: extend: visibility_ms must be a positive integer, got 'V'
 -- why: ids that were acked meanwhile are not re-added (ZADD XX), so a heartbeat racing an
 --   ack cannot resurrect an index entry. A consumer calls this often enough (well within
@@ -27,8 +28,8 @@ local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: extend: ' .. message)
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 local visibility = ARGV[1] and string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
 if not visibility or visibility <= 0 then
@@ -50,6 +51,6 @@ end
 local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return extended

@@ -1,8 +1,8 @@
 #!lua flags=no-writes
 -- name: locate
--- version: 2
+-- version: 3
 -- summary: Where a task's message is in one queue: ready (and how many are ahead), delayed (ETA), in flight (deadline), or not here.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,6 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters (not read; the CLI searches them)
 --   message  HASH    P message:{Q}         id -> payload (not read)
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV:
 --   1  task_id  string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 -- returns: array {where, id, delivery_count, priority, expires_at, detail}: where is 'ready'
@@ -18,10 +19,10 @@
 --   {'missing'} when the queue has no message of that task id (acked, dropped, expired, never
 --   published here, or published without its task id)
 -- errors:
---   ERR celery-redis-lua: locate: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: locate: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: locate: task_id must be a non-empty string of at most 256 bytes
 -- why: the index is kept by the scripts that publish and drop (publish writes it; ack,
---   reject, sweep, consume, claim, purge and cancel remove a message's entries with it), in
+--   reject, sweep, consume, purge and cancel remove a message's entries with it), in
 --   the queue's own state hash, so it lives in the queue's slot and goes with the queue.
 --   The position is its ZRANK: O(log N), an estimate while others publish.
 
@@ -36,9 +37,9 @@ local function parse_state(value)
           task = task}
 end
 
-if #KEYS ~= 7 then
-  return redis.error_reply('ERR celery-redis-lua: locate: expected 7 keys (queue, delayed, index, meta, dead, ' ..
-                           'message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return redis.error_reply('ERR celery-redis-lua: locate: expected 8 keys (queue, delayed, index, meta, dead, ' ..
+                           'message, state, wake), got ' .. #KEYS)
 end
 local task_id = ARGV[1] or ''
 if #ARGV ~= 1 or task_id == '' or #task_id > 256 then

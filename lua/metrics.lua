@@ -1,15 +1,16 @@
 #!lua flags=no-writes
 -- name: metrics
--- version: 1
+-- version: 2
 -- summary: What a dashboard shows per queue: counts, the oldest ready message, the next ETA, and the counters.
--- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+-- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (score: ETA, unix ms)
---   index    ZSET    P messages_index:{Q}  ready and in-flight messages
+--   index    ZSET    P messages_index:{Q}  in-flight messages and ready ones with a TTL (not read)
 --   meta     HASH    P meta:{Q}            counters 'redelivered' and 'dropped:<reason>'
 --   dead     STREAM  P dead:{Q}            dead letters
---   message  HASH    P message:{Q}         id -> payload (not read)
+--   message  HASH    P message:{Q}         id -> payload (counted)
 --   state    HASH    P state:{Q}           id -> state (not read)
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV: none
 -- returns: array: the server's time (unix ms), then 8 items per queue: ready, delayed,
 --   in_flight, dead, oldest_ready_at (unix ms at which the oldest ready message became
@@ -17,29 +18,27 @@
 --   redelivered (counter), and an array of reason, count pairs of messages dropped
 --   (dead-lettered, or deleted when dead_letter_maxlen is 0) since the queue was created
 -- errors:
---   ERR celery-redis-lua: metrics: expected 7 keys per queue, got N
+--   ERR celery-redis-lua: metrics: expected 8 keys per queue, got N
 -- why: one call answers a scrape for a group of queues, from one consistent snapshot.
---   The work is bounded whatever the backlog: the counts are O(log N) as in stats; the
+--   The work is bounded whatever the backlog: the counts are O(1) as in stats; the
 --   oldest ready message is the earliest of the head of each priority band present
 --   (ready scores sort by band first), found by one O(log N) range per band, at most 256;
 --   the next ETA is the head of the delayed set. Counters are kept by reject, sweep,
---   consume and claim where they redeliver or drop a message.
+--   and consume where they redeliver or drop a message.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
-local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, not the wake marker
-local QUEUE_KEYS = 7
+local QUEUE_KEYS = 8
 
 if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then
-  return redis.error_reply('ERR celery-redis-lua: metrics: expected 7 keys per queue, got ' .. #KEYS)
+  return redis.error_reply('ERR celery-redis-lua: metrics: expected 8 keys per queue, got ' .. #KEYS)
 end
 
 -- The earliest ready time among the heads of the priority bands (-1: nothing ready).
 local function oldest_ready_at(queue_key)
   local oldest, low = -1, '-inf'
   for _ = 1, 256 do
-    local head = rcall('ZRANGE', queue_key, low, READY_MAX, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+    local head = rcall('ZRANGE', queue_key, low, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
     if #head == 0 then break end
     local score = tonumber(head[2])
     local band = math.floor(score / PRIORITY_FACTOR)
@@ -55,7 +54,7 @@ local reply = {tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)}
 for q = 1, #KEYS / QUEUE_KEYS do
   local base = QUEUE_KEYS * (q - 1)
   local queue_key, meta_key = KEYS[base + 1], KEYS[base + 4]
-  local ready = rcall('ZCOUNT', queue_key, '-inf', READY_MAX)
+  local ready, delayed = rcall('ZCARD', queue_key), rcall('ZCARD', KEYS[base + 2])
   local eta = rcall('ZRANGE', KEYS[base + 2], 0, 0, 'WITHSCORES')
   local dropped = {}
   local fields = rcall('HGETALL', meta_key) -- a handful of arguments and counters
@@ -69,8 +68,8 @@ for q = 1, #KEYS / QUEUE_KEYS do
     end
   end
   reply[#reply + 1] = ready
-  reply[#reply + 1] = rcall('ZCARD', KEYS[base + 2])
-  reply[#reply + 1] = math.max(0, rcall('ZCARD', KEYS[base + 3]) - ready)
+  reply[#reply + 1] = delayed
+  reply[#reply + 1] = math.max(0, rcall('HLEN', KEYS[base + 6]) - ready - delayed)
   reply[#reply + 1] = rcall('XLEN', KEYS[base + 5])
   reply[#reply + 1] = ready > 0 and oldest_ready_at(queue_key) or -1
   reply[#reply + 1] = #eta > 0 and tonumber(eta[2]) or -1

@@ -1,8 +1,8 @@
 #!lua
 -- name: publish
--- version: 7
+-- version: 8
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,12 +10,13 @@
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
+--   wake     LIST    P wake:{Q}            the wake token: pushed when the list is empty, for a consumer blocked on BLPOP
 -- ARGV:
 --   1  payload        string, non-empty                    the kombu envelope, stored unchanged
 --   2  priority       integer 0..255                       higher is delivered first; '' means 0; capped by the queue's max_priority
 --   3  eta_ms         integer 0..9999999999999             absolute unix ms by the server's clock; '' or 0 means now
 --   4  ttl_ms         integer > 0 or -1                    message TTL in ms, counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
---   5  visibility_ms  integer > 0                          how long a ready message may sit popped but unclaimed before the sweep restores it
+--   5  visibility_ms  integer > 0                          unused since version 8 (no ready message sits popped); still checked, so version 7 callers need no change
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
 --   7  exchange       string, optional, with 8             the exchange a cached route to this queue came from
 --   8  routed_ms      integer >= 0, optional, with 7       the binding table server's unix ms when that route was looked up (lookup's first reply)
@@ -24,7 +25,7 @@
 --   with a cached route (7, 8) older than the queue's last binding change for that exchange (rerouted),
 --   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
 -- errors:
---   ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: publish: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: publish: expected 5, 6 or 8 arguments, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
@@ -38,12 +39,13 @@
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
---   ZSET scores fall back to member order). A ready message is indexed at once so that a
---   consumer dying between BZMPOP and claim cannot lose it; its index entry falls due at
---   its TTL at the latest, so the sweep dead-letters it if it expires unconsumed. A
---   delayed one leaves a wake marker in the queue (scored above every ready message) so a
---   consumer blocked on BZMPOP wakes up and learns when to look again. A queue with
---   x-expires has all seven keys expire together, messages included. A publish of a task id
+--   ZSET scores fall back to member order). No consumer pops a message with a blocking
+--   command: one with nothing to do blocks on the wake list, and publish pushes a token
+--   there when it is empty, so the consumer runs consume, which takes the message and marks
+--   it in flight in one step. So a ready message needs no index entry; one with a TTL gets
+--   an entry at its TTL, and the sweep dead-letters it if it expires unconsumed. A delayed
+--   message wakes a consumer the same way, so it learns when to look again. A queue with
+--   x-expires has all eight keys expire together, messages included. A publish of a task id
 --   whose message is still in the queue with the very same payload stores nothing: kombu
 --   retries a publish whose reply a dropped connection lost, and the first copy may have
 --   landed (a Celery retry carries other headers, so it is a new message). A route looked
@@ -51,9 +53,15 @@
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
-local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score
 local MAX_ETA_MS = PRIORITY_FACTOR - 1 -- a later ETA would overflow into the next priority band
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: publish: ' .. message)
@@ -91,12 +99,12 @@ local function integer(value, default)
   return tonumber(value)
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 then return fail('expected 5, 6 or 8 arguments, got ' .. #ARGV) end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local message_key, state_key = KEYS[6], KEYS[7]
+local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
 local open = string.find(queue_key, '{', 1, true)
 local close = open and string.find(queue_key, '}', open + 1, true)
 if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
@@ -156,6 +164,9 @@ if task_id ~= '' then
   if stored and rcall('HGET', message_key, stored) == payload then return stored end
 end
 
+-- The token first: its LLEN is this script's last check of a key's type, so a wake key
+-- someone overwrote refuses the publish before anything of the message is written.
+arm_wake(wake_key)
 local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 rcall('HSET', meta_key, 'last_id', id)
 
@@ -171,16 +182,13 @@ else
 end
 if eta > now then
   rcall('ZADD', delayed_key, string.format('%d', eta), id)
-  rcall('ZADD', queue_key, string.format('%d', WAKE_SCORE), WAKE_MEMBER)
 else
   rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
-  local look_at = now + visibility
-  if ttl > 0 and ready_at + ttl < look_at then look_at = ready_at + ttl end
-  rcall('ZADD', index_key, string.format('%d', look_at), id)
+  if ttl > 0 then rcall('ZADD', index_key, expires_at, id) end -- the sweep drops it at its TTL
 end
 
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return id

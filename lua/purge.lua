@@ -1,8 +1,8 @@
 #!lua flags=allow-oom
 -- name: purge
--- version: 4
+-- version: 5
 -- summary: Delete a batch of the ready and delayed messages of one queue; in-flight messages are left alone.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
@@ -10,17 +10,26 @@
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped once nothing is queued)
 -- ARGV:
 --   1  batch  integer 1..100000  most messages deleted by this call
 -- returns: array {purged, remaining}: remaining > 0 means call again
 -- errors:
---   ERR celery-redis-lua: purge: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: purge: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: purge: expected 1 argument, got N
 --   ERR celery-redis-lua: purge: batch must be an integer in 1..100000, got 'V'
 -- why: batched so that purging a million messages never blocks the server for long.
 --   allow-oom, because purging frees memory.
 
 local rcall = redis.call
+
+-- A token wakes a consumer for something that is there; with nothing ready or delayed it
+-- would wake one in vain, and outlive the queue's messages: it goes.
+local function drop_idle_wake(queue_key, delayed_key, wake_key)
+  if redis.call('ZCARD', queue_key) == 0 and redis.call('ZCARD', delayed_key) == 0 then
+    redis.call('DEL', wake_key)
+  end
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -40,14 +49,13 @@ local function parse_state(value)
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
           task = task}
 end
-local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: purge: ' .. message)
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV ~= 1 then return fail('expected 1 argument, got ' .. #ARGV) end
 local batch = string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
@@ -64,12 +72,8 @@ end
 
 local purged = 0
 for _, key in ipairs({KEYS[1], KEYS[2]}) do
-  local ids = rcall('ZRANGE', key, 0, batch - purged - 1)
-  local messages = {}
-  for _, id in ipairs(ids) do
-    if id ~= WAKE_MEMBER then messages[#messages + 1] = id end
-  end
-  variadic('ZREM', key, ids)
+  local messages = rcall('ZRANGE', key, 0, batch - purged - 1)
+  variadic('ZREM', key, messages)
   variadic('ZREM', KEYS[3], messages)
   variadic('HDEL', KEYS[6], messages)
   for _, id in ipairs(messages) do
@@ -80,4 +84,5 @@ for _, key in ipairs({KEYS[1], KEYS[2]}) do
   purged = purged + #messages
   if purged >= batch then break end
 end
+drop_idle_wake(KEYS[1], KEYS[2], KEYS[8])
 return {purged, rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2])}

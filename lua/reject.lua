@@ -1,24 +1,25 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 6
+-- version: 7
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
--- KEYS: 7
+-- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready
 -- ARGV:
 --   1   requeue             0 or 1           1: back to the queue as a redelivery; 0: drop
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
 --   3   dead_letter_maxlen  integer >= 0     approximate cap of the dead-letter stream; 0 deletes dropped messages outright
---   4   visibility_ms       integer > 0      how long a requeued message may sit popped but unclaimed
+--   4   visibility_ms       integer > 0      unused since version 7 (no ready message sits popped); still checked
 --   5.. id                  string           message ids to reject, each optionally as id:delivery_count
 -- returns: array {requeued, dead_lettered, deleted, stale} counts
 -- errors:
---   ERR celery-redis-lua: reject: expected 7 keys (queue, delayed, index, meta, dead, message, state), got N
+--   ERR celery-redis-lua: reject: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: reject: expected at least 5 arguments, got N
 --   ERR celery-redis-lua: reject: requeue must be 0 or 1, got 'V'
 --   ERR celery-redis-lua: reject: delivery_limit must be an integer >= 0, got 'V'
@@ -34,9 +35,18 @@
 --   (the sweep restored it and another consumer holds it now) is left alone and
 --   counted stale, so a late hand-back cannot requeue or drop someone else's delivery.
 --   A requeued message keeps its TTL deadline (as in RabbitMQ); if it has passed, the
---   next consume or sweep dead-letters it with reason 'expired'.
+--   next consume or sweep dead-letters it with reason 'expired'. A requeue pushes the
+--   wake token, so a consumer blocked with nothing to do takes the message at once.
 
 local rcall = redis.call
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -80,12 +90,13 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
-if #KEYS ~= 7 then
-  return fail('expected 7 keys (queue, delayed, index, meta, dead, message, state), got ' .. #KEYS)
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV < 5 then return fail('expected at least 5 arguments, got ' .. #ARGV) end
 local queue_key, index_key, meta_key, dead_key, message_key, state_key = KEYS[1], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6], KEYS[7]
+local wake_key = KEYS[8]
 if ARGV[1] ~= '0' and ARGV[1] ~= '1' then return fail("requeue must be 0 or 1, got '" .. ARGV[1] .. "'") end
 local requeue = ARGV[1] == '1'
 local limit = natural(ARGV[2])
@@ -126,10 +137,11 @@ for i, id in ipairs(ids) do
     if requeue and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('ready', attempts, s))
       rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
-      local look_at = now + visibility
-      local at = tonumber(s.expires_at)
-      if at and at < look_at then look_at = at end
-      rcall('ZADD', index_key, string.format('%d', look_at), id)
+      if tonumber(s.expires_at) then -- ready: indexed only to be dropped at its TTL
+        rcall('ZADD', index_key, s.expires_at, id)
+      else
+        rcall('ZREM', index_key, id)
+      end
       requeued = requeued + 1
     else
       if dead_maxlen > 0 then
@@ -155,11 +167,12 @@ for i, id in ipairs(ids) do
   end
 end
 
+if requeued > 0 then arm_wake(wake_key) end
 count_in_meta(meta_key, 'redelivered', requeued)
 count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 7 do rcall('PEXPIREAT', KEYS[i], at) end
+  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
 return {requeued, dead_lettered, deleted, stale}

@@ -1,17 +1,18 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 5
+-- version: 6
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
--- KEYS: 7 per queue, repeated for each queue (all queues of one call must share a cluster slot)
+-- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all seven keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready
 -- ARGV:
---   1  visibility_ms       integer > 0       deadline given to restored and rescheduled entries
+--   1  visibility_ms       integer > 0       unused since version 6 (no ready message sits popped); still checked
 --   2  delivery_limit      integer >= 0      delivery attempts before a message is dead-lettered; 0 means no limit
 --   3  dead_letter_maxlen  integer >= 0      approximate cap of the dead-letter stream; 0 deletes dropped messages outright
 --   4  batch               integer 1..10000  most entries looked at per queue and per kind in this call
@@ -19,25 +20,44 @@
 -- returns: array {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more,
 --   then 5 items per reported dropped message: queue_position, id, delivery_count, reason, payload}
 --   promoted: delayed messages made ready; requeued: timed-out deliveries put back (count + 1);
---   unclaimed: messages popped by BZMPOP but never claimed, put back (not counted);
---   backlog: ready messages still queued whose index entry was pushed forward (not counted);
+--   unclaimed: ready messages in neither the queue nor in flight, put back (not counted;
+--   only scripts before version 6, which let BZMPOP pop messages, left such);
+--   backlog: ready messages still queued whose index entry was moved to their TTL, or
+--   dropped (not counted; only scripts before version 6 indexed every ready message);
 --   limit_reached: deliveries that reached the delivery limit; expired: messages whose TTL
 --   passed while they waited (both go to the dead-letter stream, or are deleted when
 --   dead_letter_maxlen is 0); more: 1 when a batch was full, so the caller should sweep again.
 -- errors:
---   ERR celery-redis-lua: sweep: expected 7 keys per queue, got N
+--   ERR celery-redis-lua: sweep: expected 8 keys per queue, got N
 --   ERR celery-redis-lua: sweep: expected 5 arguments, got N
 --   ERR celery-redis-lua: sweep: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: sweep: NAME must be ... , got 'V'
 -- why: an index entry that falls due means one of five things, told apart by the message's
---   state and the queue: its TTL passed (dead-letter it, reason 'expired'), the message
---   still waits in the queue (backlog: reschedule the check, backing off with its age so a
---   large backlog costs little, but never past its TTL), it was popped but never claimed
---   (restore, not a delivery), it was delivered and not acked in time (restore with
---   delivery_count + 1, or dead-letter at the limit), or the message is gone (orphan:
---   remove the entry). allow-oom, because the sweep mostly frees memory.
+--   state and the queue: its TTL passed (dead-letter it, reason 'expired'), it was
+--   delivered and not acked in time (restore with delivery_count + 1, or dead-letter at
+--   the limit), the message is gone (orphan: remove the entry), or one of two leftovers of
+--   scripts before version 6: a ready message still in the queue (backlog) or one popped
+--   and never claimed (restore, not a delivery). A ready message is indexed only at its TTL.
+--   Whatever the sweep makes ready pushes the wake token; a queue left with nothing ready
+--   or delayed drops it. allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
+
+-- A token wakes a consumer for something that is there; with nothing ready or delayed it
+-- would wake one in vain, and outlive the queue's messages: it goes.
+local function drop_idle_wake(queue_key, delayed_key, wake_key)
+  if redis.call('ZCARD', queue_key) == 0 and redis.call('ZCARD', delayed_key) == 0 then
+    redis.call('DEL', wake_key)
+  end
+end
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -49,8 +69,7 @@ local function forget_task(state_key, id, s)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
-local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP when something is delayed
-local QUEUE_KEYS = 7
+local QUEUE_KEYS = 8
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: sweep: ' .. message)
@@ -83,7 +102,7 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
-if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 7 keys per queue, got ' .. #KEYS) end
+if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 8 keys per queue, got ' .. #KEYS) end
 if #ARGV ~= 5 then return fail('expected 5 arguments, got ' .. #ARGV) end
 local visibility = natural(ARGV[1])
 if not visibility or visibility == 0 then
@@ -115,11 +134,13 @@ local function ready_score(priority, ready_at)
   return string.format('%d', (255 - priority) * PRIORITY_FACTOR + ready_at)
 end
 
--- When the sweep looks at a ready message again: `at`, or its TTL deadline if sooner.
-local function look_at(at, expires_at)
-  local ttl_at = tonumber(expires_at)
-  if ttl_at and ttl_at < at then at = ttl_at end
-  return string.format('%d', at)
+-- A ready message is indexed only to be dropped at its TTL; one without a TTL has no entry.
+local function index_ready(index_key, id, s)
+  if tonumber(s.expires_at) then
+    rcall('ZADD', index_key, s.expires_at, id)
+  else
+    rcall('ZREM', index_key, id)
+  end
 end
 
 local promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = 0, 0, 0, 0, 0, 0, 0, 0
@@ -128,8 +149,9 @@ local reported = {}
 for q = 1, #KEYS / QUEUE_KEYS do
   local base = QUEUE_KEYS * (q - 1)
   local queue_key, delayed_key, index_key, meta_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
-  local dead_key, message_key, state_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
+  local dead_key, message_key, state_key, wake_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7], KEYS[base + 8]
   local requeued_before, expired_before, limit_before = requeued, expired, limit_reached
+  local ready_before = promoted + requeued + unclaimed
 
   local function drop(id, s, payload, reason, count)
     if dead_maxlen > 0 then
@@ -153,7 +175,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
     if raw then
       local s = parse_state(raw)
       rcall('ZADD', queue_key, ready_score(s.priority, eta), id)
-      rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
+      if tonumber(s.expires_at) then rcall('ZADD', index_key, s.expires_at, id) end
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
       promoted = promoted + 1
     else
@@ -163,9 +185,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
     rcall('ZREM', delayed_key, id)
   end
   if #due == 2 * batch then more = 1 end
-  if #due > 0 and rcall('ZCARD', delayed_key) == 0 then
-    rcall('ZREM', queue_key, WAKE_MEMBER) -- the wake marker lives only while something is delayed
-  end
 
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
   for _, id in ipairs(entries) do
@@ -185,12 +204,11 @@ for q = 1, #KEYS / QUEUE_KEYS do
       drop(id, s, payload, 'expired', s.count)
       expired = expired + 1
     elseif queued_score then
-      local waited = now - (tonumber(queued_score) % PRIORITY_FACTOR)
-      rcall('ZADD', index_key, look_at(now + math.max(visibility, waited), s.expires_at), id)
+      index_ready(index_key, id, s)
       backlog = backlog + 1
     elseif s.state ~= 'unacked' then
       rcall('ZADD', queue_key, ready_score(s.priority, now), id)
-      rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
+      index_ready(index_key, id, s)
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
       unclaimed = unclaimed + 1
     else
@@ -201,7 +219,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       elseif limit == 0 or attempts < limit then
         rcall('HSET', state_key, id, state_line('ready', attempts, s))
         rcall('ZADD', queue_key, ready_score(s.priority, now), id)
-        rcall('ZADD', index_key, look_at(now + visibility, s.expires_at), id)
+        index_ready(index_key, id, s)
         requeued = requeued + 1
       else
         drop(id, s, payload, 'delivery-limit', attempts)
@@ -211,6 +229,11 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
   if #entries == batch then more = 1 end
 
+  if promoted + requeued + unclaimed > ready_before then
+    arm_wake(wake_key)
+  else
+    drop_idle_wake(queue_key, delayed_key, wake_key) -- e.g. the last ones expired
+  end
   count_in_meta(meta_key, 'redelivered', requeued - requeued_before)
   count_in_meta(meta_key, 'dropped:expired', expired - expired_before)
   count_in_meta(meta_key, 'dropped:delivery-limit', limit_reached - limit_before)

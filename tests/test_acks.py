@@ -117,8 +117,12 @@ def test_a_batch_that_meets_a_dead_broker_is_sent_again_and_nothing_runs_twice(s
         server.kill()
         assert all(m.acknowledged for m in messages)  # no error reaches the application
         wait_until(lambda: len(ORPHANS) == 20, timeout=10, what="the failed batch kept its 20 acks")
-        server.start()  # same port, same AOF: the 20 are still in flight there
-        assert counts(server) == {"acked-a": (0, 10, 0), "acked-b": (0, 10, 0)}
+        # The lease keeper tends the registry once a second and would send the kept acks as
+        # soon as the broker answers; holding its tick lock keeps them kept while we look.
+        with ORPHANS._ticking:
+            server.start()  # same port, same AOF: the 20 are still in flight there
+            assert counts(server) == {"acked-a": (0, 10, 0), "acked-b": (0, 10, 0)}
+            assert len(ORPHANS) == 20
         wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
                    what="the kept acks sent")
         assert counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)}
@@ -156,7 +160,7 @@ def test_an_ack_rides_the_consumers_next_consume_and_the_thread_sends_nothing(se
             assert counts(server)["acked-a"] == (0, 1, 0)  # the first acked, the second in flight
             calls = counted.stop()
             got[1].ack()
-    assert calls.get("ack") == 1 and calls.get("consume", 0) + calls.get("claim", 0) == 1, calls
+    assert calls.get("ack") == 1 and calls.get("consume") == 1, calls
 
 
 def test_acks_riding_a_consume_that_meets_a_lost_connection_are_sent_again(server: Server) -> None:

@@ -100,7 +100,7 @@ def test_the_worker_user_runs_the_transport(server: Server) -> None:
     ("worker", ("SCRIPT", "FLUSH")),
     ("worker", ("SET", "outside-the-prefix", "1")),
     ("worker", ("EVAL", "return redis.call('SET', KEYS[1], 1)", 1, "outside")),
-    ("producer", ("BZMPOP", "0.01", 1, f"{PREFIX}queue:{{jobs}}", "MIN")),
+    ("producer", ("BLPOP", f"{PREFIX}wake:{{jobs}}", "0.01")),
     ("producer", ("XREADGROUP", "GROUP", "g", "c", "STREAMS", f"{PREFIX}/0.bcast", ">")),
     ("nounblock", ("CLIENT", "UNBLOCK", "1")),
 ])
@@ -111,7 +111,7 @@ def test_what_a_user_was_not_given_is_refused(server: Server, user: str, command
 
 @pytest.mark.parametrize("user", ["nounblock", "noid"])
 def test_without_client_unblock_a_wait_on_old_queues_ends_at_once(server: Server, user: str) -> None:
-    """Adding a queue ends the pending BZMPOP (its keys name the old set): with CLIENT
+    """Adding a queue ends the pending BLPOP (its keys name the old set): with CLIENT
     UNBLOCK (or CLIENT ID) refused, by closing the wait's connection. A message to the new
     queue then arrives long before blocking_timeout."""
     with connection(server, user, blocking_timeout=30) as conn:
@@ -120,7 +120,7 @@ def test_without_client_unblock_a_wait_on_old_queues_ends_at_once(server: Server
         first.consume()
         Producer(conn).publish("warm", routing_key="old", declare=[Queue("old")])
         drain(conn, got, 1)
-        time.sleep(0.2)  # the channel is now blocked in BZMPOP on 'old' alone (nothing to poll for)
+        time.sleep(0.2)  # the channel is now blocked in BLPOP on 'old' alone (nothing to poll for)
         second = Consumer(conn.default_channel, [Queue("new")],
                           callbacks=[lambda body, m: (got.append(body), m.ack())])
         second.consume()

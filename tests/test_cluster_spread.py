@@ -64,7 +64,7 @@ def test_queues_on_every_node_run_every_operation(cluster: Target, keyspace: Key
 
     for q in queues:  # each node holds its own queue's keys, and only those
         held = node_keys(client, keyspace.queue(q))
-        assert {keyspace.queue(q).encode(), keyspace.meta(q).encode(), keyspace.index(q).encode(),
+        assert {keyspace.wake(q).encode(), keyspace.meta(q).encode(), keyspace.index(q).encode(),
                 keyspace.delayed(q).encode(), keyspace.message(q).encode(),
                 keyspace.state(q).encode()} <= held
         assert all(b"{" + q.encode() + b"}" in key for key in held)
@@ -100,35 +100,36 @@ def test_queues_on_every_node_run_every_operation(cluster: Target, keyspace: Key
         assert node_client(client, keyspace.dead(q)).exists(keyspace.dead(q)) == 1
 
 
-def test_blocking_pop_and_claim_on_every_node(cluster: Target, keyspace: Keyspace) -> None:
+def test_a_blocking_wait_wakes_and_consumes_on_every_node(cluster: Target, keyspace: Keyspace) -> None:
+    """A consumer blocks on the queue's wake list on the node of its slot; a publish wakes it
+    (BLPOP pops the token, never the message) and consume takes the message there."""
     client = cluster.client
     lib = ScriptLibrary(client, keyspace, visibility_ms=60_000)
-    for q in names_on_each_node(client, keyspace, stem="claim"):
+    for q in names_on_each_node(client, keyspace, stem="wake"):
         message_id = lib.publish(q, f"{q}-payload")
-        popped = node_client(client, keyspace.queue(q)).bzmpop(1, 1, [keyspace.queue(q)], min=True)
-        assert popped is not None
-        ids = [member.decode() for member, _ in popped[1]]
-        assert ids == [message_id]
-        claimed = lib.claim(q, ids)
-        assert [(d.id, d.payload) for d in claimed.deliveries] == [(message_id, f"{q}-payload".encode())]
-        assert (claimed.wake_in_ms, claimed.expired) == (None, 0)
-        assert lib.ack(q, ids) == 1
+        woken = node_client(client, keyspace.wake(q)).blpop([keyspace.wake(q)], 1)
+        assert woken == (keyspace.wake(q).encode(), b"1")
+        assert client.zrange(keyspace.queue(q), 0, -1) == [message_id.encode()]  # never popped
+        consumed = lib.consume([q], 10)
+        assert [(d.id, d.payload) for d in consumed.deliveries] == [(message_id, f"{q}-payload".encode())]
+        assert (consumed.wake_in_ms, consumed.expired) == (None, 0)
+        assert lib.ack(q, [message_id]) == 1
         assert node_keys(client, keyspace.queue(q)) == {keyspace.meta(q).encode()}
 
 
-def test_blocking_pop_then_unpop_on_every_node(cluster: Target, keyspace: Keyspace) -> None:
-    """A consumer that stops right after its BZMPOP puts the messages back on their node."""
+def test_a_wake_token_taken_by_a_stopping_consumer_goes_back_on_every_node(
+        cluster: Target, keyspace: Keyspace) -> None:
+    """A consumer that stops right after its BLPOP took the token gives it back on its node
+    (unpop), so another consumer wakes; the message never moved."""
     client = cluster.client
     lib = ScriptLibrary(client, keyspace, visibility_ms=60_000)
     for q in names_on_each_node(client, keyspace, stem="unpop"):
         message_id = lib.publish(q, f"{q}-payload")
-        score = client.zscore(keyspace.queue(q), message_id)
-        popped = node_client(client, keyspace.queue(q)).bzmpop(1, 1, [keyspace.queue(q)], min=True)
-        assert popped is not None
-        pairs = [(member.decode(), raw.decode()) for member, raw in popped[1]]  # as BZMPOP says
-        assert [(member, float(raw)) for member, raw in pairs] == [(message_id, score)]
-        assert lib.unpop(q, pairs) == 1
-        assert client.zscore(keyspace.queue(q), message_id) == score
+        assert node_client(client, keyspace.wake(q)).blpop([keyspace.wake(q)], 1) is not None
+        assert client.llen(keyspace.wake(q)) == 0
+        assert lib.unpop(q) == 1
+        assert client.lrange(keyspace.wake(q), 0, -1) == [b"1"]
+        assert lib.unpop(q) == 0  # one token is enough
         [delivery] = lib.consume([q], 10).deliveries
         assert (delivery.id, delivery.delivery_count) == (message_id, 0)
 

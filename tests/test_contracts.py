@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Call, Consumed, Keyspace, Policy, ScriptLibrary
+from celery_redis_lua import Call, Keyspace, Policy, ScriptLibrary
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.contract import Contract, parse_contract
 from celery_redis_lua.protocol.library import LOOPED
@@ -33,12 +33,12 @@ REDIS_TYPES = {"ZSET", "HASH", "STREAM", "STRING", "LIST", "SET"}
 FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup", "dead_purge", "cancel",
                 "fanout_unbind", "fanout_leave"}
 READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists", "locate"}
-# Every script that works on a queue's messages takes the same seven keys per queue.
-QUEUE_SCRIPTS = {"publish", "consume", "claim", "unpop", "ack", "reject", "extend", "sweep",
+# Every script that works on a queue's messages takes the same eight keys per queue.
+QUEUE_SCRIPTS = {"publish", "consume", "unpop", "ack", "reject", "extend", "sweep",
                  "declare", "purge", "delete", "stats", "metrics", "dead_replay", "locate", "cancel"}
-QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state"]
+QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state", "wake"]
 QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
-                      "P dead:{Q}", "P message:{Q}", "P state:{Q}"]
+                      "P dead:{Q}", "P message:{Q}", "P state:{Q}", "P wake:{Q}"]
 
 
 def contract(name: str) -> Contract:
@@ -63,7 +63,7 @@ def header_section(name: str, section: str) -> list[str]:
 
 def test_there_are_scripts_for_every_operation() -> None:
     assert set(NAMES) >= {
-        "publish", "consume", "claim", "ack", "reject", "extend", "sweep", "bind", "unbind",
+        "publish", "consume", "ack", "reject", "extend", "sweep", "bind", "unbind",
         "lookup", "fanout_publish", "purge", "delete", "size", "stats", "dead_list",
         "dead_replay", "dead_purge", "fanout_bind", "fanout_consume", "exists", "unpop",
         "fanout_unbind", "fanout_leave",
@@ -114,11 +114,11 @@ def test_shebang_and_flags(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(QUEUE_SCRIPTS))
-def test_queue_scripts_take_the_same_seven_keys(name: str) -> None:
+def test_queue_scripts_take_the_same_eight_keys(name: str) -> None:
     c = contract(name)
     assert [k.name for k in c.keys] == QUEUE_KEY_NAMES
     assert [k.pattern for k in c.keys] == QUEUE_KEY_PATTERNS
-    assert [k.type for k in c.keys] == ["ZSET", "ZSET", "ZSET", "HASH", "STREAM", "HASH", "HASH"]
+    assert [k.type for k in c.keys] == ["ZSET", "ZSET", "ZSET", "HASH", "STREAM", "HASH", "HASH", "LIST"]
     assert c.keys_per_queue == (name in {"consume", "sweep", "stats", "metrics"})
 
 
@@ -144,8 +144,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
     built = {
         "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000)), 1),
         "consume": (ops.consume(k, p, QUEUES, 2), 2),
-        "claim": (ops.claim(k, p, "wq1", IDS), 1),
-        "unpop": (ops.unpop(k, p, "wq1", [(IDS[0], "2550000000000001"), (IDS[1], 2550000000000002.0)]), 1),
+        "unpop": (ops.unpop(k, p, "wq1"), 1),
         "ack": (ops.ack(k, p, "wq1", IDS), 1),
         "reject": (ops.reject(k, p, "wq1", IDS, requeue=True), 1),
         "extend": (ops.extend(k, p, "wq1", IDS), 1),
@@ -224,7 +223,7 @@ def test_operation_passes_the_declared_keys_and_argv(name: str) -> None:
         if spec.name in POLICY_ARGV:
             assert call.args[spec.position - 1] == POLICY_ARGV[spec.name], (name, spec.name, call.args)
     if name in QUEUE_SCRIPTS:
-        names = [KS.queue_of(call.keys[i]) for i in range(0, len(call.keys), 7)]
+        names = [KS.queue_of(call.keys[i]) for i in range(0, len(call.keys), len(QUEUE_KEY_NAMES))]
         assert len(names) == queues
         assert list(call.keys) == [k for q in names for k in KS.queue_keys(q)]
 
@@ -246,8 +245,7 @@ def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis)
     assert not failed, failed
     assert is_message_id(results["publish"])
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
-    assert results["claim"] == Consumed([], None, 0)  # unknown ids: nothing to claim
-    assert results["unpop"] == 0  # nor to put back
+    assert results["unpop"] == 0  # consume took the message: no token to give back
     assert results["lookup"] == [("rk", "", "wq1")]
     assert results["fanout_leave"] is True  # fanout_consume made the consumer 'worker-1'
     assert results["fanout_unbind"] is True

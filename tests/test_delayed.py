@@ -1,9 +1,10 @@
 """Delayed delivery: a message with an ETA (absolute unix ms, server clock) is not
-consumable before it and is consumable at it; the sweep promotes due ones too; a
-delayed publish leaves a wake marker that wakes a blocked BZMPOP but is never delivered.
-What a BZMPOP popped but nobody will claim goes back in line with unpop: same score,
-delivery count unchanged, nothing put back that another consumer holds or that is gone,
-and the wake marker only while something is still delayed."""
+consumable before it and is consumable at it; the sweep promotes due ones too. The wake
+token: whatever makes a message consumable (a ready or a delayed publish, a consume that
+leaves messages behind) pushes one token onto the queue's wake list when it is empty; a
+consumer blocked there with BLPOP pops the token, never a message, and runs consume.
+What a stopping consumer's BLPOP took goes back with unpop while the queue holds
+something."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from typing import Any
 
 import pytest
 
-from celery_redis_lua import Consumed, Keyspace, ScriptLibrary
+from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 from tools.servers import Server
 
-WAKE = b"~wake"
-WAKE_SCORE = 256 * 10**13
+TOKEN = [b"1"]  # what a wake list holds when a consumer is to wake
 DELAY_MS = 300
 
 
@@ -71,9 +71,9 @@ def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target)
     client = target.client
     assert [m.decode() for m in client.zrange(lib.keys.delayed("swept"), 0, -1)] == [far]
     for priority, message_id in enumerate(due_ids):
-        # Ready as of its ETA, at its priority; indexed so that a lost pop comes back.
+        # Ready as of its ETA, at its priority; not indexed: no blocking pop can take it.
         assert client.zscore(lib.keys.queue("swept"), message_id) == (255 - priority) * 10**13 + eta
-        assert client.zscore(lib.keys.index("swept"), message_id) is not None
+        assert client.zscore(lib.keys.index("swept"), message_id) is None
         assert message_state(client, lib.keys, "swept", message_id) == ("ready", 0, priority, "-")
     assert lib.size("swept") == 2
     assert [d.id for d in lib.consume(["swept"], 10).deliveries] == due_ids[::-1]
@@ -83,34 +83,60 @@ def test_eta_in_the_past_is_ready_now(lib: ScriptLibrary, target: Target) -> Non
     past = lib.publish("past", "a", eta_ms=server_now_ms(target.client) - 10_000)
     ancient = lib.publish("past", "b", eta_ms=1)
     assert target.client.exists(lib.keys.delayed("past")) == 0
-    assert target.client.zscore(lib.keys.queue("past"), WAKE) is None
+    assert target.client.zcard(lib.keys.queue("past")) == 2
     assert lib.size("past") == 2
     consumed = lib.consume(["past"], 10)
     assert [d.id for d in consumed.deliveries] == [past, ancient]
     assert consumed.wake_in_ms is None
 
 
-def test_wake_marker_is_queued_but_never_delivered(lib: ScriptLibrary, target: Target) -> None:
-    client, queue_key = target.client, lib.keys.queue("wq")
+def test_the_wake_token_has_a_list_of_its_own_and_is_never_delivered(
+        lib: ScriptLibrary, target: Target) -> None:
+    client, wake_key = target.client, lib.keys.wake("wq")
     eta = server_now_ms(client) + 3_600_000
     delayed = lib.publish("wq", "later", eta_ms=eta)
 
-    # The marker sits in the queue zset above every ready score, so BZMPOP MIN would
-    # pop it only from an otherwise empty queue; size() does not count it.
-    assert client.zscore(queue_key, WAKE) == WAKE_SCORE
-    assert client.zcard(queue_key) == 1
+    # A delayed publish wakes a blocked consumer too (it learns the ETA); the ready ZSET
+    # holds messages only.
+    assert client.lrange(wake_key, 0, -1) == TOKEN
+    assert client.exists(lib.keys.queue("wq")) == 0
     assert lib.size("wq") == 0
     ready = lib.publish("wq", "now", priority=255)
+    assert client.lrange(wake_key, 0, -1) == TOKEN  # one token, however many publishes
     assert lib.size("wq") == 1
 
     consumed = lib.consume(["wq"], 10)
     assert [d.id for d in consumed.deliveries] == [ready]
     assert consumed.wake_in_ms is not None and consumed.wake_in_ms > 3_500_000
-    # consume removed the marker and did not index it; the delayed message is untouched.
-    assert client.zscore(queue_key, WAKE) is None
-    assert client.zscore(lib.keys.index("wq"), WAKE) is None
+    assert [m.decode() for m in client.zrange(lib.keys.index("wq"), 0, -1)] == [ready]  # in flight only
     assert client.zscore(lib.keys.delayed("wq"), delayed) == eta
     assert lib.consume(["wq"], 10).deliveries == []
+
+
+def test_a_ready_message_without_a_ttl_has_no_index_entry(lib: ScriptLibrary, target: Target) -> None:
+    """Nothing pops a message but consume, which marks it in flight in the same call, so a
+    ready message needs no entry for the sweep; one with a TTL has one, at its deadline."""
+    client = target.client
+    plain = lib.publish("ix", "plain")
+    mortal = lib.publish("ix", "mortal", ttl_ms=60_000)
+    index = dict(client.zrange(lib.keys.index("ix"), 0, -1, withscores=True))
+    assert list(index) == [mortal.encode()]
+    assert message_state(client, lib.keys, "ix", mortal)[3] == str(int(index[mortal.encode()]))
+    assert client.zscore(lib.keys.index("ix"), plain) is None
+
+
+def test_a_consume_that_stops_at_its_count_wakes_another_consumer(lib: ScriptLibrary, target: Target) -> None:
+    """A burst one consumer's room cannot hold is shared: a consume that leaves ready
+    messages behind pushes the token again; one that empties the queue does not."""
+    client, wake_key = target.client, lib.keys.wake("burst")
+    for n in range(3):
+        lib.publish("burst", f"m{n}")
+    assert client.lpop(wake_key) == b"1"  # a blocked consumer took the publishes' token
+    assert len(lib.consume(["burst"], 2).deliveries) == 2
+    assert client.lrange(wake_key, 0, -1) == TOKEN  # one left behind: the next consumer wakes
+    assert client.lpop(wake_key) == b"1"
+    assert len(lib.consume(["burst"], 2).deliveries) == 1
+    assert client.exists(wake_key) == 0  # nothing left to wake anyone for
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -122,133 +148,107 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     yield server
 
 
-def test_delayed_publish_wakes_a_blocked_bzmpop(server: Server) -> None:
-    client = server.client(socket_timeout=10)
-    lib = ScriptLibrary(client, Keyspace("app:"), visibility_ms=60_000)
-    queue_key = lib.keys.queue("blocked")
-    popped: list[Any] = []
+def blocked_consumers(server: Server, wake_key: str, count: int) -> tuple[list[threading.Thread], list[Any]]:
+    """``count`` consumers blocked in BLPOP on ``wake_key`` (5 s), each on its own connection
+    with a read timeout above the block; returns their threads and the list of what woke them."""
+    woken: list[Any] = []
 
     def block() -> None:
-        # Its own connection, with a read timeout above the block.
         blocker = server.client(socket_timeout=8)
         try:
-            popped.append(blocker.execute_command("BZMPOP", 5, 1, queue_key, "MIN"))
+            woken.append(blocker.execute_command("BLPOP", wake_key, 5))
         finally:
             blocker.close()
 
-    thread = threading.Thread(target=block, daemon=True)
-    thread.start()
-    wait_until(lambda: int(client.info("clients")["blocked_clients"]) >= 1)
+    threads = [threading.Thread(target=block, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    watcher = server.client(socket_timeout=10)
+    wait_until(lambda: int(watcher.info("clients")["blocked_clients"]) >= count)
+    watcher.close()
+    return threads, woken
+
+
+def test_delayed_publish_wakes_a_blocked_blpop(server: Server) -> None:
+    client = server.client(socket_timeout=10)
+    lib = ScriptLibrary(client, Keyspace("app:"), visibility_ms=60_000)
+    wake_key = lib.keys.wake("blocked")
+    threads, woken = blocked_consumers(server, wake_key, 1)
 
     eta = server_now_ms(client) + 3_600_000
     delayed = lib.publish("blocked", "later", eta_ms=eta)
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
 
-    assert popped and popped[0] is not None, "BZMPOP timed out instead of waking"
-    key, members = popped[0]
-    assert key == queue_key.encode()
-    assert [member for member, _ in members] == [WAKE]
-    # The woken consumer claims what it popped: the marker is no delivery.
-    assert lib.claim("blocked", ["~wake"]) == Consumed([], None, 0)
-    assert client.zscore(lib.keys.index("blocked"), WAKE) is None
+    assert woken and woken[0] is not None, "BLPOP timed out instead of waking"
+    assert list(woken[0]) == [wake_key.encode(), b"1"]
+    # The woken consumer runs consume: nothing to deliver, and when to look again.
+    consumed = lib.consume(["blocked"], 10)
+    assert consumed.deliveries == [] and consumed.wake_in_ms is not None and consumed.wake_in_ms > 3_500_000
     assert client.zscore(lib.keys.delayed("blocked"), delayed) == eta
-    assert client.zcard(queue_key) == 0
+    assert client.exists(lib.keys.wake("blocked"), lib.keys.queue("blocked"), lib.keys.index("blocked")) == 0
     client.close()
 
 
-# --- unpop: what a BZMPOP popped goes back when nobody will claim it -----------------------------
+def test_each_publish_wakes_one_more_blocked_consumer(server: Server) -> None:
+    """Two consumers blocked on one queue, two publishes: the server hands each token to one
+    waiter in turn (the list is empty again after each pop, so the next publish pushes)."""
+    client = server.client(socket_timeout=10)
+    lib = ScriptLibrary(client, Keyspace("app:"), visibility_ms=60_000)
+    wake_key = lib.keys.wake("pair")
+    threads, woken = blocked_consumers(server, wake_key, 2)
+    for n in range(2):
+        lib.publish("pair", f"m{n}")
+    for thread in threads:
+        thread.join(timeout=10)
+    assert [list(w) for w in woken] == [[wake_key.encode(), b"1"]] * 2
+    assert len(lib.consume(["pair"], 10).deliveries) == 2
+    client.close()
 
 
-def zmpop(lib: ScriptLibrary, queue: str, count: int) -> list[tuple[str, str]]:
-    """Pop like a consumer's BZMPOP (ZMPOP: its non-blocking twin); (member, score) pairs as
-    the server sends them, which is what a channel hands to unpop."""
-    reply = lib.client.execute_command("ZMPOP", 1, lib.keys.queue(queue), "MIN", "COUNT", count)
-    assert reply is not None
-    return [(member.decode(), score.decode()) for member, score in reply[1]]
+# --- unpop: the token a stopping consumer's BLPOP took goes back -----------------------------
 
 
-def test_unpop_puts_messages_back_with_their_old_scores_uncounted(lib: ScriptLibrary) -> None:
-    client, keys = lib.client, lib.keys
+def test_unpop_gives_the_token_back_while_the_queue_holds_something(lib: ScriptLibrary) -> None:
+    client, wake_key = lib.client, lib.keys.wake("up")
     ids = [lib.publish("up", f"m{i}", priority=p) for i, p in enumerate((0, 9, 5))]
-    scores = {member.decode(): score for member, score in client.zrange(keys.queue("up"), 0, -1,
-                                                                       withscores=True)}
-    index = {member.decode(): score for member, score in client.zrange(keys.index("up"), 0, -1,
-                                                                       withscores=True)}
-    popped = zmpop(lib, "up", 2)
-    assert [member for member, _ in popped] == [ids[1], ids[2]]
-    assert lib.size("up") == 1
+    assert client.lpop(wake_key) == b"1"  # the stopping consumer's BLPOP
 
-    assert lib.unpop("up", popped) == 2
-
-    # Same place in line, and nothing else moved: no delivery was made.
-    assert {member.decode(): score for member, score in client.zrange(keys.queue("up"), 0, -1,
-                                                                     withscores=True)} == scores
-    assert {member.decode(): score for member, score in client.zrange(keys.index("up"), 0, -1,
-                                                                     withscores=True)} == index
+    assert lib.unpop("up") == 1
+    assert client.lrange(wake_key, 0, -1) == TOKEN
+    assert lib.unpop("up") == 0  # a token already waits: one is enough
+    assert client.lrange(wake_key, 0, -1) == TOKEN
+    # Nothing else moved: no delivery was made.
     for message_id, priority in zip(ids, (0, 9, 5), strict=True):
-        assert message_state(client, keys, "up", message_id) == ("ready", 0, priority, "-")
+        assert message_state(client, lib.keys, "up", message_id) == ("ready", 0, priority, "-")
     got = lib.consume(["up"], 10).deliveries
     assert [(d.id, d.delivery_count) for d in got] == [(ids[1], 0), (ids[2], 0), (ids[0], 0)]
 
 
-def test_unpop_leaves_alone_what_another_consumer_holds_or_what_is_gone(
-        target: Target, keyspace: Keyspace) -> None:
-    lib = ScriptLibrary(target.client, keyspace, visibility_ms=200)
-    client, keys = target.client, keyspace
-    held, acked, waiting = (lib.publish("up", name) for name in ("held", "acked", "waiting"))
-    popped = zmpop(lib, "up", 3)
-    assert [member for member, _ in popped] == [held, acked, waiting]
-
-    # The popping consumer stalls: the sweep restores all three (not a delivery), another
-    # consumer takes two of them, acks one of those, and the third waits in the queue again.
-    wait_for_server_time(client, int(max(client.zrange(keys.index("up"), 0, -1, withscores=True),
-                                         key=lambda pair: pair[1])[1]) + 1)
-    assert lib.sweep(["up"]).unclaimed == 3
-    other = lib.consume(["up"], 2).deliveries
-    assert [d.id for d in other] == [held, acked]
-    assert lib.ack("up", [acked]) == 1
-    requeued_score = client.zscore(keys.queue("up"), waiting)
-
-    assert lib.unpop("up", [*popped, ("ffffffffffffffff", "2550000000000000")]) == 0
-
-    assert client.zscore(keys.queue("up"), held) is None  # not queued twice while held
-    assert message_state(client, keys, "up", held) == ("unacked", 0, 0, "-")
-    assert client.zscore(keys.queue("up"), acked) is None  # acked: stays gone
-    assert client.zscore(keys.queue("up"), waiting) == requeued_score  # already back: kept
-    assert client.zscore(keys.queue("up"), "ffffffffffffffff") is None  # never existed
-    assert lib.size("up") == 1
-
-
-def test_unpop_puts_the_wake_marker_back_only_while_something_is_delayed(
+def test_unpop_wakes_nobody_for_an_empty_queue_but_does_for_a_delayed_message(
         lib: ScriptLibrary, target: Target) -> None:
-    client, queue_key = target.client, lib.keys.queue("wake")
-    eta = server_now_ms(client) + DELAY_MS
-    delayed = lib.publish("wake", "later", eta_ms=eta)
-    popped = zmpop(lib, "wake", 1)
-    assert popped == [(WAKE.decode(), str(WAKE_SCORE))]
-
-    assert lib.unpop("wake", popped) == 0  # back, but it is no message
-    assert client.zscore(queue_key, WAKE) == WAKE_SCORE
-
-    assert zmpop(lib, "wake", 1) == popped
-    wait_for_server_time(client, eta)
-    assert [d.id for d in lib.consume(["wake"], 10).deliveries] == [delayed]  # nothing delayed now
-    assert lib.unpop("wake", popped) == 0
-    assert client.exists(queue_key) == 0  # a marker with nothing to wake for would wake in vain
+    client, wake_key = target.client, lib.keys.wake("wake")
+    assert lib.unpop("wake") == 0
+    assert client.exists(wake_key) == 0  # a token with nothing to wake for would wake in vain
+    lib.publish("wake", "later", eta_ms=server_now_ms(client) + 3_600_000)
+    assert client.lpop(wake_key) == b"1"
+    assert lib.unpop("wake") == 1  # a blocked consumer must learn the ETA
+    assert client.lrange(wake_key, 0, -1) == TOKEN
 
 
 def test_unpop_keeps_an_expiring_queues_keys_expiring_together(lib: ScriptLibrary) -> None:
-    """A queue with x-expires has all seven keys expire together. The pop took the last
-    member, so the server deleted queue:{Q}; the ZADD that puts it back makes a new key,
-    which must expire with the rest, or it stays behind, holding an id whose message is gone."""
+    """A queue with x-expires has all eight keys expire together. The pop took the token,
+    so the server deleted wake:{Q}; the push that puts it back makes a new key, which must
+    expire with the rest, or it stays behind when the queue is gone."""
     client, keys = lib.client, lib.keys
     lib.declare("fleeting", expires_ms=60_000)
     lib.publish("fleeting", "m")
-    popped = zmpop(lib, "fleeting", 1)
-    assert client.exists(keys.queue("fleeting")) == 0
+    assert 0 < client.pttl(keys.wake("fleeting")) <= 60_000  # publish's token expires with the queue
+    assert client.lpop(keys.wake("fleeting")) == b"1"
+    assert client.exists(keys.wake("fleeting")) == 0
 
-    assert lib.unpop("fleeting", popped) == 1
+    assert lib.unpop("fleeting") == 1
 
     assert 0 < client.pttl(keys.meta("fleeting")) <= 60_000
-    assert 0 < client.pttl(keys.queue("fleeting")) <= 60_000
+    assert 0 < client.pttl(keys.wake("fleeting")) <= 60_000

@@ -19,7 +19,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import ScriptError
-from helpers import server_now_ms, wait_for_server_time
+from celery_redis_lua.kombu.leases import LeaseKeeper
+from helpers import server_now_ms, wait_for_server_time, wait_until
 from kombu_support import Broker, consume, drain
 
 EXPIRES_S = 10  # the x-expires floor
@@ -301,19 +302,28 @@ def test_a_producer_s_declare_keeps_the_worker_s_queue_arguments(kind_broker: Br
                 producer_conn.default_channel).declare()
 
 
-def test_a_message_popped_as_its_channel_closes_goes_back_uncounted(kind_broker: Broker) -> None:
-    """Found by a user: a message BZMPOP popped at the instant of close was claimed and
-    handed back with its delivery count raised, although no application saw it."""
+def test_a_wake_token_taken_as_its_channel_closes_goes_back(kind_broker: Broker) -> None:
+    """A consumer's BLPOP can take the queue's one wake token at the instant its channel
+    closes. Kept, the token would be gone with the connection and every other blocked
+    consumer would sleep a whole blocking_timeout with a message ready; close gives it
+    back (unpop), and the message itself was never touched (no message is popped by a
+    blocking command), so it goes out with delivery count 0."""
     queue = Queue("popq", Exchange("popx"), routing_key="popq")
+    wake = kind_broker.keys.wake("popq")
     with kind_broker.connection() as conn:
-        Producer(conn, exchange=queue.exchange, routing_key="popq").publish("unseen", declare=[queue])
+        Producer(conn, exchange=queue.exchange, routing_key="popq").publish("seen", declare=[queue])
+        kind_broker.client.delete(wake)  # as if consumed: the next publish arms it again
         channel = conn.channel()
-        reply = kind_broker.client.execute_command("ZMPOP", 1, kind_broker.keys.queue("popq"), "MIN")
-        channel._claim_popped(reply, closing=True)  # what close() does with a popped reply
+        assert channel.start_queue_wait(["popq"], None)  # blocked on the wake list
+        wait_until(lambda: kind_broker.blocked_clients() >= 1)
+        Producer(conn, exchange=queue.exchange, routing_key="popq").publish("unseen")
+        # The wait's BLPOP took the token (server side); the channel has not read it yet.
+        assert kind_broker.client.llen(wake) == 0
         channel.close()
-        [message] = consume(conn, [queue], 1)
-        assert (message.payload, message.headers["x-delivery-count"]) == ("unseen", 0)
-        assert message.delivery_info["redelivered"] is False
+        assert kind_broker.client.lrange(wake, 0, -1) == [b"1"]
+        messages = consume(conn, [queue], 2)
+        assert [(m.payload, m.headers["x-delivery-count"]) for m in messages] == [("seen", 0), ("unseen", 0)]
+        assert not any(m.delivery_info["redelivered"] for m in messages)
 
 
 def test_an_eta_past_the_year_2286_is_refused_by_name(kind_broker: Broker) -> None:
@@ -326,7 +336,7 @@ def test_an_eta_past_the_year_2286_is_refused_by_name(kind_broker: Broker) -> No
 
 
 def test_retry_on_timeout_is_not_passed_on_so_no_script_is_ever_sent_twice(kind_broker: Broker) -> None:
-    """retry_on_timeout=True let redis-py resend a claim whose reply timed out (the first
+    """retry_on_timeout=True let redis-py resend a consume whose reply timed out (the first
     run's messages then sat in flight, unseen, until the visibility timeout)."""
     with pytest.warns(RuntimeWarning, match="retry_on_timeout"), \
             kind_broker.connection(retry_on_timeout=True) as conn:
@@ -373,6 +383,40 @@ def test_the_lease_keeper_keeps_a_short_visibility_s_deadline_ahead_while_the_lo
         assert conn.transport.poller.stood_in >= 3
         got[0].ack()
         consumer.cancel()
+
+
+class Tended:
+    """A lease keeper source that notes when it was tended (the keeper's own bookkeeping;
+    no server decides anything here)."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self.times: list[float] = []
+
+    def interval(self) -> float:
+        return self._interval
+
+    def tend(self, now: float) -> None:
+        self.times.append(time.monotonic())
+
+
+def test_a_source_that_joins_a_keeper_asleep_on_a_long_tick_is_tended_within_its_own() -> None:
+    """The keeper sleeps a tick worked out from the sources it had (1 s for a default
+    visibility). A consumer with a visibility of 0.9 s that joins then must not wait out that
+    second: its deadline is 0.9 s after its last upkeep. The keeper slept on, and in the full
+    suite (where earlier connections kept the thread running) the deadline lapsed by ~90 ms."""
+    keeper, slow, fast = LeaseKeeper(), Tended(300.0), Tended(0.3)
+    keeper.watch(slow)
+    wait_until(lambda: slow.times, timeout=5, what="the first tend")  # now asleep for 1 s again
+    joined = time.monotonic()
+    keeper.watch(fast)
+    wait_until(lambda: fast.times, timeout=5, what="the newcomer tended")
+    waited = fast.times[0] - joined
+    # Its own tick is 0.3 / 4 = 75 ms; half its 0.9 s deadline is a wide margin for a busy host.
+    assert waited < 0.45, f"the newcomer waited {waited:.3f} s for its first tend"
+    keeper.forget(slow)
+    keeper.forget(fast)
+    wait_until(lambda: keeper._thread is None, timeout=5, what="the keeper's thread ended")
 
 
 def test_the_lease_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:

@@ -14,13 +14,10 @@ SCRIPTS = sorted(LUA.glob("*.lua"))
 # The one definition of each constant (its text, comment included).
 CONSTANTS = {
     "PRIORITY_FACTOR": "local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)",
-    "WAKE_MEMBER": ("local WAKE_MEMBER = '~wake' -- wakes a consumer blocked on BZMPOP "
-                    "when something is delayed"),
-    "WAKE_SCORE": "local WAKE_SCORE = 256 * PRIORITY_FACTOR -- above every ready score",
-    "READY_MAX": ("local READY_MAX = '(' .. string.format('%d', WAKE_SCORE) -- every ready score, "
-                  "not the wake marker"),
 }
-# The values, which must appear nowhere else in code (comments may explain them).
+# The values, which must appear nowhere else in code (comments may explain them). The wake
+# marker's ('~wake', scored 256 * 10^13 in the ready ZSET) must not come back: the wake
+# token lives in a list of its own since script contract 2's eight keys.
 LITERALS = ("10000000000000", "~wake", "2560000000000000", "256 *")
 
 
@@ -53,8 +50,8 @@ def test_no_script_writes_a_score_constant_as_a_bare_literal(path: Path) -> None
 # Helpers several scripts need, repeated for the same reason: each must read the same in
 # every script that has it (an id scheme or a state format that drifted between scripts
 # would break messages moving between them).
-SHARED_FUNCTIONS = {"parse_state": 8, "next_id": 2, "count_in_meta": 5, "state_line": 6,  # name -> scripts
-                    "forget_task": 7}
+SHARED_FUNCTIONS = {"parse_state": 7, "next_id": 2, "count_in_meta": 4, "state_line": 5,  # name -> scripts
+                    "forget_task": 6, "arm_wake": 6, "drop_idle_wake": 4}
 
 
 def functions(path: Path) -> dict[str, str]:

@@ -3,8 +3,9 @@ with message TTLs, queue expiry, delete-and-recreate and late acks, against a re
 and a small Python model that predicts every reply exactly (which messages a consume
 delivers and in what order, which it dead-letters as expired, delivery counts, reject and
 sweep counts, dead letters). After every step the server must match the model: each
-unacked message is ready (queued and indexed), in flight (indexed, not queued) or delayed,
-with its payload and its state string; no ready id is duplicated or also held in flight
+unacked message is ready (queued; indexed only by its TTL), in flight (indexed, not queued)
+or delayed, with its payload and its state string; a queue with anything ready or delayed
+holds one wake token, an idle one none; no ready id is duplicated or also held in flight
 (unless a sweep restored it); ready scores encode the priority; the expiring queue's keys
 all share one expiry time; ids only grow per queue name, across deletes and expiries. At
 teardown everything is consumed and acked and only meta keys (and dead-letter streams)
@@ -396,19 +397,22 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             present = all_keys(client)
             for q in queues:
                 queued = {text(i): int(s) for i, s in client.zrange(k.queue(q), 0, -1, withscores=True)}
-                if queued.pop("~wake", None) is not None:  # the marker lives only while something is delayed
-                    assert self.m.in_state("delayed", q), f"stale wake marker in {q}"
+                # One wake token while anything is ready or delayed (a consumer blocked on the
+                # list must wake for it), none once the queue is idle (nothing is left behind).
+                busy = bool(self.m.in_state("ready", q) or self.m.in_state("delayed", q))
+                assert client.lrange(k.wake(q), 0, -1) == ([b"1"] if busy else []), q
                 assert queued == {m.id: m.score for m in self.m.in_state("ready", q)}, q
                 delayed = {text(i): int(s) for i, s in client.zrange(k.delayed(q), 0, -1, withscores=True)}
                 assert delayed == {m.id: m.eta for m in self.m.in_state("delayed", q)}, q
                 index = {text(i): int(s) for i, s in client.zrange(k.index(q), 0, -1, withscores=True)}
                 in_flight = self.m.in_state("unacked", q)
-                assert set(index) == {m.id for m in self.m.in_state("ready", q) + in_flight}, q
+                expiring_ready = [m for m in self.m.in_state("ready", q) if m.expires_at is not None]
+                assert set(index) == {m.id for m in expiring_ready + in_flight}, q
                 for m in in_flight:
                     assert m.id not in queued, f"{m.id} is in flight and ready at once"
                     assert (index[m.id] < now) if m.timed_out_step else (index[m.id] > now + VIS // 2)
-                for m in self.m.in_state("ready", q):  # the sweep looks at it by its TTL at the latest
-                    assert m.expires_at is None or index[m.id] <= m.expires_at, m
+                for m in expiring_ready:  # the sweep looks at it by its TTL at the latest
+                    assert index[m.id] <= m.expires_at, m
                 mine = [m for m in self.m.messages.values() if m.queue == q]
                 states = {text(i): text(v) for i, v in client.hgetall(k.state(q)).items()}
                 assert states == {m.id: m.state_string() for m in mine}, q
@@ -477,9 +481,9 @@ def test_model_on_valkey_cluster(valkey_cluster: Cluster) -> None:
         run(client, keyspace, names_on_each_node(client, keyspace, "mq"), examples=12)
 
 
-def test_a_consume_that_takes_the_last_messages_leaves_no_wake_marker(valkey_server: Server) -> None:
+def test_a_consume_that_takes_the_last_messages_leaves_no_wake_token(valkey_server: Server) -> None:
     """Found by the model: a consume that promotes the last delayed message and takes
-    exactly what is left (e.g. prefetch 1) must not leave the '~wake' marker behind."""
+    exactly what is left (e.g. prefetch 1) must not leave a wake token behind."""
     with closing(valkey_server.client(socket_timeout=10)) as client:
         client.flushall()
         lib = ScriptLibrary(client, Keyspace(), visibility_ms=VIS)

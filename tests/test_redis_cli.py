@@ -32,7 +32,7 @@ def cli_eval(redis_cli: str, server: Server, script: str, keys: list[str], args:
 
 
 def queue_keys() -> list[str]:
-    """The seven keys every queue script takes, in order."""
+    """The eight keys every queue script takes, in order."""
     return list(KS.queue_keys(QUEUE))
 
 
@@ -88,7 +88,7 @@ def test_a_call_with_the_old_four_keys_is_refused_by_name(redis_cli: str, scratc
     output = cli_eval(redis_cli, scratch_server, "publish", queue_keys()[:4],
                       ["cli:message:", "payload", "0", "", "", "60000"])
 
-    assert ("ERR celery-redis-lua: publish: expected 7 keys (queue, delayed, index, meta, dead, "
-            "message, state), got 4") in output
+    assert ("ERR celery-redis-lua: publish: expected 8 keys (queue, delayed, index, meta, dead, "
+            "message, state, wake), got 4") in output
     assert client.dbsize() == 0
     client.close()

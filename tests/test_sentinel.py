@@ -217,7 +217,7 @@ def test_a_wait_ended_by_a_role_change_is_a_lost_connection(kind: str) -> None:
             Connection(f"redislua://127.0.0.1:{primary.port}/0", transport_options={"blocking_timeout": 30}) \
             as connection, Consumer(connection, [Queue("blocked")], callbacks=[]):
         with contextlib.suppress(socket.timeout):
-            connection.drain_events(timeout=0.5)  # the channel is now blocked in BZMPOP
+            connection.drain_events(timeout=0.5)  # the channel is now blocked in BLPOP
         primary.client().execute_command("REPLICAOF", "127.0.0.1", other.port)
         with pytest.raises(redis.ConnectionError, match="the server ended a blocking wait: UNBLOCKED"):
             connection.drain_events(timeout=10)

@@ -4,7 +4,7 @@ Message TTL is a deadline in the message's state (``expires_at``), counted while
 message waits: from publish, or from its ETA when it is delayed; not while it is in
 flight. A message whose deadline passed is dead-lettered with reason 'expired' instead of
 delivered (consume, claim), or by the sweep when its index entry falls due. Queue expiry
-(RabbitMQ's x-expires) is a PEXPIRE on all seven keys of the queue at once, messages
+(RabbitMQ's x-expires) is a PEXPIRE on all eight keys of the queue at once, messages
 included, refreshed by publish, declare, consume, claim, extend, reject and the sweep,
 floored at 10 s. Ids follow the server's clock, so a queue declared again under the same
 name never reuses one.
@@ -180,7 +180,7 @@ def test_declare_keeps_stored_arguments_and_refuses_other_ones(lib: ScriptLibrar
 
 
 def _fill(lib: ScriptLibrary, queue: str) -> str:
-    """Give the queue all seven keys: ready, in-flight, delayed and dead-lettered messages.
+    """Give the queue all eight keys: ready, in-flight, delayed and dead-lettered messages.
     Returns the id of the in-flight message."""
     lib.publish(queue, "first")
     lib.publish(queue, "second")
@@ -191,12 +191,12 @@ def _fill(lib: ScriptLibrary, queue: str) -> str:
     return in_flight.id
 
 
-def test_declare_with_expires_sets_one_deadline_on_all_seven_keys(lib: ScriptLibrary) -> None:
+def test_declare_with_expires_sets_one_deadline_on_all_eight_keys(lib: ScriptLibrary) -> None:
     client, keys = lib.client, lib.keys
     _fill(lib, "exp")
     names = list(keys.queue_keys("exp"))
-    assert client.exists(*names) == 7
-    assert pttls(client, names) == [-1] * 7  # no expiry before the declaration
+    assert client.exists(*names) == 8
+    assert pttls(client, names) == [-1] * 8  # no expiry before the declaration
 
     counts = lib.declare("exp", expires_ms=20_000)
     assert (counts.ready, counts.delayed, counts.in_flight, counts.expires_ms) == (1, 1, 1, 20_000)
@@ -215,7 +215,7 @@ def test_expires_has_a_floor_of_ten_seconds(lib: ScriptLibrary) -> None:
         assert MIN_EXPIRES_MS - 5_000 < ttl <= MIN_EXPIRES_MS
 
 
-def test_activity_refreshes_the_expiry_of_all_seven_keys(lib: ScriptLibrary) -> None:
+def test_activity_refreshes_the_expiry_of_all_eight_keys(lib: ScriptLibrary) -> None:
     client, keys = lib.client, lib.keys
     in_flight = _fill(lib, "fresh")
     names = list(keys.queue_keys("fresh"))
@@ -236,7 +236,7 @@ def test_activity_refreshes_the_expiry_of_all_seven_keys(lib: ScriptLibrary) -> 
     drop_then(lambda: lib.extend("fresh", []))  # no ids: only the expiry is refreshed
     drop_then(lambda: lib.consume(["fresh"], 1))
     drop_then(lambda: lib.sweep(["fresh"]))
-    assert client.exists(*names) == 7
+    assert client.exists(*names) == 8
 
 
 def test_a_dead_letter_written_after_the_declaration_expires_with_its_queue(lib: ScriptLibrary) -> None:

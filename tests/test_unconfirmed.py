@@ -117,7 +117,7 @@ def test_a_refused_publish_is_raised_at_a_publish_once_its_reply_was_read(server
         producer = conn.Producer(serializer="raw")
         producer.publish("ok", exchange=EXCHANGE, routing_key="u", declare=[QUEUE])
         conn.default_channel.settle_unconfirmed()
-        server.client().set(keys.index(QUEUE.name), "not a sorted set")  # someone else's bad write
+        server.client().set(keys.wake(QUEUE.name), "not a list")  # someone else's bad write
         for i in range(5):  # the fifth sends the pipeline: all five are refused
             producer.publish(f"w{i}", exchange=EXCHANGE, routing_key="u")
 
@@ -133,6 +133,9 @@ def test_a_refused_publish_is_raised_at_a_publish_once_its_reply_was_read(server
         error = wait_until(next_publish_raises, timeout=5, what="a publish raises the refusals")
         found = re.match(r"(\d+) unconfirmed publish\(es\) to 'unconfirmed'.*WRONGTYPE", str(error))
         assert found and int(found[1]) >= 5, error  # the five, and "next"s the sender sent since
+        # Refused before anything was written: only the first message is stored.
+        assert server.client().hkeys(keys.message(QUEUE.name)) == server.client().zrange(
+            keys.queue(QUEUE.name), 0, -1) and server.client().hlen(keys.message(QUEUE.name)) == 1
 
 
 def test_a_batch_is_stored_while_the_next_one_fills(server: Server) -> None:

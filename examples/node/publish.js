@@ -6,8 +6,8 @@
 //
 // prints the task id. The script is lua/publish.lua of the repository (or --script /
 // $CRL_PUBLISH_LUA); it is called with EVALSHA, and loaded once on NOSCRIPT. Its header
-// is the contract: KEYS queue, delayed, messages_index, meta, dead, message, state of the
-// queue (every queue script takes these seven); ARGV payload, priority, eta_ms, ttl_ms,
+// is the contract: KEYS queue, delayed, messages_index, meta, dead, message, state, wake of
+// the queue (every queue script takes these eight); ARGV payload, priority, eta_ms, ttl_ms,
 // visibility_ms, task_id.
 'use strict';
 
@@ -155,7 +155,7 @@ async function main() {
       etaMs = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000) + Math.round(opts.countdown * 1000);
     }
     const tag = `{${opts.queue}}`;
-    const keys = ['queue:', 'delayed:', 'messages_index:', 'meta:', 'dead:', 'message:', 'state:']
+    const keys = ['queue:', 'delayed:', 'messages_index:', 'meta:', 'dead:', 'message:', 'state:', 'wake:']
       .map((k) => opts.prefix + k + tag);
     const payload = JSON.stringify(envelope(opts, etaMs));
     await evalScript(client, source, sha, keys, [

@@ -86,17 +86,17 @@ payload+='"headers":'$headers',"properties":'$properties'}'
 
 tag="{$queue}"
 keys=("${prefix}queue:$tag" "${prefix}delayed:$tag" "${prefix}messages_index:$tag" "${prefix}meta:$tag"
-      "${prefix}dead:$tag" "${prefix}message:$tag" "${prefix}state:$tag")
+      "${prefix}dead:$tag" "${prefix}message:$tag" "${prefix}state:$tag" "${prefix}wake:$tag")
 argv=("$payload" "$priority" "$eta_ms" '' "$visibility_ms" "$id")  # the task id: for where/cancel
 sha=$(sha1sum <"$script") && sha=${sha%% *}
 
 # EVALSHA with the file's SHA1; on NOSCRIPT (a fresh, restarted or flushed server) load
 # the file's exact bytes once and retry. The reply must be a 14-hex-digit message id.
-reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
+reply=$(cli EVALSHA "$sha" 8 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 if [[ $reply == NOSCRIPT* ]]; then
   loaded=$(cli -x SCRIPT LOAD <"$script") || fail "redis-cli failed"
   [ "$loaded" = "$sha" ] || fail "SCRIPT LOAD: ${loaded%%$'\n'*}"
-  reply=$(cli EVALSHA "$sha" 7 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
+  reply=$(cli EVALSHA "$sha" 8 "${keys[@]}" "${argv[@]}") || fail "redis-cli failed"
 fi
 [[ $reply =~ ^[0-9a-f]{14}$ ]] || fail "publish: ${reply%%$'\n'*}"
 echo "$id"

@@ -36,9 +36,9 @@ def server_time(client: redis.Redis) -> float:
     return seconds + micros / 1_000_000
 
 
-def blocked_in_bzmpop(client: redis.Redis) -> bool:
-    """Some connection is blocked in BZMPOP (the worker's queue wait, not its XREAD)."""
-    return any("b" in c["flags"] and c["cmd"] == "bzmpop" for c in client.client_list())
+def blocked_in_blpop(client: redis.Redis) -> bool:
+    """Some connection is blocked in BLPOP (the worker's queue wait, not its XREAD)."""
+    return any("b" in c["flags"] and c["cmd"] == "blpop" for c in client.client_list())
 
 
 def ran_entry(broker: Broker, label: str) -> dict[str, Any] | None:
@@ -93,8 +93,8 @@ def test_countdown_published_while_the_worker_is_blocked_runs_on_time(
     broker.transport_options = {**broker.transport_options, **PUNCTUAL_OPTIONS}
     client = servers[0].client()
     with running(Worker(broker, name="cdblocked", concurrency=1, log_dir=log_dir)):
-        # The only worker is idle in a 10 s BZMPOP on the empty queue.
-        wait_for(lambda: blocked_in_bzmpop(client), timeout=30, what="the worker to block")
+        # The only worker is idle in a 10 s BLPOP on the empty queue's wake list.
+        wait_for(lambda: blocked_in_blpop(client), timeout=30, what="the worker to block")
         sent = server_time(client)
         producer.send_task("celery_e2e.app.note", ("cd2",), countdown=2)
         entry = wait_for(lambda: ran_entry(broker, "cd2"), timeout=20, what="the countdown task")

@@ -6,7 +6,7 @@ acked; the messages the worker had only prefetched are handed back to the ready
 queue right away (not after the visibility timeout, set long here), counted as a
 delivery (``x-delivery-count`` 1), and a second worker runs exactly those.
 
-An idle worker blocked in BZMPOP with ``blocking_timeout`` 10 s stops within a few
+An idle worker blocked in BLPOP with ``blocking_timeout`` 10 s stops within a few
 seconds of SIGTERM (the transport unblocks its own wait), for both pools.
 """
 
@@ -38,9 +38,9 @@ def broker_client(servers: tuple[Server, Server]) -> redis.Redis:
     return servers[0].client()
 
 
-def blocked_in_bzmpop(client: redis.Redis) -> bool:
-    """Some connection is blocked in BZMPOP (the worker's queue wait, not its XREAD)."""
-    return any("b" in c["flags"] and c["cmd"] == "bzmpop" for c in client.client_list())
+def blocked_in_blpop(client: redis.Redis) -> bool:
+    """Some connection is blocked in BLPOP (the worker's queue wait, not its XREAD)."""
+    return any("b" in c["flags"] and c["cmd"] == "blpop" for c in client.client_list())
 
 
 def ready_delivery_counts(client: redis.Redis, keys: Keyspace) -> dict[str, int]:
@@ -109,8 +109,8 @@ def test_idle_worker_stops_soon_after_sigterm(
     client = broker_client(servers)
     worker = Worker(broker, name="idle", pool=pool, concurrency=2, log_dir=log_dir)
     with running(worker):
-        wait_for(lambda: blocked_in_bzmpop(client), timeout=30,
-                 what="the worker blocked in BZMPOP")
+        wait_for(lambda: blocked_in_blpop(client), timeout=30,
+                 what="the worker blocked in BLPOP")
         sent_at = time.monotonic()
         worker.signal(signal.SIGTERM)
         code = worker.wait(30)

@@ -92,9 +92,9 @@ def published_rows(server: Server, count: int, size: int) -> list[Row]:
     return rows
 
 
-def today(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
-    """The layout of 0.2.0: payload and state hashes (the task id the state's last word, and
-    'task:<tid>' -> id beside it), ready ZSET, index ZSET."""
+def task_id_in_state(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
+    """0.2.0 from 12-03 until the wake list: payload and state hashes (the task id the state's
+    last word, and 'task:<tid>' -> id beside it), ready ZSET, and an index entry per ready message."""
     for r in rows:
         yield "HSET", KEYS.message, r.id, r.payload
         yield "HSET", KEYS.state, r.id, r.state, f"task:{r.task_id}", r.id
@@ -104,7 +104,7 @@ def today(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
 
 def tid_field(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
     """0.2.0 until 2026-12-03: the task id in a 'tid:<id>' field of its own, not in the state."""
-    for command in today(rows):
+    for command in task_id_in_state(rows):
         if command[1] != KEYS.state:
             yield command
             continue
@@ -113,16 +113,18 @@ def tid_field(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
         yield "HSET", key, id, without_task, *index, f"tid:{id}", task_id
 
 
-def no_ready_index(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
-    """As above, and a ready message has no index entry (only in-flight and TTL'd ones would)."""
-    for command in today(rows):
+def today(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
+    """The layout of 0.2.0 now: as above, but a ready message has no index entry (only in-flight
+    and TTL'd ones have), and the queue's one wake token (consumers block on it with BLPOP)."""
+    for command in task_id_in_state(rows):
         if command[1] != KEYS.index:
             yield command
+    yield "RPUSH", KEYS.wake, "1"
 
 
 def ready_lists(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
     """As above, with the ready ids in one list per priority level instead of a ZSET."""
-    for command in no_ready_index(rows):
+    for command in today(rows):
         if command[1] != KEYS.queue:
             yield command
     for r in rows:
@@ -146,8 +148,8 @@ def message_in_list_no_task_index(rows: list[Row]) -> Iterable[tuple[Any, ...]]:
 
 LAYOUTS: dict[str, Callable[[list[Row]], Iterable[tuple[Any, ...]]]] = {
     "0.2.0 until 12-03 (task id also in a 'tid:<id>' field)": tid_field,
-    "today (0.2.0, the task id in the state string)": today,
-    "... and no index entry while ready": no_ready_index,
+    "0.2.0 from 12-03 (the task id in the state string)": task_id_in_state,
+    "today (0.2.0, and no index entry while ready)": today,
     "... and ready ids in a list per priority": ready_lists,
     "ready message wholly in its priority's list, task index beside": message_in_list,
     "ready message wholly in its list, no task index": message_in_list_no_task_index,

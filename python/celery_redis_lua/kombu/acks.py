@@ -1,7 +1,7 @@
 """Acks in batches: one ``ack`` script call per queue carries the acks of many deliveries.
 
 ``message.ack()`` hands its delivery to :data:`ACKS` and returns. The channel's next
-consume or claim (the consumer's own round trip: a prefork worker refills its prefetch
+consume (the consumer's own round trip: a prefork worker refills its prefetch
 window as its pool frees slots) carries what has gathered, in front of it in the same
 write; what no consume picks up within ``ack_flush_delay`` (5 ms by default), one daemon
 thread per process sends, every queue's ids of one channel in one pipeline. So under load
@@ -89,7 +89,7 @@ class AckBatcher:
         self._send(lib, batch)
 
     def run_with_acks(self, lib: ScriptLibrary, call: Call[T]) -> T:
-        """Run ``call`` (a consumer's consume or claim) with ``lib``'s gathered acks in front
+        """Run ``call`` (a consumer's consume) with ``lib``'s gathered acks in front
         of it, in one write: the consumer's own round trip carries them and this thread
         makes none. The acks are settled as this thread settles its batches; ``call``'s
         result is returned, its error raised. Where a batch is not one write with nothing to

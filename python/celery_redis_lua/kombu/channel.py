@@ -3,9 +3,9 @@
 The channel holds no protocol logic of its own: publish, consume, ack, reject,
 declare, bind, purge and delete each map to one script (see lua/). What lives
 here is bookkeeping kombu needs (which queues are consumed, with or without
-ack), the queue-side steps of a consuming round (consume now, block on BZMPOP,
-claim what it popped) that the poller runs, and the upkeep of what the channel
-holds. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
+ack), the queue-side steps of a consuming round (consume now, block on the queues'
+wake lists, consume again when woken) that the poller runs, and the upkeep of what the
+channel holds. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ from .unconfirmed import Pipeline, Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
-# Server-side floor for a BZMPOP/XREAD block, so a due-now hint never spins.
+# Server-side floor for a BLPOP/XREAD block, so a due-now hint never spins.
 MIN_BLOCK_SECONDS = 0.005
-# The claim script takes at most this many ids per call.
-MAX_CLAIM = 1000
 # A prefetch slot freed while the channel still holds more than half its window waits up to
 # this long for others before the consume call that refills it: the prefork pool frees its
 # slots one task at a time, and refilling each alone cost the hub a round trip per task
@@ -334,11 +332,17 @@ class Channel(FanoutMixin, virtual.Channel):
             if wait.batch is not None:  # an in-flight consume: its replies come within ms
                 self._consume_arrived(wait, then_wait=False)
                 continue
-            popped = wait.cancel()
-            if popped:
-                self._claim_popped(popped)
+            self._give_back_wake(wait.cancel())
         for wait in list(self.stream_waits.values()):
             wait.cancel()
+
+    def _give_back_wake(self, woken: Any) -> None:
+        """A wait cancelled just as its BLPOP took a wake token: the token goes back for
+        another consumer (this one consumes in its next round anyway, or is closing). Lost
+        with the connection, it would cost the other consumers one blocking_timeout."""
+        if woken:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.lib.unpop(self.keys.queue_of(woken[0]))
 
     # -- the blocking waits -----------------------------------------------------------------
 
@@ -523,46 +527,32 @@ class Channel(FanoutMixin, virtual.Channel):
             ACKS.settle(self.lib, sent.acks, [lost] * len(sent.acks.ids))
 
     def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
-        """Block on BZMPOP across ``queues`` (consumed ones of one slot; bounded by
-        blocking_timeout and by the next ETA). Returns whether a wait is now pending."""
-        room = self.headroom()
-        if not queues or room <= 0:
+        """Block on the wake lists of ``queues`` (consumed ones of one slot; bounded by
+        blocking_timeout and by the next ETA) with BLPOP: it pops a token, never a message,
+        so nothing is in limbo if this consumer dies while it waits. Returns whether a wait
+        is now pending."""
+        if not queues or self.headroom() <= 0:
             return False
         timeout = self.options.blocking_timeout
         if wake_in_ms is not None:
             timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
             timeout = max(timeout, MIN_BLOCK_SECONDS)
-        keys = [self.keys.queue(q) for q in queues]
-        count = min(room, MAX_CLAIM)
-        self._wait(self.queue_waits, keys[0]).send("BZMPOP", f"{timeout:.3f}", len(keys), *keys, "MIN",
-                                                   "COUNT", count, timeout=timeout)
+        keys = [self.keys.wake(q) for q in queues]
+        self._wait(self.queue_waits, self.keys.queue(queues[0])).send("BLPOP", *keys, f"{timeout:.3f}",
+                                                                      timeout=timeout)
         return True
 
     def on_queue_wait_readable(self, wait: BlockingRead) -> int:
-        """Claim what BZMPOP popped (or take an in-flight consume's replies) and deliver it;
-        returns how many were delivered."""
+        """Take an in-flight consume's replies, or a woken (or timed-out) wait: either way
+        the queues are consumed now (the wait is no longer pending, so its group is polled)
+        and the wait starts again; returns how many were delivered."""
         if wait.batch is not None:
             return self._consume_arrived(wait)
-        reply = wait.read()
-        return self._claim_popped(reply) if reply else 0
-
-    def _claim_popped(self, reply: Any, *, closing: bool = False) -> int:
-        """Claim what BZMPOP popped and deliver it if its queue is still consumed here; else
-        (the channel closes, or stopped consuming that queue) put it back in line, uncounted:
-        no application saw it."""
-        key, popped = reply  # ids and scores as the server sent them: they go straight back
-        queue = self.keys.queue_of(key)
-        if closing or queue not in self.queues_polled:
-            self.lib.unpop(queue, popped)
-            return 0
-        no_ack = queue in self._no_ack_queues
-        ids = [member for member, _ in popped]
-        consumed = self._run_with_acks(self.lib.calls.claim(queue, ids, no_ack=no_ack))
-        _log_expired(consumed.expired, [queue])
-        return self._deliver_all(consumed.deliveries, no_ack)
+        wait.read()  # the token (or None: the block timed out); consume decides what is there
+        return self.poll_queues()
 
     def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
-        """A consume or claim of the loop, carrying this channel's gathered acks (acks.py):
+        """A consume of the loop, carrying this channel's gathered acks (acks.py):
         a consumer's own round trip sends them, the ack thread makes none of its own."""
         return ACKS.run_with_acks(self.lib, call)
 
@@ -651,9 +641,7 @@ class Channel(FanoutMixin, virtual.Channel):
                 with contextlib.suppress(redis.RedisError, OSError):  # lost: see _consume_lost
                     self._consume_arrived(wait, closing=True)
                 continue
-            popped = wait.cancel()
-            if popped:  # BZMPOP popped messages just as we cancelled: back in line, uncounted
-                self._claim_popped(popped, closing=True)
+            self._give_back_wake(wait.cancel())
         for wait in list(self.stream_waits.values()):
             wait.cancel()
         self._leave_fanout(list(self._fanout_read))

@@ -60,6 +60,11 @@ class LeaseKeeper:
         self._sources: weakref.WeakSet[Source] = weakref.WeakSet()
         self._permanent: list[Registry] = []  # the orphans registry
         self._lock = threading.Lock()
+        # Set when a source arrives or asks for tending: the thread, maybe asleep for a whole
+        # tick computed before that source (1 s), works out its period again at once. Without
+        # it a consumer with a visibility of 0.9 s that joined a process already tending
+        # others waited up to 1 s for its first stand-in: past its deadline.
+        self._rethink = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._fork_hook = False
@@ -69,6 +74,7 @@ class LeaseKeeper:
         with self._lock:
             self._sources.add(source)
             self._start()
+        self._rethink.set()
 
     def forget(self, source: Source) -> None:
         with self._lock:
@@ -83,6 +89,7 @@ class LeaseKeeper:
         """Something needs tending (a delivery was adopted): make sure the thread runs."""
         with self._lock:
             self._start()
+        self._rethink.set()
 
     def _start(self) -> None:
         if not self._fork_hook:  # installed on first use, not on import
@@ -101,7 +108,8 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.tick_seconds())  # the tending period itself, not a synchronisation
+            self._rethink.wait(self.tick_seconds())  # the tending period, cut short by a newcomer
+            self._rethink.clear()
             now = time.monotonic()
             for source in [*list(self._sources), *self._permanent]:
                 try:
@@ -115,7 +123,7 @@ class LeaseKeeper:
 
     def _after_fork_in_child(self) -> None:
         self._sources = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock, self._rethink = threading.Lock(), threading.Event()
         self._thread, self._pid = None, os.getpid()
 
 

@@ -71,7 +71,7 @@ class TransportOptions:
     durability: str | None = None
     durability_timeout: float = 1.0
     # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
-    # the consumer's next consume or claim to carry it (or for others to share its own round
+    # the consumer's next consume to carry it (or for others to share its own round
     # trip); 0 sends each batch as soon as the ack thread runs. 5 ms: a prefork worker's
     # refill comes within it (a freed slot gathers for up to 2 ms, channel.py), and it is
     # all a killed worker can replay beyond a synchronous ack's window.

@@ -1,9 +1,10 @@
 """The consuming round, and the blocking waits it is made of.
 
 Per channel, a round delivers what is ready now (the consume script, up to the QoS
-headroom), then, while QoS allows, starts one BZMPOP across the channel's queues on the
-server (bounded by ``blocking_timeout`` and by the next ETA) and one XREAD across its
-fanout streams; when a wait's socket is readable, what it found is claimed and delivered.
+headroom), then, while QoS allows, starts one BLPOP across the wake lists of the channel's
+queues on the server (bounded by ``blocking_timeout`` and by the next ETA) and one XREAD
+across its fanout streams; when a wait's socket is readable, the queues are consumed (the
+wake list holds a token, never a message) and what the streams had is delivered.
 In Celery's event loop the waits are sockets registered with the hub; without it (plain
 kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way the
 periodic work (the upkeep and the sweep) runs from here. In the hub, where it can, the
@@ -18,8 +19,8 @@ reply, so the loop can watch the socket;
 ``cancel()`` ends a pending wait at once with CLIENT UNBLOCK from another connection, so
 shutting down never waits out ``blocking_timeout``. Where CLIENT UNBLOCK is refused (it is
 in ``@admin``; some managed services lack it) the wait's connection is closed instead: a
-BZMPOP that had just popped loses its reply, and those messages, popped but unclaimed,
-are put back by the sweep (counted ``unclaimed``), never lost.
+BLPOP that had just popped loses its reply, and with it a wake token, never a message
+(the other consumers of that queue then wait out one ``blocking_timeout`` at most).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ ROLES = ("worker", "producer", "exporter")
 # ignores a refusal, and Redis 7.0 does not know it (ACL SETUSER would fail there); granting
 # it on 7.2+ keeps those refusals out of ACL LOG.
 DIRECT: Mapping[str, tuple[str, ...]] = {
-    "worker": ("ping", "evalsha", "script|load", "select", "client|setname", "bzmpop", "xread",
+    "worker": ("ping", "evalsha", "script|load", "select", "client|setname", "blpop", "xread",
                "client|id", "client|unblock"),
     "producer": ("ping", "evalsha", "script|load", "select", "client|setname"),
     # celery-redis-lua exporter: the metrics script, and SCAN and ZRANGE to discover queues.

@@ -22,7 +22,7 @@ from redis.exceptions import ClusterError, ConnectionError, RedisClusterExceptio
 # short raises NotDurable: its caller must know the message may be lost. An ack, a reject,
 # a declare or a bind that falls short is logged and stands on the primary: losing one in a
 # failover means a redelivery (counted) or a route declared again by the next consumer or
-# producer, and its caller could do nothing better. consume, claim and extend are not
+# producer, and its caller could do nothing better. consume and extend are not
 # confirmed: losing one only redelivers a message, counted. Nor is fanout_publish: Celery's
 # events, heartbeats and remote control go through it every few seconds, a stream is trimmed
 # anyway, and a NotDurable there killed Celery's event receivers (found by the chaos harness)

@@ -1,11 +1,12 @@
 """The keyspace: the only place where Redis key names are built and read back.
 
 Every key of one queue carries the hash tag ``{Q}``, so a queue lives in one cluster slot,
-and every queue script takes the same seven keys (:class:`QueueKeys`): the ready, delayed
-and index ZSETs, the meta hash, the dead-letter stream, and the two hashes that hold the
+and every queue script takes the same eight keys (:class:`QueueKeys`): the ready, delayed
+and index ZSETs, the meta hash, the dead-letter stream, the two hashes that hold the
 queue's messages (payloads, and their states), which therefore expire and are deleted with
-the queue. Binding tables and fanout streams are per exchange. The inverses live here too:
-the queue named by a key, and the fields of a binding member.
+the queue, and the wake list blocked consumers wait on. Binding tables and fanout streams
+are per exchange. The inverses live here too: the queue named by a key, and the fields of a
+binding member.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class KeyspaceError(ValueError):
 
 
 class QueueKeys(NamedTuple):
-    """The seven keys of one queue, in the order every queue script takes them."""
+    """The eight keys of one queue, in the order every queue script takes them."""
 
     queue: str
     delayed: str
@@ -46,6 +47,7 @@ class QueueKeys(NamedTuple):
     dead: str
     message: str
     state: str
+    wake: str
 
 
 class Binding(NamedTuple):
@@ -124,6 +126,12 @@ class Keyspace:
         the Celery task id last) and its task-id index (``task:<task id>`` -> id)."""
         return f"{self.prefix}state:{self._tag(queue)}"
 
+    def wake(self, queue: str) -> str:
+        """The list a consumer with nothing to do blocks on (BLPOP): it holds at most one
+        token, pushed when something becomes consumable, and then the consumer runs consume.
+        No message is ever popped by a blocking command, so none is in limbo while ready."""
+        return f"{self.prefix}wake:{self._tag(queue)}"
+
     def migrated(self, queue: str) -> str:
         """What ``celery-redis-lua migrate`` moved into ``queue`` (message identities), so a
         rerun after a crash publishes nothing twice; deleted when a migration completes."""
@@ -131,14 +139,14 @@ class Keyspace:
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019  (a frozen keyspace lives as long as its queues)
     def queue_keys(self, queue: str) -> QueueKeys:
-        """Built once per queue name: every script call on a queue passes all seven."""
+        """Built once per queue name: every script call on a queue passes all eight."""
         return QueueKeys(
             self.queue(queue), self.delayed(queue), self.index(queue), self.meta(queue),
-            self.dead(queue), self.message(queue), self.state(queue),
+            self.dead(queue), self.message(queue), self.state(queue), self.wake(queue),
         )
 
     def queue_of(self, key: str | bytes) -> str:
-        """The queue name inside one of its keys (e.g. what BZMPOP names)."""
+        """The queue name inside one of its keys (e.g. what BLPOP names)."""
         text = key.decode() if isinstance(key, bytes) else key
         open_ = text.find("{", len(self.prefix))
         if not text.startswith(self.prefix) or open_ < 0 or not text.endswith("}"):

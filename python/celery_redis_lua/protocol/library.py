@@ -111,7 +111,6 @@ class ScriptLibrary:
     # -- one call each ----------------------------------------------------------------------
 
     publish = _Bound(ops.publish)
-    claim = _Bound(ops.claim)
     unpop = _Bound(ops.unpop)
     ack = _Bound(ops.ack)
     reject = _Bound(ops.reject)

@@ -228,7 +228,7 @@ class FanoutBound:
 
 
 def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
-    """The 4-items-per-message tail of consume and claim replies."""
+    """The 4-items-per-message tail of a consume reply."""
     return [Delivery(queues[int(flat[i]) - 1], _text(flat[i + 1]), int(flat[i + 2]), _bytes(flat[i + 3]))
             for i in range(0, len(flat), 4)]
 
@@ -238,7 +238,7 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
     return Consumed(_deliveries(queues, reply[2:]), None if wake < 0 else wake, int(reply[1]))
 
 
-# -- the queue scripts (the seven keys of each queue) --------------------------------------
+# -- the queue scripts (the eight keys of each queue) --------------------------------------
 
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
@@ -272,19 +272,10 @@ def consume(k: Keyspace, p: Policy, queues: Sequence[str], count: int = 1, *,
 
 
 @operation
-def claim(k: Keyspace, p: Policy, queue: str, ids: Sequence[str | bytes], *,
-          no_ack: bool = False) -> Call[Consumed]:
-    """Index and fetch what BZMPOP popped from ``queue`` (ids as str, or as the server's bytes)."""
-    return Call("claim", k.queue_keys(queue), [p.visibility_ms, int(no_ack), p.dead_letter_maxlen, *ids],
-                lambda reply: _consumed([queue], reply))
-
-
-@operation
-def unpop(k: Keyspace, p: Policy, queue: str,
-          popped: Sequence[tuple[str | bytes, float | str | bytes]]) -> Call[int]:
-    """Put back (id, score) pairs BZMPOP popped that nobody will claim, uncounted."""
-    return Call("unpop", k.queue_keys(queue),
-                [part for message_id, score in popped for part in (score, message_id)], int)
+def unpop(k: Keyspace, p: Policy, queue: str) -> Call[int]:
+    """Give back the wake token a blocked consumer's BLPOP took from ``queue`` when it stops
+    before it consumes (1: it went back; 0: nothing is queued, or a token already waits)."""
+    return Call("unpop", k.queue_keys(queue), [], int)
 
 
 @operation

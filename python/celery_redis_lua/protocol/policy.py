@@ -14,7 +14,7 @@ from .durability import Durability
 
 @dataclass(frozen=True)
 class Policy:
-    visibility_ms: int = 300_000  # how long a delivery may stay unacked (and a pop unclaimed)
+    visibility_ms: int = 300_000  # how long a delivery may stay unacked
     delivery_limit: int | None = 20  # delivery attempts before a dead letter; None or 0: no limit
     dead_letter_maxlen: int = 10_000  # approximate cap of dead:{Q}; 0 deletes outright
     durability: Durability | None = None  # confirm publishes and acks by WAIT/WAITAOF (opt-in)
