@@ -17,7 +17,7 @@ from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.kombu.acks import ACKS
-from celery_redis_lua.kombu.orphans import ORPHANS
+from celery_redis_lua.kombu.keeper import KEEPER
 from conftest import require_kind
 from helpers import ScriptCalls, wait_until
 from tools.servers import Server
@@ -30,12 +30,10 @@ QUEUES = [Queue(name, EXCHANGE, routing_key=name) for name in ("acked-a", "acked
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     require_kind(request.param)
     gc.collect()  # connections earlier tests left close now, not while this one counts
-    ORPHANS._adopted.clear()
-    ORPHANS._acks.clear()
+    KEEPER.clear()
     with Server(request.param, args=["--appendonly", "yes", "--appendfsync", "always"]) as srv:
         yield srv
-    ORPHANS._adopted.clear()
-    ORPHANS._acks.clear()
+    KEEPER.clear()
 
 
 def connect(server: Server, **options: Any) -> Connection:
@@ -116,14 +114,14 @@ def test_a_batch_that_meets_a_dead_broker_is_sent_again_and_nothing_runs_twice(s
             message.ack()  # gathered: the batch leaves in 0.5 s, to a broker that is gone
         server.kill()
         assert all(m.acknowledged for m in messages)  # no error reaches the application
-        wait_until(lambda: len(ORPHANS) == 20, timeout=10, what="the failed batch kept its 20 acks")
-        # The lease keeper tends the registry once a second and would send the kept acks as
+        wait_until(lambda: len(KEEPER) == 20, timeout=10, what="the failed batch kept its 20 acks")
+        # The keeper retries failed acks once a second and would send the kept acks as
         # soon as the broker answers; holding its tick lock keeps them kept while we look.
-        with ORPHANS._ticking:
+        with KEEPER._ticking:
             server.start()  # same port, same AOF: the 20 are still in flight there
             assert counts(server) == {"acked-a": (0, 10, 0), "acked-b": (0, 10, 0)}
-            assert len(ORPHANS) == 20
-        wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
+            assert len(KEEPER) == 20
+        wait_until(lambda: KEEPER.tick() is None and len(KEEPER) == 0, timeout=10,
                    what="the kept acks sent")
         assert counts(server) == {"acked-a": (0, 0, 0), "acked-b": (0, 0, 0)}
     # Past the visibility timeout and several sweeps, nothing comes back.
@@ -177,8 +175,8 @@ def test_acks_riding_a_consume_that_meets_a_lost_connection_are_sent_again(serve
             got[0].ack()
             with pytest.raises(redis.ConnectionError):
                 conn.drain_events(timeout=10)
-            assert ACKS.pending(got[0].channel.lib) == 0 and len(ORPHANS) == 1  # kept, not lost
-            wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
+            assert ACKS.pending(got[0].channel.lib) == 0 and len(KEEPER) == 1  # kept, not lost
+            wait_until(lambda: KEEPER.tick() is None and len(KEEPER) == 0, timeout=10,
                        what="the kept ack sent")
     assert sum(counts(server)["acked-a"]) == 1  # only the second is left
     got_again: list[Message] = []

@@ -17,7 +17,7 @@ from kombu.asynchronous import Hub
 from kombu.message import Message
 
 from celery_redis_lua.kombu.acks import ACKS
-from celery_redis_lua.kombu.orphans import ORPHANS
+from celery_redis_lua.kombu.keeper import KEEPER
 from kombu_support import Broker
 
 QUEUE = Queue("flight", Exchange("flight", "direct"), routing_key="flight")
@@ -97,7 +97,7 @@ def test_an_in_flight_consume_whose_reply_is_lost_loses_no_ack_and_no_message(
         kind_broker: Broker, hub: Hub) -> None:
     """The wait's connection goes (here: its reply overdue, so the loop drops it) before the
     reply is read. Whether or not the server ran the batch, the acks it carried are sent
-    again through the orphans registry, and what it consumed comes back after the
+    again through the keeper, and what it consumed comes back after the
     visibility timeout, counted, and is delivered again."""
     got: list[Message] = []
     with kind_broker.connection(ack_flush_delay=1, visibility_timeout=1, sweep_interval=0.2) as conn:
@@ -107,12 +107,12 @@ def test_an_in_flight_consume_whose_reply_is_lost_loses_no_ack_and_no_message(
         tick(hub)
         wait = channel.queue_wait
         assert wait.batch is not None
-        held = len(ORPHANS)
+        assert len(KEEPER._acks) == 0
         wait.sent_at -= 3600  # overdue: the next round drops the connection unread
         tick(hub)
         assert wait.batch is None and len(got) == 2
-        assert len(ORPHANS) == held + 2  # the two acks, to be sent again
-        turn_until(hub, lambda: len(ORPHANS) == held, what="the acks sent again")
+        assert len(KEEPER._acks) == 2  # the two acks, to be sent again
+        turn_until(hub, lambda: len(KEEPER._acks) == 0, what="the acks sent again")
         turn_until(hub, lambda: {m.payload["i"] for m in got[2:]} == {0, 1, 2, 3} - acked, timeout=15,
                    what="the lost consume's messages delivered again")
         assert not acked & {m.payload["i"] for m in got[2:]}

@@ -19,7 +19,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import ScriptError
-from celery_redis_lua.kombu.leases import LeaseKeeper
+from celery_redis_lua.kombu.keeper import KEEPER
 from helpers import server_now_ms, wait_for_server_time, wait_until
 from kombu_support import Broker, consume, drain
 
@@ -348,23 +348,25 @@ def test_retry_on_timeout_is_not_passed_on_so_no_script_is_ever_sent_twice(kind_
             channel.client.connection_pool.release(connection)
 
 
-def test_the_upkeep_runs_three_times_per_x_expires_of_a_consumed_queue(kind_broker: Broker) -> None:
+def test_the_keeper_refreshes_a_consumed_queue_three_times_per_x_expires(kind_broker: Broker) -> None:
+    """Registered when consuming starts, withdrawn when it stops."""
     queue = Queue("pace", Exchange("pacex"), routing_key="pace", expires=12)
     with kind_broker.connection(visibility_timeout=300) as conn:
-        poller = conn.transport.poller
-        assert poller.upkeep_interval() == 100  # visibility_timeout / 3 while idle
         consumer, _ = collect(conn, [queue])
-        assert poller.upkeep_interval() == pytest.approx(4.0)
+        channel = conn.default_channel
+        (alive,) = [a for key, a in KEEPER._alive.items() if key == (id(channel), "pace")]
+        assert alive.interval == pytest.approx(4.0)
+        assert [call.script for call in alive.calls] == ["extend", "bind"]
         consumer.cancel()
+        assert (id(channel), "pace") not in KEEPER._alive
 
 
-def test_the_lease_keeper_keeps_a_short_visibility_s_deadline_ahead_while_the_loop_stands_still(
+def test_the_keeper_keeps_a_short_visibility_s_deadline_ahead_while_the_loop_stands_still(
         kind_broker: Broker) -> None:
-    """A visibility of 0.9 s makes an upkeep interval of 0.3 s: the keeper's thread then tends
-    four times per interval, so its stand-in comes at most 1.75 intervals after the last
-    upkeep, well before the deadline three intervals out. While it ticked once a second
-    whatever the interval, a stand-in set the deadline 0.9 s ahead and the next came 1 s
-    later: the delivery was overdue (a sweep anywhere would hand it back) every second."""
+    """A visibility of 0.9 s: the keeper extends the held delivery every 0.3 s, well before
+    the deadline. While the lease keeper ticked once a second whatever the interval, a
+    stand-in set the deadline 0.9 s ahead and the next came 1 s later: the delivery was
+    overdue (a sweep anywhere would hand it back) every second."""
     queue = Queue("brief", Exchange("briefx"), routing_key="brief")
     client, index = kind_broker.client, kind_broker.keys.index("brief")
     with kind_broker.connection(visibility_timeout=0.9) as conn:
@@ -380,48 +382,36 @@ def test_the_lease_keeper_keeps_a_short_visibility_s_deadline_ahead_while_the_lo
                 overdue.append(now_ms - (deadline_ms or 0))
             time.sleep(0.01)  # the sampling period of the watch, not a synchronisation
         assert not overdue, f"the deadline lapsed {len(overdue)} times (by up to {max(overdue)} ms)"
-        assert conn.transport.poller.stood_in >= 3
         got[0].ack()
         consumer.cancel()
 
 
-class Tended:
-    """A lease keeper source that notes when it was tended (the keeper's own bookkeeping;
-    no server decides anything here)."""
-
-    def __init__(self, interval: float) -> None:
-        self._interval = interval
-        self.times: list[float] = []
-
-    def interval(self) -> float:
-        return self._interval
-
-    def tend(self, now: float) -> None:
-        self.times.append(time.monotonic())
-
-
-def test_a_source_that_joins_a_keeper_asleep_on_a_long_tick_is_tended_within_its_own() -> None:
-    """The keeper sleeps a tick worked out from the sources it had (1 s for a default
-    visibility). A consumer with a visibility of 0.9 s that joins then must not wait out that
-    second: its deadline is 0.9 s after its last upkeep. The keeper slept on, and in the full
-    suite (where earlier connections kept the thread running) the deadline lapsed by ~90 ms."""
-    keeper, slow, fast = LeaseKeeper(), Tended(300.0), Tended(0.3)
-    keeper.watch(slow)
-    wait_until(lambda: slow.times, timeout=5, what="the first tend")  # now asleep for 1 s again
-    joined = time.monotonic()
-    keeper.watch(fast)
-    wait_until(lambda: fast.times, timeout=5, what="the newcomer tended")
-    waited = fast.times[0] - joined
-    # Its own tick is 0.3 / 4 = 75 ms; half its 0.9 s deadline is a wide margin for a busy host.
-    assert waited < 0.45, f"the newcomer waited {waited:.3f} s for its first tend"
-    keeper.forget(slow)
-    keeper.forget(fast)
-    wait_until(lambda: keeper._thread is None, timeout=5, what="the keeper's thread ended")
+def test_a_delivery_held_while_the_keeper_sleeps_on_a_long_deadline_is_extended_in_time(
+        kind_broker: Broker) -> None:
+    """The keeper sleeps until its earliest deadline (here a keep-alive 100 s away). A
+    delivery with a visibility of 0.9 s taken meanwhile must not wait that out: its deadline
+    is 0.9 s away. Under the lease keeper a newcomer waited up to a whole tick (1 s)."""
+    slow = Queue("slowq", Exchange("slowx"), routing_key="slowq", expires=300)
+    fast = Queue("brisk", Exchange("briskx"), routing_key="brisk")
+    client, index = kind_broker.client, kind_broker.keys.index("brisk")
+    with kind_broker.connection(visibility_timeout=300) as idle, \
+            kind_broker.connection(visibility_timeout=0.9) as conn:
+        sleeper, _ = collect(idle, [slow])  # the keeper now sleeps for 100 s
+        Producer(conn, exchange=fast.exchange, routing_key="brisk").publish("task", declare=[fast])
+        consumer, got = collect(conn, [fast])
+        drain(conn, got, 1)
+        (member,) = client.zrange(index, 0, -1)
+        first = client.zscore(index, member)
+        wait_until(lambda: client.zscore(index, member) != first, timeout=0.6,
+                   what="the deadline pushed forward within two thirds of the visibility")
+        got[0].ack()
+        consumer.cancel()
+        sleeper.cancel()
 
 
-def test_the_lease_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
-    """The solo pool runs a task inside the event loop: no upkeep while it runs. The lease
-    keeper's thread stands in, so the queue does not expire under the task."""
+def test_the_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
+    """The solo pool runs a task inside the event loop: the loop does nothing while it runs.
+    The keeper's thread refreshes the queue, so it does not expire under the task."""
     queue = Queue("stall", Exchange("stallx"), routing_key="stall", expires=EXPIRES_S)
     keys = kind_broker.keys
     with kind_broker.connection(visibility_timeout=300) as conn:
@@ -431,6 +421,5 @@ def test_the_lease_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_b
         stop = threading.Event()
         stop.wait(EXPIRES_S * 1.5)  # the loop stands still, as during a solo task
         assert kind_broker.client.exists(keys.meta("stall"), keys.state("stall")) == 2
-        assert conn.transport.poller.stood_in > 0
         got[0].ack()
         consumer.cancel()

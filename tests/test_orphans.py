@@ -1,4 +1,4 @@
-"""Deliveries that outlive their channel (orphans.py), through plain kombu on real servers.
+"""Deliveries that outlive their channel (the keeper's orphans), through plain kombu on real servers.
 
 A connection closes while the application still holds a delivered Message (Celery keeps
 running a task across a reconnect): the message stays in flight, its deadline keeps being
@@ -20,7 +20,7 @@ from kombu import Connection, Consumer, Exchange, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.kombu.orphans import ORPHANS
+from celery_redis_lua.kombu.keeper import KEEPER
 from conftest import require_kind
 from helpers import wait_until
 from tools.servers import Server
@@ -35,14 +35,12 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     # Connections earlier tests of the session left to the garbage collector close (and have
     # their deliveries adopted) now, not in the middle of a test that counts the registry.
     gc.collect()
-    ORPHANS._adopted.clear()
-    ORPHANS._acks.clear()
+    KEEPER.clear()
     with Server(request.param, args=["--appendonly", "yes", "--appendfsync", "always"]) as srv:
         yield srv
     # The registry is per process: what a failed test left (its server is gone) must not
     # be retried by the next tests.
-    ORPHANS._adopted.clear()
-    ORPHANS._acks.clear()
+    KEEPER.clear()
 
 
 def connect(server: Server) -> Connection:
@@ -93,7 +91,7 @@ def test_a_message_held_across_a_closed_connection_stays_in_flight_and_its_late_
         # Acks leave from the batching thread (acks.py), not from this call: poll.
         wait_until(lambda: stats(server) == (0, 0, 0), timeout=10, what="the late ack landed")
         assert server.client().keys("message:*") == []
-    assert len(ORPHANS) == 0
+    assert len(KEEPER) == 0
 
 
 def test_a_message_dropped_unacked_after_close_is_handed_back_counted(server: Server) -> None:
@@ -105,14 +103,14 @@ def test_a_message_dropped_unacked_after_close_is_handed_back_counted(server: Se
     assert stats(server) == (0, 1, 0), "still held at close: adopted, not handed back"
     del holder
     with connect(server) as second:
-        wait_until(lambda: (gc.collect() or True) and ORPHANS.tick() is None
+        wait_until(lambda: (gc.collect() or True) and KEEPER.tick() is None
                    and stats(server) == (1, 0, 0), timeout=10)
         again = publish_and_take_one(second, "another")  # takes the handed-back one first
         assert again.payload == "dropped"
         assert again.headers["x-delivery-count"] == 1
         assert again.delivery_info["redelivered"] is True
         again.ack()
-    assert len(ORPHANS) == 0
+    assert len(KEEPER) == 0
 
 
 def test_an_adopted_message_acked_then_dropped_before_its_ack_is_sent_is_not_handed_back(
@@ -120,7 +118,7 @@ def test_an_adopted_message_acked_then_dropped_before_its_ack_is_sent_is_not_han
     """Found by CI (tests/celery_e2e/test_connection_loss.py, both pools): Celery acks a task
     that finished after a reconnect through its old Message and then drops the Message at
     once. The ack waits in the batch (acks.py) for up to ack_flush_delay; a tick of the
-    orphans registry in that window saw the Message gone, took it for dropped unacked,
+    orphans registry (now the keeper) in that window saw the Message gone, took it for dropped unacked,
     and handed it back, so the finished task ran again."""
     url = f"redislua://127.0.0.1:{server.port}/0"
     options = {"visibility_timeout": VISIBILITY, "sweep_interval": 0.2, "ack_flush_delay": 0.5}
@@ -130,10 +128,10 @@ def test_an_adopted_message_acked_then_dropped_before_its_ack_is_sent_is_not_han
     message.ack()  # gathered: the batch is sent up to 0.5 s from now
     del message
     gc.collect()
-    ORPHANS.tick()  # the lease keeper's tick, in the window before the batch is sent
+    KEEPER.tick()  # the keeper's tick, in the window before the batch is sent
     assert stats(server) == (0, 1, 0), "acked by the application: never handed back"
     wait_until(lambda: stats(server) == (0, 0, 0), timeout=10, what="the ack landed")
-    assert len(ORPHANS) == 0
+    assert len(KEEPER) == 0
 
 
 def test_an_ack_that_meets_a_dead_broker_is_sent_once_it_is_back(server: Server) -> None:
@@ -142,14 +140,14 @@ def test_an_ack_that_meets_a_dead_broker_is_sent_once_it_is_back(server: Server)
         server.kill()
         message.ack()  # the task is done: no error to Celery, the ack is kept
         assert message.acknowledged
-        wait_until(lambda: len(ORPHANS) == 1, timeout=10, what="the failed batch kept its ack")
-        ORPHANS.tick()  # broker still down: kept for the next tick
-        assert len(ORPHANS) == 1
+        wait_until(lambda: len(KEEPER) == 1, timeout=10, what="the failed batch kept its ack")
+        KEEPER.tick()  # broker still down: kept for the next tick
+        assert len(KEEPER) == 1
         server.start()  # same port, same AOF: the message was still in flight there
-        # ... unless the lease keeper's thread already sent the kept ack (it ticks every second).
+        # ... unless the keeper's thread already sent the kept ack (it ticks every second).
         assert stats(server) in {(0, 1, 0), (0, 0, 0)}
-        wait_until(lambda: ORPHANS.tick() is None and stats(server) == (0, 0, 0), timeout=10)
-    assert len(ORPHANS) == 0
+        wait_until(lambda: KEEPER.tick() is None and stats(server) == (0, 0, 0), timeout=10)
+    assert len(KEEPER) == 0
     assert server.client().keys("message:*") == []
 
 
@@ -175,14 +173,14 @@ def test_a_stale_hand_back_leaves_the_new_holders_delivery_alone(server: Server,
         elif how == "reject after close":  # Celery rejecting a failed task after a reconnect
             a.close()
             held_by_a.reject(requeue=True)
-            assert len(ORPHANS) == 0
+            assert not KEEPER.holds(held_by_a.channel.lib, "work", held_by_a.delivery_tag.split("@")[0])
         else:
             a.close()
             del held_by_a
             gc.collect()
-            # The lease keeper's thread may be ticking (a tick then returns at once): poll.
-            wait_until(lambda: ORPHANS.tick() is None and len(ORPHANS) == 0, timeout=10,
-                       what="the hand-back was sent (and found the delivery stale)")
+            # The keeper's thread may be ticking (a tick then returns at once): poll.
+            wait_until(lambda: KEEPER.tick() is None and len(KEEPER) == 2, timeout=10,
+                       what="the hand-back was sent (and found the delivery stale); B holds two")
         # B took both ('other' too, no prefetch limit): nothing went back to ready.
         assert stats(server) == (0, 2, 0)
         message_id = held_by_b.delivery_tag.split("@")[0]
@@ -201,4 +199,4 @@ def test_basic_recover_hands_back_what_the_caller_still_holds(server: Server) ->
         again = publish_and_take_one(conn, "second")
         assert (again.payload, again.headers["x-delivery-count"]) == ("recover me", 1)
         again.ack()
-    assert len(ORPHANS) == 0
+    assert len(KEEPER) == 0

@@ -35,7 +35,7 @@ def conn(valkey_server: Server, got: list[Message]) -> Iterator[Connection]:
         for i in range(30):
             producer.publish(i, declare=[QUEUE])
         yield connection
-        for message in got:  # settled before the close, or the orphans registry adopts them
+        for message in got:  # settled before the close, or they stay held by their Messages after it
             if not message.acknowledged:
                 message.ack()
 

@@ -75,7 +75,7 @@ def test_a_task_of_a_sigkilled_worker_runs_again_marked_as_redelivered(
     assert (stats.ready, stats.in_flight, stats.dead) == (0, 0, 0)
 
 
-# solo: the task runs on the event loop's own thread, so the lease keeper's thread extends it.
+# solo: the task runs on the event loop's own thread, so the keeper's thread extends it.
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_the_heartbeat_keeps_a_task_longer_than_the_visibility_timeout_from_running_twice(
         short_broker: Broker, fast_producer: Celery, log_dir: Path, pool: str) -> None:

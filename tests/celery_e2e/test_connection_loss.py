@@ -6,7 +6,7 @@ task it already started (and, on the threads pool, the ones queued in the execut
 acks them through their old Message after reconnecting, so handing them all back at close
 ran them a second time: counted 79 times as `client_kill` duplicates, and 5 times as
 unattributable ones, where the first copy only started after the kill. The transport now
-adopts those deliveries (orphans.py): it keeps extending them while Celery holds them,
+keeps those deliveries held by their Messages (keeper.py): it keeps extending them while Celery holds them,
 takes their late ack, and hands back only the ones Celery dropped (prefork discards what
 it had only prefetched).
 """

@@ -127,7 +127,7 @@ def test_warm_shutdown_keeps_running_tasks_in_flight_until_they_finish(
         pool: str) -> None:
     """Found by the chaos harness: during a warm shutdown the event loop no longer turns, so
     the heartbeat stopped, and tasks running longer than the visibility timeout were
-    restored by another worker's sweep and ran twice. The lease keeper's thread extends them."""
+    restored by another worker's sweep and ran twice. The keeper's thread extends them."""
     visibility, runtime = 2, 6.0  # the task outlives three visibility timeouts after SIGTERM
     broker.transport_options = {"visibility_timeout": visibility, "sweep_interval": 0.5}
     env = {"CRL_ACKS_LATE": "1", "CRL_PREFETCH": "1"}
@@ -155,7 +155,7 @@ def test_cold_shutdown_hands_the_interrupted_task_back_at_once(
         broker: Broker, producer: Celery, servers: tuple[Server, Server], log_dir: Path,
         pool: str) -> None:
     """SIGQUIT stops the worker without letting its task finish: the message is handed
-    back, counted, when the process exits (orphans.py's exit hook, or the close), not
+    back, counted, when the process exits (the keeper's exit hook, or the close), not
     after the visibility timeout (set long here)."""
     broker.transport_options = {**broker.transport_options, "visibility_timeout": VISIBILITY_S}
     client = broker_client(servers)

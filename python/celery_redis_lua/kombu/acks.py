@@ -15,8 +15,8 @@ What this costs, and why it is safe:
   crashing process. Its message then comes back after the visibility timeout and runs
   again, exactly as when a crash beats a synchronous ack to the wire; the window is the
   few milliseconds a batch waits (``ack_flush_delay`` at most).
-- A batch that meets a lost connection is not dropped: its acks go to the orphans
-  registry, which sends them again once the broker answers (before the deadline lapses,
+- A batch that meets a lost connection is not dropped: its acks go to the keeper, which
+  sends them again once the broker answers (before the deadline lapses,
   the task does not run twice).
 - A channel that closes sends its acks first and waits for a batch of its own on the
   wire (:meth:`AckBatcher.flush`), and the process does the same at exit, so a warm
@@ -35,12 +35,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import redis
+
 from ..protocol.library import ScriptLibrary
 from ..protocol.runner import Call
-from .orphans import ORPHANS, RETRYABLE
+from .keeper import KEEPER
 
 logger = logging.getLogger(__name__)
 
+# What counts as "the broker is unreachable right now": the acks are sent again (the keeper).
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 # At exit, the acks still gathered get this long to reach an unreachable broker.
 EXIT_BUDGET_SECONDS = 10.0
 T = TypeVar("T")
@@ -123,7 +127,7 @@ class AckBatcher:
 
     def settle(self, lib: ScriptLibrary, batch: Batch, results: Sequence[Any]) -> None:
         """Settle the batch's acks by their calls' results (an exception in a call's place:
-        a lost connection sends them to the orphans registry, to be sent again)."""
+        a lost connection gives them to the keeper, to be sent again)."""
         for (queue, ids), result in zip(batch.ids.items(), results, strict=True):
             self._settled(lib, queue, ids, result)
 
@@ -175,7 +179,7 @@ class AckBatcher:
     def _run_settled(self, lib: ScriptLibrary, batch: Batch, after: Sequence[Call[Any]] = ()) -> list[Any]:
         """``batch``'s ack calls (one per queue), then ``after``, in one pipeline; the acks
         settled, the results of ``after`` returned (an error in its place, as the exception:
-        a lost connection fails them all, and the acks go to the orphans registry)."""
+        a lost connection fails them all, and the acks go to the keeper)."""
         acks = self.calls(lib, batch)
         calls = [*acks, *after]
         try:
@@ -190,13 +194,12 @@ class AckBatcher:
         if isinstance(result, RETRYABLE):
             logger.warning("celery-redis-lua: ack of %d message(s) of queue %r failed (%s); sending "
                            "them again once the broker is reachable", len(ids), queue, result)
-            for message_id in ids:
-                ORPHANS.ack_later(lib, queue, message_id)
+            KEEPER.ack_later(lib, queue, ids)
         elif isinstance(result, Exception):
             logger.error("celery-redis-lua: ack of message(s) %s of queue %r was refused (%s); they "
                          "come back after the visibility timeout", ", ".join(ids), queue, result)
-        # A sent ack has nothing to settle: an adopted delivery left the orphans registry when
-        # it was acked (QoS.ack), before its batch was sent.
+        # A sent ack has nothing to settle: its delivery left the keeper's held table when it
+        # was acked (QoS.ack), before its batch was sent.
 
     def _flush_all_at_exit(self) -> None:
         deadline = time.monotonic() + EXIT_BUDGET_SECONDS

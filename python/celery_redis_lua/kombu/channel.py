@@ -4,8 +4,8 @@ The channel holds no protocol logic of its own: publish, consume, ack, reject,
 declare, bind, purge and delete each map to one script (see lua/). What lives
 here is bookkeeping kombu needs (which queues are consumed, with or without
 ack), the queue-side steps of a consuming round (consume now, block on the queues'
-wake lists, consume again when woken) that the poller runs, and the upkeep of what the
-channel holds. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
+wake lists, consume again when woken) that the poller runs, and what it asks the keeper
+(keeper.py) to keep alive. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..protocol.ops import Consumed, Delivery, StaleRoute
 from ..protocol.runner import Call
 from .acks import ACKS, Batch
 from .fanout import FanoutMixin
-from .leases import KEEPER
+from .keeper import KEEPER
 from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
@@ -244,6 +243,7 @@ class Channel(FanoutMixin, virtual.Channel):
         if exchange:
             meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
             self._unbind(exchange, queue, self._binding_member(exchange, *meta))
+        self._keep_alive(queue)
 
     def _unbind(self, exchange: str, queue: str, member: str) -> None:
         """Unbind; when something was removed, cached copies of the table (in any process)
@@ -254,6 +254,7 @@ class Channel(FanoutMixin, virtual.Channel):
     def _forget_queue(self, queue: str) -> None:
         """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
         self.lib.delete(queue)
+        KEEPER.withdraw(self, queue)
         fanout = self.connection.fanout_queues.pop(queue, None)
         if fanout is not None:
             self.lib.fanout_unbind(fanout[0], queue)
@@ -277,6 +278,7 @@ class Channel(FanoutMixin, virtual.Channel):
         added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
         if added and self.typeof(exchange).type != "fanout":  # fanout publishes never route by table
             self.routes.changed(exchange)
+        self._keep_alive(queue)
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
         return list(self.routes.get(exchange, self._publishing))
@@ -310,7 +312,7 @@ class Channel(FanoutMixin, virtual.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
-        KEEPER.watch(self.connection.poller)  # the upkeep goes on while the loop stands still
+        self._keep_alive(queue)
         self._restart_waits()
         return result
 
@@ -319,6 +321,7 @@ class Channel(FanoutMixin, virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+            KEEPER.withdraw(self, queue)
             self._leave_fanout([queue])
         self._restart_waits()
         return result
@@ -389,6 +392,7 @@ class Channel(FanoutMixin, virtual.Channel):
             if payload is not None:
                 message = self.Message(payload, channel=self)
                 if not no_ack:
+                    KEEPER.take(self, self.lib, [delivery])
                     self.qos.append(message, message.delivery_tag)
                 return message
         return None
@@ -520,7 +524,7 @@ class Channel(FanoutMixin, virtual.Channel):
 
     def _consume_lost(self, sent: InFlight) -> None:
         """An in-flight consume's replies will never be read: its acks are sent again once
-        the broker answers (the orphans registry); what it consumed comes back after the
+        the broker answers (the keeper); what it consumed comes back after the
         visibility timeout, counted, as after a synchronous consume whose reply was lost."""
         if sent.acks is not None:
             lost = redis.ConnectionError("celery-redis-lua: the connection of an in-flight consume was lost")
@@ -556,7 +560,11 @@ class Channel(FanoutMixin, virtual.Channel):
         a consumer's own round trip sends them, the ack thread makes none of its own."""
         return ACKS.run_with_acks(self.lib, call)
 
-    def _deliver_all(self, deliveries: Iterable[Delivery], no_ack: bool) -> int:
+    def _deliver_all(self, deliveries: list[Delivery], no_ack: bool) -> int:
+        """Hand kombu each delivery, held by this channel (keeper.py) from now: kombu takes
+        them one at a time, and a solo task blocks inside the first."""
+        if not no_ack:
+            KEEPER.take(self, self.lib, deliveries)
         delivered = 0
         for delivery in deliveries:
             payload = self._decode_or_reject(delivery, no_ack)
@@ -573,39 +581,27 @@ class Channel(FanoutMixin, virtual.Channel):
         except BadEnvelope as error:
             logger.error("celery-redis-lua: rejected a message: %s", error)
             if not no_ack:
+                KEEPER.release(self.lib, delivery.queue, delivery.id)
                 reject(self.lib, delivery.queue, [delivery.id], requeue=False,
                        counts=[delivery.delivery_count])
             return None
 
     # -- periodic work ----------------------------------------------------------------------
 
-    def upkeep(self, *, from_loop: bool = True) -> None:
-        """Keep what this channel holds alive: push the deadlines of everything in flight
-        forward, refresh the expiry of the consumed queues that have one, their bindings and
-        their fanout groups. The transport runs it often enough for the shortest x-expires
-        (upkeep_interval). From another thread than the loop's (the lease keeper's) kombu's
-        state is only read."""
-        in_flight = self.qos.in_flight(flush=from_loop)
-        consumed = self.queues_polled
-        queues = set(in_flight) | {q for q in consumed if self._expires_ms(q)}
-        batch = [self.lib.calls.extend(queue, in_flight.get(queue, [])) for queue in sorted(queues)]
-        for queue in [*consumed, *self.fanout_polled]:
-            lifetime = self.binding_lifetime_ms(queue)
-            for exchange, routing_key, arguments in self._bindings_of(queue) if lifetime else ():
+    def _keep_alive(self, queue: str) -> None:
+        """Register with the keeper what keeps ``queue`` alive while this channel consumes
+        it: with an x-expires, the refresh of its keys, of the bindings this connection
+        declared for it and of its fanout group, three times per x-expires, so that a queue
+        with a live consumer never expires (nor its routes). Asked again when they change."""
+        expires, calls = self._expires_ms(queue), []
+        if expires and queue in self._active_queues:
+            fanout = queue in self.connection.fanout_queues
+            calls = [self.fanout_bind_call(queue)] if fanout else [self.lib.calls.extend(queue, [])]
+            for exchange, routing_key, arguments in self.state.queue_bindings(queue):
                 meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
-                batch.append(self.lib.calls.bind(exchange, [self._binding_member(exchange, *meta)],
-                                                 lifetime_ms=lifetime))
-        batch += [self.fanout_bind_call(queue) for queue in self.fanout_polled
-                  if self._expires_ms(queue)]
-        if batch:
-            self.lib.run_many(batch)
-
-    def _bindings_of(self, queue: str) -> list[tuple[str, str, Any]]:
-        """(exchange, routing key, arguments) of the bindings this connection declared."""
-        try:
-            return [(b.exchange, b.routing_key, b.arguments) for b in self.state.queue_bindings(queue)]
-        except RuntimeError:  # changed by the loop while the lease keeper read it: next time
-            return []
+                calls.append(self.lib.calls.bind(exchange, [self._binding_member(exchange, *meta)],
+                                                 lifetime_ms=self.binding_lifetime_ms(queue)))
+        KEEPER.keep_alive(self, queue, self.lib, calls, (expires or 0) / 3000)
 
     def sweep(self) -> None:
         queues = self.queues_polled
@@ -645,6 +641,7 @@ class Channel(FanoutMixin, virtual.Channel):
         for wait in list(self.stream_waits.values()):
             wait.cancel()
         self._leave_fanout(list(self._fanout_read))
+        KEEPER.withdraw(self)
         ACKS.flush(self.lib, timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
         try:
             super().close()

@@ -7,7 +7,7 @@ across its fanout streams; when a wait's socket is readable, the queues are cons
 wake list holds a token, never a message) and what the streams had is delivered.
 In Celery's event loop the waits are sockets registered with the hub; without it (plain
 kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way the
-periodic work (the upkeep and the sweep) runs from here. In the hub, where it can, the
+sweep runs from here. In the hub, where it can, the
 round's consume goes out on the wait's connection as a batch (:meth:`BlockingRead.
 send_batch`, with the acks gathered meanwhile in front of it) and is read the same way,
 when the socket is readable: the loop feeds the pool instead of standing still for the
@@ -31,12 +31,11 @@ import os
 import select
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
 
-from ..protocol.ops import Declared
 from ..protocol.runner import dedicated_connection, read_replies
 
 logger = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class BlockingRead:
         self._pool_of = pool if callable(pool) else (lambda: pool)
         self._on_redirect = on_redirect  # the slot moved (MOVED, ASK...): refresh the slot map
         # A pending batch's replies will never be read (the connection is lost or closed):
-        # its owner settles what the batch carried (the acks go to the orphans registry).
+        # its owner settles what the batch carried (the acks go to the keeper).
         self._on_lost = on_lost
         self.connection: Any = None
         self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
@@ -214,23 +213,17 @@ class Consuming(Protocol):
     def refill_due(self) -> float | None: ...
     def poll_streams(self) -> int: ...
     def on_wait_readable(self, wait: BlockingRead) -> int: ...
-    def upkeep(self, *, from_loop: bool) -> None: ...
     def sweep(self) -> None: ...
 
 
 class Poller:
-    """Owns the rounds of one connection's channels and the periodic work: the upkeep
-    every ``upkeep_interval()`` and the sweep every ``sweep_interval`` seconds."""
+    """Owns the rounds of one connection's channels and the sweep, every ``sweep_interval``
+    seconds."""
 
-    def __init__(self, *, heartbeat_seconds: float, sweep_interval: float, overdue_grace: float,
-                 declared: Mapping[str, Declared]) -> None:
+    def __init__(self, *, sweep_interval: float, overdue_grace: float) -> None:
         self.channels: set[Consuming] = set()
-        self.declared = declared  # the connection's queues and the arguments in force
-        self.heartbeat_seconds = heartbeat_seconds
         self.sweep_interval = sweep_interval
         self.overdue_grace = overdue_grace
-        self.last_upkeep = time.monotonic()
-        self.stood_in = 0  # how often the lease keeper ran the upkeep for a loop that stood still
         self._next_sweep = time.monotonic()
         self._unregister: Callable[[], None] = lambda: None
         self.in_hub = False  # registered with Celery's event loop, which reads the waits' replies
@@ -263,40 +256,14 @@ class Poller:
 
     # -- periodic work ----------------------------------------------------------------------
 
-    def upkeep_interval(self) -> float:
-        """Every visibility_timeout / 3 for the deadlines in flight, and three times per
-        x-expires of the shortest-lived queue the connection declared (every queue it
-        consumes or holds deliveries of whose expiry it knows), so that a queue (its bindings
-        and groups) with a live consumer never expires. Read on every round: it looks only at
-        the declared queues, never at the deliveries in flight."""
-        expiring = [d.expires_ms for d in tuple(self.declared.values()) if d.expires_ms]
-        return min(self.heartbeat_seconds, min(expiring) / 3000) if expiring else self.heartbeat_seconds
-
     def run_periodic(self, force: bool = False) -> None:
+        """The sweep, every ``sweep_interval`` (keeping deliveries and queues alive is the
+        keeper's, which does not depend on this loop running)."""
         now = time.monotonic()
-        if force or now - self.last_upkeep >= self.upkeep_interval():
-            self.upkeep(from_loop=True)
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.sweep_interval
             for channel in list(self.channels):
                 channel.sweep()
-
-    def upkeep(self, *, from_loop: bool) -> None:
-        """Keep what the channels hold alive. From the lease keeper's thread (the loop stands
-        still) kombu's state is only read."""
-        self.last_upkeep = time.monotonic()
-        for channel in list(self.channels):
-            channel.upkeep(from_loop=from_loop)
-
-    def interval(self) -> float:
-        """The lease keeper's question: how often the upkeep comes due."""
-        return self.upkeep_interval()
-
-    def tend(self, now: float) -> None:
-        """The lease keeper's call, from its thread: stand in for a loop that stopped."""
-        if self.channels and now - self.last_upkeep > 1.5 * self.upkeep_interval():
-            self.stood_in += 1
-            self.upkeep(from_loop=False)
 
     # -- without an event loop --------------------------------------------------------------
 

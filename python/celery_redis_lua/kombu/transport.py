@@ -2,10 +2,9 @@
 Celery's hub).
 
 The transport only makes connections and chooses the loop; the consuming rounds and the
-periodic work (the upkeep three times per x-expires of the shortest-lived queue declared,
-and at least every ``visibility_timeout / 3``; the sweep every ``sweep_interval``) belong
-to the connection's :class:`~.poller.Poller`, and the lease keeper (:mod:`.leases`) stands
-in for a loop that stands still.
+sweep (every ``sweep_interval``) belong to the connection's :class:`~.poller.Poller`, and
+keeping deliveries, queues and bindings alive to the process's keeper (:mod:`.keeper`),
+whatever the loop is doing.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from ..sentinel import (
     parse_sentinel_urls,
 )
 from .channel import Channel
-from .leases import KEEPER
 from .options import OptionError, TransportOptions, parse_options
 from .poller import OVERDUE_GRACE_SECONDS, Poller
 
@@ -103,10 +101,8 @@ class Transport(virtual.Transport):
         self._server_checked = False  # the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
         self.cluster  # noqa: B018  (bad cluster URLs or options: an error now)
-        self.poller = Poller(heartbeat_seconds=self.options.policy.heartbeat_seconds,
-                             sweep_interval=self.options.sweep_interval,
-                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval,
-                             declared=self.declared)
+        self.poller = Poller(sweep_interval=self.options.sweep_interval,
+                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval)
 
     def driver_version(self) -> str:
         return redis.__version__
@@ -286,7 +282,6 @@ class Transport(virtual.Transport):
         return redis.Redis(connection_pool=self.pool)
 
     def close_connection(self, connection: Any) -> None:
-        KEEPER.forget(self.poller)
         self.poller.unregister()
         super().close_connection(connection)
         if "pool" in self.__dict__:

@@ -1,0 +1,390 @@
+"""The keeper: what the kombu adapter does off the caller's stack, in one thread per process.
+
+It holds one table, the **held** deliveries: every message a consume took with acks, from
+the moment its reply is read (not when kombu learns of it: a consume hands kombu its
+messages one at a time, and a solo task blocks the loop inside the first) until its ack,
+reject or hand-back. Each entry remembers who holds it: the channel while that is open,
+the kombu ``Message`` once the channel closed (an *orphan*: Celery may still be running it
+and ack it through the old Message after reconnecting). The keeper alone keeps them
+alive, on deadlines, never reading a kombu object:
+
+- every held delivery's visibility deadline is pushed forward a third of the visibility
+  before it lapses, whatever the consumer's loop is doing (a solo task, a warm shutdown,
+  a reconnect);
+- what nobody holds any more (a Message dropped unacked, a channel dropped without
+  ``close()``, the messages a closed channel never handed kombu) is handed back, counted;
+  while orphans wait, the cycle collector runs on a back-off (Celery's requests are in
+  reference cycles, so a dropped Message is only freed by it);
+- the **keep-alive** calls a channel registers when it consumes or binds (the refresh of
+  an expiring queue, of its bindings, of its fanout group) run every third of the
+  queue's x-expires, until the channel withdraws them (cancel, close);
+- acks that could not be sent are sent again until they land.
+
+The thread sleeps until the earliest of those deadlines and ends when there are none;
+one tick runs at a time. At exit, what is still held is handed back (one budget for all
+of it), and a forked child starts with an empty keeper. A SIGKILLed process takes the
+keeper with it, so the visibility timeout still returns a dead worker's messages.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Delivery
+from ..protocol.runner import Call
+from .settle import hand_back
+
+logger = logging.getLogger(__name__)
+
+# A dropped Message is noticed within this long while orphans wait.
+ORPHAN_CHECK_SECONDS = 1.0
+# The cycle collector runs first this long after an orphan arrives, then at doubling
+# intervals up to GC_MAX_SECONDS (a long task must not cost a collection every few seconds).
+GC_FIRST_SECONDS = 2.0
+GC_MAX_SECONDS = 60.0
+# A call that failed (the broker unreachable, a failover) is tried again this soon at most.
+RETRY_SECONDS = 1.0
+# An ack or hand-back that keeps failing is given up after this long (logged). That loses
+# nothing: the message stays in the broker and the sweep restores it once its deadline lapses.
+GIVE_UP_SECONDS = 3600.0
+# At exit, all that is left gets this long together: an unreachable broker must not hang
+# the shutdown (the sweep restores what was not handed back).
+EXIT_BUDGET_SECONDS = 10.0
+
+Key = tuple[ScriptLibrary, str, str]  # (the library it came through, queue, message id)
+
+
+def _gone() -> None:
+    return None
+
+
+@dataclass(eq=False)
+class Held:
+    """One delivery taken by a consume and not yet acked, rejected or handed back."""
+
+    lib: ScriptLibrary  # the channel's (its client reconnects when used after a close)
+    queue: str
+    id: str
+    count: int  # the x-delivery-count it was delivered with: a hand-back is fenced by it
+    holder: Callable[[], Any]  # a weak reference: the channel, then (orphaned) the Message
+    orphaned: bool = False
+    since: float = field(default_factory=time.monotonic)  # taken, or found dropped
+
+
+@dataclass(eq=False)
+class KeepAlive:
+    """Calls a channel registered to be run every ``interval`` seconds while it lives."""
+
+    owner: Callable[[], Any]  # a weak reference to the channel
+    lib: ScriptLibrary
+    calls: list[Call[Any]]
+    interval: float
+    due: float
+
+
+class Keeper:
+    """The process's one keeper (:data:`KEEPER`)."""
+
+    def __init__(self) -> None:
+        self._hooks = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty, with fresh locks and no thread (a forked child; tests)."""
+        # Re-entrant: kombu closes a channel from a weakref finalizer, which the cycle
+        # collector may run in a thread that holds the lock (orphan() then re-enters).
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._ticking = threading.Lock()  # one tick at a time: two would hand back twice
+        self._held: dict[Key, Held] = {}
+        self._orphans: set[Key] = set()
+        self._alive: dict[tuple[int, str], KeepAlive] = {}
+        self._acks: dict[Key, float] = {}  # acks to send again -> since
+        self._extend_due = self._orphans_due = self._acks_due = math.inf
+        self._next_gc, self._gc_gap = math.inf, GC_FIRST_SECONDS
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def clear(self) -> None:
+        """Forget everything held and pending (tests: what a failed test left, its server
+        gone, must not be retried by the next ones); the thread then finds nothing due."""
+        with self._lock:
+            self._held.clear()
+            self._orphans.clear()
+            self._alive.clear()
+            self._acks.clear()
+            self._extend_due = self._orphans_due = self._acks_due = math.inf
+            self._wake.notify()
+
+    def __len__(self) -> int:
+        """Held deliveries and acks waiting to be sent again."""
+        return len(self._held) + len(self._acks)
+
+    def holds(self, lib: ScriptLibrary, queue: str, message_id: str) -> bool:
+        return (lib, queue, message_id) in self._held
+
+    # -- the held table --------------------------------------------------------------------
+
+    def take(self, owner: Any, lib: ScriptLibrary, deliveries: Sequence[Delivery]) -> None:
+        """A consume reply was read: ``owner`` (the channel) holds ``deliveries`` now."""
+        if not deliveries:
+            return
+        holder = weakref.ref(owner)
+        with self._lock:
+            for d in deliveries:
+                self._held[(lib, d.queue, d.id)] = Held(lib, d.queue, d.id, d.delivery_count, holder)
+            self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
+            self._start()
+
+    def release(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
+        """The delivery is acked, rejected or handed back (its call may still be on its way:
+        a tick in between must neither hand it back nor count it held)."""
+        with self._lock:
+            self._orphans.discard((lib, queue, message_id))
+            return self._held.pop((lib, queue, message_id), None)
+
+    def orphan(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
+        """``lib``'s channel closes: its (queue, id, Message) deliveries stay held by their
+        Messages; what it took but never handed kombu is handed back now."""
+        self._adopt(lib, unacked)
+        del unacked  # our references must not keep the Messages alive
+        self.tick()
+
+    def _adopt(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for queue, message_id, message in unacked:
+                held = self._held.get((lib, queue, message_id))
+                if held is not None:
+                    held.holder, held.orphaned = weakref.ref(message), True
+            for key, held in self._held.items():
+                if held.lib is lib and not held.orphaned:
+                    held.holder, held.orphaned = _gone, True
+                if held.orphaned:
+                    self._orphans.add(key)
+            self._gc_gap, self._next_gc = GC_FIRST_SECONDS, now
+            self._orphans_due = now
+            self._start()
+
+    # -- keep-alive calls ------------------------------------------------------------------
+
+    def keep_alive(self, owner: Any, name: str, lib: ScriptLibrary, calls: list[Call[Any]],
+                   interval: float) -> None:
+        """Run ``calls`` every ``interval`` seconds while ``owner`` lives (replacing what it
+        registered under ``name``); none: withdraw them."""
+        if not calls:
+            self.withdraw(owner, name)
+            return
+        with self._lock:
+            self._alive[(id(owner), name)] = KeepAlive(
+                weakref.ref(owner), lib, calls, interval, time.monotonic() + interval)
+            self._start()
+
+    def withdraw(self, owner: Any, name: str | None = None) -> None:
+        """Stop ``owner``'s keep-alive calls (those under ``name``; default all)."""
+        with self._lock:
+            for key in [k for k in self._alive if k[0] == id(owner) and name in (None, k[1])]:
+                del self._alive[key]
+
+    # -- acks that met trouble -------------------------------------------------------------
+
+    def ack_later(self, lib: ScriptLibrary, queue: str, ids: Iterable[str]) -> None:
+        """An ack call failed: send it again until it lands (acking is idempotent, and it
+        also cancels a copy the sweep restored meanwhile)."""
+        now = time.monotonic()
+        with self._lock:
+            for message_id in ids:
+                self._acks.setdefault((lib, queue, message_id), now)
+            self._acks_due = min(self._acks_due, now + RETRY_SECONDS)
+            self._start()
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Make sure the thread runs and knows the new deadlines (lock held)."""
+        if not self._hooks:  # installed on first use, not on import
+            self._hooks = True
+            os.register_at_fork(after_in_child=self.reset)  # the parent's are the parent's
+            atexit.register(self.at_exit)
+        if self._thread is None and os.getpid() == self._pid:
+            self._thread = threading.Thread(target=self._run, name="celery-redis-lua-keeper", daemon=True)
+            self._thread.start()
+        self._wake.notify()
+
+    def _next_due(self) -> float:
+        return min(self._extend_due, self._orphans_due, self._acks_due,
+                   *(alive.due for alive in self._alive.values()))
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                due = self._next_due()
+                if due == math.inf:  # nothing to keep: the thread ends, _start makes another
+                    self._thread = None
+                    return
+                if due > time.monotonic():
+                    self._wake.wait(due - time.monotonic())
+                    continue
+            self.tick()
+
+    def tick(self) -> None:
+        """Do what is due. Any error is kept to its part and tried again soon."""
+        if os.getpid() != self._pid or not self._ticking.acquire(blocking=False):
+            return
+        try:
+            now = time.monotonic()
+            if now >= self._orphans_due:
+                self._check_orphans(now)
+            if now >= self._extend_due:
+                self._extend(now)
+            self._run_keep_alives(now)
+            if now >= self._acks_due:
+                self._send_acks(now)
+        finally:
+            self._ticking.release()
+
+    # -- what a tick does ------------------------------------------------------------------
+
+    def _check_orphans(self, now: float) -> None:
+        """Hand back the orphans nobody holds any more."""
+        if now >= self._next_gc:
+            self._next_gc = now + self._gc_gap
+            self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
+            gc.collect()
+        with self._lock:
+            held = [self._held.get(key) for key in self._orphans]
+            self._orphans_due = math.inf  # _hand_back sets it again while orphans remain
+        self._hand_back([h for h in held if h is not None and h.holder() is None], now)
+
+    def _extend(self, now: float) -> None:
+        """Push every held deadline forward; hand back what a dropped channel held."""
+        with self._lock:
+            held = list(self._held.values())
+            self._extend_due = (now + min(h.lib.policy.heartbeat_seconds for h in held)) if held else math.inf
+        dropped = [h for h in held if not h.orphaned and h.holder() is None]
+        by_lib: dict[ScriptLibrary, list[Call[Any]]] = defaultdict(list)
+        for (lib, queue), group in _grouped(h for h in held if h.holder() is not None).items():
+            by_lib[lib].append(lib.calls.extend(queue, [h.id for h in group]))
+        for lib, calls in by_lib.items():
+            try:
+                lib.run_many(calls)
+            except Exception as error:  # the broker may be down: soon again
+                logger.warning("celery-redis-lua: could not extend %d held deliveries (%s); trying "
+                               "again", sum(len(c.args) - 1 for c in calls), error)
+                with self._lock:
+                    self._extend_due = min(self._extend_due, now + RETRY_SECONDS)
+        self._hand_back(dropped, now)
+
+    def _run_keep_alives(self, now: float) -> None:
+        with self._lock:
+            for key in [k for k, alive in self._alive.items() if alive.owner() is None]:
+                del self._alive[key]
+            due = [alive for alive in self._alive.values() if alive.due <= now]
+        for alive in due:
+            try:
+                alive.lib.run_many(alive.calls)
+                alive.due = now + alive.interval
+            except Exception as error:
+                logger.warning("celery-redis-lua: keeping queues alive failed (%s); trying again", error)
+                alive.due = now + min(RETRY_SECONDS, alive.interval)
+
+    def _send_acks(self, now: float, deadline: float = math.inf) -> None:
+        with self._lock:
+            pending = list(self._acks.items())
+        groups: dict[tuple[ScriptLibrary, str], list[tuple[Key, float]]] = defaultdict(list)
+        for key, since in pending:
+            groups[key[:2]].append((key, since))
+        for (lib, queue), entries in groups.items():
+            if time.monotonic() > deadline:
+                break
+            ids = [key[2] for key, _ in entries]
+            try:
+                lib.ack(queue, ids)
+            except Exception as error:
+                if now - min(since for _, since in entries) < GIVE_UP_SECONDS:
+                    logger.warning("celery-redis-lua: could not ack %d message(s) of queue %r (%s); "
+                                   "trying again", len(ids), queue, error)
+                    continue
+                logger.error("celery-redis-lua: gave up acking message(s) %s of queue %r (%s); they "
+                             "come back after the visibility timeout", ", ".join(ids), queue, error)
+            with self._lock:
+                for key, _ in entries:
+                    self._acks.pop(key, None)
+        with self._lock:
+            self._acks_due = now + RETRY_SECONDS if self._acks else math.inf
+
+    def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
+        """Give ``dropped`` back to their queues, counted; what fails stays an orphan (tried
+        again on the next check) until GIVE_UP_SECONDS."""
+        for (lib, queue), group in _grouped(dropped).items():
+            if time.monotonic() > deadline:
+                return
+            with self._lock:
+                for h in group:
+                    if not h.orphaned or h.holder() is not None:  # a dropped channel's
+                        h.holder, h.orphaned, h.since = _gone, True, now
+                        self._orphans.add((lib, queue, h.id))
+            ids = [h.id for h in group]
+            try:
+                result = hand_back(lib, queue, ids, [h.count for h in group])
+            except Exception as error:  # connection trouble, or a refusal (READONLY, OOM)
+                if now - min(h.since for h in group) < GIVE_UP_SECONDS:
+                    logger.warning("celery-redis-lua: could not hand back %d message(s) of queue %r "
+                                   "(%s); trying again", len(ids), queue, error)
+                    continue
+                logger.error("celery-redis-lua: gave up handing back message(s) %s of queue %r (%s); "
+                             "the sweep restores them", ", ".join(ids), queue, error)
+            else:
+                logger.info("celery-redis-lua: handed back %d message(s) of queue %r that nobody "
+                            "holds any more (%d delivered again elsewhere meanwhile, left alone)",
+                            len(ids), queue, result.stale)
+            with self._lock:
+                for h in group:
+                    if self._held.get((lib, queue, h.id)) is h:
+                        del self._held[(lib, queue, h.id)]
+                    self._orphans.discard((lib, queue, h.id))
+        with self._lock:
+            if self._orphans:
+                self._orphans_due = min(self._orphans_due, now + ORPHAN_CHECK_SECONDS)
+
+    def at_exit(self) -> None:
+        """Send the acks still pending, hand back everything still held (one budget)."""
+        if not len(self) or os.getpid() != self._pid:
+            return
+        if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
+            return
+        try:
+            now = time.monotonic()
+            deadline = now + EXIT_BUDGET_SECONDS
+            self._send_acks(now, deadline)
+            with self._lock:
+                held = list(self._held.values())
+            self._hand_back(held, now, deadline)
+            if len(self):
+                logger.error("celery-redis-lua: out of time at exit with %d deliveries held or acks "
+                             "unsent; the sweep restores them after the visibility timeout", len(self))
+        finally:
+            self._ticking.release()
+
+
+def _grouped(held: Iterable[Held]) -> dict[tuple[ScriptLibrary, str], list[Held]]:
+    """By (library, queue): one script call each (libraries hash by identity)."""
+    groups: dict[tuple[ScriptLibrary, str], list[Held]] = defaultdict(list)
+    for h in held:
+        groups[(h.lib, h.queue)].append(h)
+    return groups
+
+
+KEEPER = Keeper()
