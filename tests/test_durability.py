@@ -16,7 +16,6 @@ import redis
 from kombu import Connection
 
 from celery_redis_lua import Keyspace, Policy, ScriptLibrary
-from celery_redis_lua.kombu.acks import ACKS
 from celery_redis_lua.protocol.durability import Durability, DurabilityUnavailable, NotDurable
 from conftest import require_kind
 from helpers import wait_until
@@ -137,7 +136,7 @@ def test_publish_ack_and_reject_through_kombu_wait_each(pair: Pair) -> None:
         simple = connection.SimpleQueue("k")
         simple.put("declares the queue and its binding, once")
         simple.get(timeout=5).ack()
-        ACKS.flush(simple.channel.lib)  # that ack's wait is counted before, whenever it leaves
+        simple.channel.outbox.send()  # that ack's wait is counted before, whenever it leaves
         before = wait_calls(pair.primary)
         simple.put("a")
         simple.put("b")

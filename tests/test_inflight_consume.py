@@ -16,8 +16,6 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 from kombu.message import Message
 
-from celery_redis_lua.kombu.acks import ACKS
-from celery_redis_lua.kombu.keeper import KEEPER
 from kombu_support import Broker
 
 QUEUE = Queue("flight", Exchange("flight", "direct"), routing_key="flight")
@@ -79,11 +77,11 @@ def test_a_refill_goes_out_without_waiting_and_carries_the_gathered_acks(
         two_taken_and_acked(kind_broker, hub, conn, got)
         channel = conn.default_channel
         first = {m.properties["delivery_tag"] for m in got}
-        assert ACKS.pending(channel.lib) == 2
+        assert len(channel.outbox) == 2
         tick(hub)  # the refill is written; its reply is not read here
         wait = channel.queue_wait
         assert wait.batch is not None and wait.batch.acks is not None
-        assert len(got) == 2 and ACKS.pending(channel.lib) == 0  # the acks left with it
+        assert len(got) == 2 and len(channel.outbox) == 0  # the acks left with it
         turn_until(hub, lambda: len(got) == 4, what="the refill's deliveries")
         assert wait.batch is None
         assert len(ids_in(kind_broker, kind_broker.keys.message("flight"))) == 2  # the two acked are gone
@@ -107,12 +105,12 @@ def test_an_in_flight_consume_whose_reply_is_lost_loses_no_ack_and_no_message(
         tick(hub)
         wait = channel.queue_wait
         assert wait.batch is not None
-        assert len(KEEPER._acks) == 0
+        assert len(channel.outbox) == 0
         wait.sent_at -= 3600  # overdue: the next round drops the connection unread
         tick(hub)
         assert wait.batch is None and len(got) == 2
-        assert len(KEEPER._acks) == 2  # the two acks, to be sent again
-        turn_until(hub, lambda: len(KEEPER._acks) == 0, what="the acks sent again")
+        assert len(channel.outbox) == 2  # the two acks, to be sent again
+        turn_until(hub, lambda: len(channel.outbox) == 0, what="the acks sent again")
         turn_until(hub, lambda: {m.payload["i"] for m in got[2:]} == {0, 1, 2, 3} - acked, timeout=15,
                    what="the lost consume's messages delivered again")
         assert not acked & {m.payload["i"] for m in got[2:]}

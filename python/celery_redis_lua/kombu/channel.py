@@ -28,9 +28,9 @@ from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Consumed, Delivery, StaleRoute
 from ..protocol.runner import Call
-from .acks import ACKS, Batch
 from .fanout import FanoutMixin
 from .keeper import KEEPER
+from .outbox import Batch
 from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
@@ -80,6 +80,7 @@ class Channel(FanoutMixin, virtual.Channel):
         self.keys = self.options.keyspace(connection.db)
         self.client = connection.new_client()
         self.lib = ScriptLibrary(self.client, self.keys, self.options.policy, hold_connection=True)
+        self.outbox = KEEPER.outbox(self.lib, self.options.ack_flush_delay)  # acks, failed rejects
         self.routes = RouteCache(self.lib)
         self._publishing: Publishing | None = None
         # Unconfirmed publishes (confirm_publish=False) gather here (unconfirmed.py).
@@ -490,8 +491,8 @@ class Channel(FanoutMixin, virtual.Channel):
         """Send a consume for ``group`` (and the acks gathered meanwhile, in front of it) on
         the group's wait connection; :meth:`_consume_arrived` takes the replies."""
         room = self.headroom()
-        acks = ACKS.take(self.lib)
-        calls = [*(ACKS.calls(self.lib, acks) if acks else []), self.lib.calls.consume(group, room)]
+        acks = self.outbox.take()
+        calls = [*(self.outbox.calls(acks) if acks else []), self.lib.calls.consume(group, room)]
         sent = InFlight(acks, group, room, calls)
         self._wait(self.queue_waits, self.keys.queue(group[0])).send_batch(
             lambda connection: self.lib.runner.wire(connection, calls), len(calls), sent,
@@ -507,7 +508,7 @@ class Channel(FanoutMixin, virtual.Channel):
         except Exception as error:  # that run met a lost connection: the acks are sent again
             results = [error] * len(sent.calls)
         if sent.acks is not None:
-            ACKS.settle(self.lib, sent.acks, results[:-1])
+            self.outbox.settle(sent.acks, results[:-1])
         consumed = results[-1]
         if isinstance(consumed, Exception):
             raise consumed
@@ -523,12 +524,12 @@ class Channel(FanoutMixin, virtual.Channel):
         return delivered
 
     def _consume_lost(self, sent: InFlight) -> None:
-        """An in-flight consume's replies will never be read: its acks are sent again once
-        the broker answers (the keeper); what it consumed comes back after the
+        """An in-flight consume's replies will never be read: its acks go back to the outbox,
+        to be sent again; what it consumed comes back after the
         visibility timeout, counted, as after a synchronous consume whose reply was lost."""
         if sent.acks is not None:
             lost = redis.ConnectionError("celery-redis-lua: the connection of an in-flight consume was lost")
-            ACKS.settle(self.lib, sent.acks, [lost] * len(sent.acks.ids))
+            self.outbox.settle(sent.acks, [lost] * len(sent.acks.groups))
 
     def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
         """Block on the wake lists of ``queues`` (consumed ones of one slot; bounded by
@@ -556,9 +557,15 @@ class Channel(FanoutMixin, virtual.Channel):
         return self.poll_queues()
 
     def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
-        """A consume of the loop, carrying this channel's gathered acks (acks.py):
-        a consumer's own round trip sends them, the ack thread makes none of its own."""
-        return ACKS.run_with_acks(self.lib, call)
+        """A consume of the loop, carrying this channel's gathered acks (outbox.py): a
+        consumer's own round trip sends them, and the keeper makes no call of its own."""
+        batch = self.outbox.take()
+        if batch is None:
+            return self.lib.run(call)
+        (result,) = self.outbox.run(batch, [call])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _deliver_all(self, deliveries: list[Delivery], no_ack: bool) -> int:
         """Hand kombu each delivery, held by this channel (keeper.py) from now: kombu takes
@@ -581,7 +588,7 @@ class Channel(FanoutMixin, virtual.Channel):
         except BadEnvelope as error:
             logger.error("celery-redis-lua: rejected a message: %s", error)
             if not no_ack:
-                KEEPER.release(self.lib, delivery.queue, delivery.id)
+                KEEPER.release(self.lib, delivery.queue, [delivery.id])
                 reject(self.lib, delivery.queue, [delivery.id], requeue=False,
                        counts=[delivery.delivery_count])
             return None
@@ -642,7 +649,7 @@ class Channel(FanoutMixin, virtual.Channel):
             wait.cancel()
         self._leave_fanout(list(self._fanout_read))
         KEEPER.withdraw(self)
-        ACKS.flush(self.lib, timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
+        self.outbox.send(timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
         try:
             super().close()
         finally:

@@ -3,10 +3,12 @@
 It holds one table, the **held** deliveries: every message a consume took with acks, from
 the moment its reply is read (not when kombu learns of it: a consume hands kombu its
 messages one at a time, and a solo task blocks the loop inside the first) until its ack,
-reject or hand-back. Each entry remembers who holds it: the channel while that is open,
-the kombu ``Message`` once the channel closed (an *orphan*: Celery may still be running it
-and ack it through the old Message after reconnecting). The keeper alone keeps them
-alive, on deadlines, never reading a kombu object:
+reject or hand-back has landed. Each entry remembers who holds it: the channel while that
+is open, the kombu ``Message`` once the channel closed (an *orphan*: Celery may still be
+running it and ack it through the old Message after reconnecting), the outbox once its ack
+or reject is asked for (*settling*: never handed back, still extended, so a call the
+server refuses for a while, in a failover, lands before the message's lease lapses).
+The keeper alone keeps them alive, on deadlines, never reading a kombu object:
 
 - every held delivery's visibility deadline is pushed forward a third of the visibility
   before it lapses, whatever the consumer's loop is doing (a solo task, a warm shutdown,
@@ -18,7 +20,8 @@ alive, on deadlines, never reading a kombu object:
 - the **keep-alive** calls a channel registers when it consumes or binds (the refresh of
   an expiring queue, of its bindings, of its fanout group) run every third of the
   queue's x-expires, until the channel withdraws them (cancel, close);
-- acks that could not be sent are sent again until they land.
+- each channel's **outbox** (outbox.py) is sent when due: the acks no consume carried
+  within ``ack_flush_delay``, and what failed, again, until it lands.
 
 The thread sleeps until the earliest of those deadlines and ends when there are none;
 one tick runs at a time. At exit, what is still held is handed back (one budget for all
@@ -44,6 +47,7 @@ from typing import Any
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery
 from ..protocol.runner import Call
+from .outbox import Outbox
 from .settle import hand_back
 
 logger = logging.getLogger(__name__)
@@ -54,9 +58,11 @@ ORPHAN_CHECK_SECONDS = 1.0
 # intervals up to GC_MAX_SECONDS (a long task must not cost a collection every few seconds).
 GC_FIRST_SECONDS = 2.0
 GC_MAX_SECONDS = 60.0
+# How long the thread waits when it finds another thread ticking.
+BUSY_SECONDS = 0.01
 # A call that failed (the broker unreachable, a failover) is tried again this soon at most.
 RETRY_SECONDS = 1.0
-# An ack or hand-back that keeps failing is given up after this long (logged). That loses
+# A hand-back that keeps failing is given up after this long (logged). That loses
 # nothing: the message stays in the broker and the sweep restores it once its deadline lapses.
 GIVE_UP_SECONDS = 3600.0
 # At exit, all that is left gets this long together: an unreachable broker must not hang
@@ -80,6 +86,7 @@ class Held:
     count: int  # the x-delivery-count it was delivered with: a hand-back is fenced by it
     holder: Callable[[], Any]  # a weak reference: the channel, then (orphaned) the Message
     orphaned: bool = False
+    settling: bool = False  # its ack or reject is asked for: held until that lands
     since: float = field(default_factory=time.monotonic)  # taken, or found dropped
 
 
@@ -102,7 +109,10 @@ class Keeper:
         self.reset()
 
     def reset(self) -> None:
-        """Empty, with fresh locks and no thread (a forked child; tests)."""
+        """Empty, with fresh locks and no thread (a forked child: the parent's deliveries
+        and acks are the parent's)."""
+        for outbox in list(getattr(self, "_outboxes", ())):
+            outbox.forked()
         # Re-entrant: kombu closes a channel from a weakref finalizer, which the cycle
         # collector may run in a thread that holds the lock (orphan() then re-enters).
         self._lock = threading.RLock()
@@ -111,8 +121,9 @@ class Keeper:
         self._held: dict[Key, Held] = {}
         self._orphans: set[Key] = set()
         self._alive: dict[tuple[int, str], KeepAlive] = {}
-        self._acks: dict[Key, float] = {}  # acks to send again -> since
-        self._extend_due = self._orphans_due = self._acks_due = math.inf
+        self._outboxes: weakref.WeakSet[Outbox] = weakref.WeakSet()  # every channel's
+        self._sending: set[Outbox] = set()  # those with something to send (held until empty)
+        self._extend_due = self._orphans_due = math.inf
         self._next_gc, self._gc_gap = math.inf, GC_FIRST_SECONDS
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -124,13 +135,13 @@ class Keeper:
             self._held.clear()
             self._orphans.clear()
             self._alive.clear()
-            self._acks.clear()
-            self._extend_due = self._orphans_due = self._acks_due = math.inf
+            self._sending.clear()
+            self._extend_due = self._orphans_due = math.inf
             self._wake.notify()
 
     def __len__(self) -> int:
-        """Held deliveries and acks waiting to be sent again."""
-        return len(self._held) + len(self._acks)
+        """Deliveries held: taken and not yet settled (their ack or reject not landed)."""
+        return len(self._held)
 
     def holds(self, lib: ScriptLibrary, queue: str, message_id: str) -> bool:
         return (lib, queue, message_id) in self._held
@@ -148,12 +159,22 @@ class Keeper:
             self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
             self._start()
 
-    def release(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
-        """The delivery is acked, rejected or handed back (its call may still be on its way:
-        a tick in between must neither hand it back nor count it held)."""
+    def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
+        """The delivery's ack or reject is asked for: from now on nobody's to hand back (the
+        caller may drop its Message at once), still extended until :meth:`release`."""
         with self._lock:
-            self._orphans.discard((lib, queue, message_id))
-            return self._held.pop((lib, queue, message_id), None)
+            held = self._held.get((lib, queue, message_id))
+            if held is not None:
+                held.settling = True
+                self._orphans.discard((lib, queue, message_id))
+            return held
+
+    def release(self, lib: ScriptLibrary, queue: str, ids: Iterable[str]) -> None:
+        """The deliveries' ack, reject or hand-back landed (or was given up)."""
+        with self._lock:
+            for message_id in ids:
+                self._orphans.discard((lib, queue, message_id))
+                self._held.pop((lib, queue, message_id), None)
 
     def orphan(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         """``lib``'s channel closes: its (queue, id, Message) deliveries stay held by their
@@ -170,7 +191,7 @@ class Keeper:
                 if held is not None:
                     held.holder, held.orphaned = weakref.ref(message), True
             for key, held in self._held.items():
-                if held.lib is lib and not held.orphaned:
+                if held.lib is lib and not held.orphaned and not held.settling:
                     held.holder, held.orphaned = _gone, True
                 if held.orphaned:
                     self._orphans.add(key)
@@ -198,16 +219,18 @@ class Keeper:
             for key in [k for k in self._alive if k[0] == id(owner) and name in (None, k[1])]:
                 del self._alive[key]
 
-    # -- acks that met trouble -------------------------------------------------------------
+    # -- outboxes -------------------------------------------------------------------------
 
-    def ack_later(self, lib: ScriptLibrary, queue: str, ids: Iterable[str]) -> None:
-        """An ack call failed: send it again until it lands (acking is idempotent, and it
-        also cancels a copy the sweep restored meanwhile)."""
-        now = time.monotonic()
+    def outbox(self, lib: ScriptLibrary, delay: float) -> Outbox:
+        """A new channel's outbox, sent by this keeper when due."""
+        outbox = Outbox(lib, delay, self._outbox_due, self.release)
         with self._lock:
-            for message_id in ids:
-                self._acks.setdefault((lib, queue, message_id), now)
-            self._acks_due = min(self._acks_due, now + RETRY_SECONDS)
+            self._outboxes.add(outbox)
+        return outbox
+
+    def _outbox_due(self, outbox: Outbox) -> None:
+        with self._lock:
+            self._sending.add(outbox)
             self._start()
 
     # -- the thread ------------------------------------------------------------------------
@@ -224,7 +247,7 @@ class Keeper:
         self._wake.notify()
 
     def _next_due(self) -> float:
-        return min(self._extend_due, self._orphans_due, self._acks_due,
+        return min(self._extend_due, self._orphans_due, *(o.due for o in self._sending),
                    *(alive.due for alive in self._alive.values()))
 
     def _run(self) -> None:
@@ -237,23 +260,25 @@ class Keeper:
                 if due > time.monotonic():
                     self._wake.wait(due - time.monotonic())
                     continue
-            self.tick()
+            if not self.tick():  # another thread is ticking (a close, the exit): let it finish
+                time.sleep(BUSY_SECONDS)
 
-    def tick(self) -> None:
-        """Do what is due. Any error is kept to its part and tried again soon."""
+    def tick(self) -> bool:
+        """Do what is due, unless another thread is doing it (False). Any error is kept to
+        its part and tried again soon."""
         if os.getpid() != self._pid or not self._ticking.acquire(blocking=False):
-            return
+            return False
         try:
             now = time.monotonic()
+            self._send_outboxes(now)
             if now >= self._orphans_due:
                 self._check_orphans(now)
             if now >= self._extend_due:
                 self._extend(now)
             self._run_keep_alives(now)
-            if now >= self._acks_due:
-                self._send_acks(now)
         finally:
             self._ticking.release()
+        return True
 
     # -- what a tick does ------------------------------------------------------------------
 
@@ -273,9 +298,9 @@ class Keeper:
         with self._lock:
             held = list(self._held.values())
             self._extend_due = (now + min(h.lib.policy.heartbeat_seconds for h in held)) if held else math.inf
-        dropped = [h for h in held if not h.orphaned and h.holder() is None]
+        dropped = [h for h in held if not h.orphaned and not h.settling and h.holder() is None]
         by_lib: dict[ScriptLibrary, list[Call[Any]]] = defaultdict(list)
-        for (lib, queue), group in _grouped(h for h in held if h.holder() is not None).items():
+        for (lib, queue), group in _grouped(h for h in held if h.settling or h.holder() is not None).items():
             by_lib[lib].append(lib.calls.extend(queue, [h.id for h in group]))
         for lib, calls in by_lib.items():
             try:
@@ -300,30 +325,15 @@ class Keeper:
                 logger.warning("celery-redis-lua: keeping queues alive failed (%s); trying again", error)
                 alive.due = now + min(RETRY_SECONDS, alive.interval)
 
-    def _send_acks(self, now: float, deadline: float = math.inf) -> None:
+    def _send_outboxes(self, now: float, timeout: float = 0) -> None:
+        """Send the outboxes that are due (one a close is sending is skipped: it takes
+        what is pending); forget those left empty."""
         with self._lock:
-            pending = list(self._acks.items())
-        groups: dict[tuple[ScriptLibrary, str], list[tuple[Key, float]]] = defaultdict(list)
-        for key, since in pending:
-            groups[key[:2]].append((key, since))
-        for (lib, queue), entries in groups.items():
-            if time.monotonic() > deadline:
-                break
-            ids = [key[2] for key, _ in entries]
-            try:
-                lib.ack(queue, ids)
-            except Exception as error:
-                if now - min(since for _, since in entries) < GIVE_UP_SECONDS:
-                    logger.warning("celery-redis-lua: could not ack %d message(s) of queue %r (%s); "
-                                   "trying again", len(ids), queue, error)
-                    continue
-                logger.error("celery-redis-lua: gave up acking message(s) %s of queue %r (%s); they "
-                             "come back after the visibility timeout", ", ".join(ids), queue, error)
-            with self._lock:
-                for key, _ in entries:
-                    self._acks.pop(key, None)
+            due = [o for o in self._sending if o.due <= now]
+        for outbox in due:
+            outbox.send(timeout)
         with self._lock:
-            self._acks_due = now + RETRY_SECONDS if self._acks else math.inf
+            self._sending = {o for o in self._sending if o.due != math.inf}
 
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
         """Give ``dropped`` back to their queues, counted; what fails stays an orphan (tried
@@ -360,23 +370,36 @@ class Keeper:
                 self._orphans_due = min(self._orphans_due, now + ORPHAN_CHECK_SECONDS)
 
     def at_exit(self) -> None:
-        """Send the acks still pending, hand back everything still held (one budget)."""
-        if not len(self) or os.getpid() != self._pid:
+        """Send every outbox, hand back everything still held (one budget for it all); what
+        is left is logged at ERROR, by queue with its ids, never silently."""
+        if not (self._held or self._sending) or os.getpid() != self._pid:
             return
         if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
             return
         try:
             now = time.monotonic()
             deadline = now + EXIT_BUDGET_SECONDS
-            self._send_acks(now, deadline)
-            with self._lock:
-                held = list(self._held.values())
+            for outbox in list(self._sending):
+                outbox.send(max(0.0, deadline - time.monotonic()))
+            with self._lock:  # a settling one is finished: it is the outbox's to report
+                held = [h for h in self._held.values() if not h.settling]
             self._hand_back(held, now, deadline)
-            if len(self):
-                logger.error("celery-redis-lua: out of time at exit with %d deliveries held or acks "
-                             "unsent; the sweep restores them after the visibility timeout", len(self))
+            self._report_at_exit()
         finally:
             self._ticking.release()
+
+    def _report_at_exit(self) -> None:
+        for outbox in list(self._sending):
+            for queue, ids in outbox.unsent().items():
+                logger.error("celery-redis-lua: exiting with %d ack(s) of queue %r unsent: %s; those "
+                             "messages run again after the visibility timeout", len(ids), queue,
+                             ", ".join(ids))
+        with self._lock:
+            left = [h for h in self._held.values() if not h.settling]
+        for (_, queue), group in _grouped(left).items():
+            logger.error("celery-redis-lua: exiting with %d message(s) of queue %r not handed back: "
+                         "%s; the sweep restores them after the visibility timeout", len(group), queue,
+                         ", ".join(h.id for h in group))
 
 
 def _grouped(held: Iterable[Held]) -> dict[tuple[ScriptLibrary, str], list[Held]]:

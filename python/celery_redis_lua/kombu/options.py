@@ -70,9 +70,9 @@ class TransportOptions:
     # a publish not confirmed within durability_timeout seconds raises NotDurable.
     durability: str | None = None
     durability_timeout: float = 1.0
-    # Acks are sent in batches (kombu/acks.py): an ack waits at most this long (seconds) for
+    # Acks are sent in batches (kombu/outbox.py): an ack waits at most this long (seconds) for
     # the consumer's next consume to carry it (or for others to share its own round
-    # trip); 0 sends each batch as soon as the ack thread runs. 5 ms: a prefork worker's
+    # trip); 0 sends each batch as soon as the keeper's thread runs. 5 ms: a prefork worker's
     # refill comes within it (a freed slot gathers for up to 2 ms, channel.py), and it is
     # all a killed worker can replay beyond a synchronous ack's window.
     ack_flush_delay: float = 0.005

@@ -16,9 +16,8 @@ from kombu.transport import virtual
 
 from ..protocol.envelope import DeliveryTag
 from ..protocol.library import ScriptLibrary
-from .acks import ACKS, RETRYABLE
 from .keeper import KEEPER
-from .settle import hand_back, reject
+from .settle import hand_back
 
 logger = logging.getLogger(__name__)
 
@@ -33,32 +32,28 @@ class QoS(virtual.QoS):
         return self.channel.lib
 
     def ack(self, delivery_tag: str) -> None:
-        """Ack through the script, in a batch with the acks around it (acks.py). An ack that
-        meets a lost connection is kept and sent again (the keeper) instead of failing: the
+        """Ack through the channel's outbox, in a batch with the acks around it: one that
+        fails, for any reason, is kept and sent again (outbox.py) instead of failing: the
         task is done, it must not run again."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
-            # Released now, not when the batch is sent: the caller may drop its Message
+            # Settling from now, not when the batch is sent: the caller may drop its Message
             # before that, and a keeper tick in between would take it for dropped unacked
-            # and hand it back (the task would run again).
-            KEEPER.release(self.lib, tag.queue, tag.id)
-            ACKS.add(self.lib, tag.queue, tag.id, wait=self.channel.options.ack_flush_delay)
+            # and hand it back (the task would run again). Released when the ack lands.
+            KEEPER.settling(self.lib, tag.queue, tag.id)
+            self.channel.outbox.add_ack(tag.queue, tag.id)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        """Reject through the script. If the broker is unreachable the message is forgotten
-        here and the sweep restores it after the visibility timeout (counted)."""
+        """Reject now through the channel's outbox, fenced by the delivery's count; one that
+        fails is kept and sent again until its lease would lapse (outbox.py)."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
             # Fenced by the count this delivery carried.
-            held = KEEPER.release(self.lib, tag.queue, tag.id)
+            held = KEEPER.settling(self.lib, tag.queue, tag.id)
             count = held.count if held is not None else self.delivery_count(delivery_tag)
-            try:
-                reject(self.lib, tag.queue, [tag.id], requeue=requeue, counts=[count])
-            except RETRYABLE as error:
-                logger.warning("celery-redis-lua: reject of %s failed (%s); the sweep restores it "
-                               "after the visibility timeout", delivery_tag, error)
-        super().ack(delivery_tag)  # forget it locally; the script already requeued or dropped it
+            self.channel.outbox.reject(tag.queue, tag.id, requeue=requeue, count=count)
+        super().ack(delivery_tag)  # forget it locally: the script requeued or dropped it (or will)
 
     def delivery_count(self, delivery_tag: str) -> int | None:
         """The x-delivery-count this channel's delivery carried (its fencing token)."""
@@ -76,11 +71,14 @@ class QoS(virtual.QoS):
         """basic_recover(requeue=True): every unacked delivery goes back now, counted."""
         by_queue: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
         for queue, message_id, message in self._take_unacked():
-            held = KEEPER.release(self.lib, queue, message_id)
+            held = KEEPER.settling(self.lib, queue, message_id)
             by_queue[queue].append((message_id, held.count if held else _count_of(message)))
         for queue, entries in by_queue.items():
             ids, counts = zip(*entries, strict=True)
-            hand_back(self.lib, queue, list(ids), list(counts))
+            try:
+                hand_back(self.lib, queue, list(ids), list(counts))
+            finally:  # landed, or back after the visibility timeout: no longer extended
+                KEEPER.release(self.lib, queue, ids)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """The channel closes: its unacked deliveries stay held by their Messages (the

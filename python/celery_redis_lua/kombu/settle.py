@@ -1,5 +1,6 @@
-"""Settling deliveries: the one path every reject and hand-back takes (a consumer's reject,
-a decoding failure, ``basic_recover``, a delivery dropped after its channel closed, exit),
+"""Rejecting deliveries: the one path every reject and hand-back takes (a decoding failure,
+``basic_recover``, a delivery nobody holds any more, exit; a consumer's reject goes through
+its channel's outbox, which reports the same way),
 with the log lines an operator needs when one reaches the delivery limit."""
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ def reject(lib: ScriptLibrary, queue: str, ids: Sequence[str], *, requeue: bool,
     """Reject through the script; with ``counts`` (the x-delivery-count each was delivered
     with) a message delivered again since is left alone (counted stale)."""
     result = lib.reject(queue, list(ids), requeue=requeue, counts=counts)
+    report(lib, queue, ids, result, requeue=requeue)
+    return result
+
+
+def report(lib: ScriptLibrary, queue: str, ids: Sequence[str], result: Rejected, *, requeue: bool) -> None:
+    """Log what an operator must see of a reject's result: a requeue that dead-lettered."""
     if result.dead_lettered and requeue:
         logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s and "
                      "was dead-lettered", ", ".join(ids), queue, lib.policy.delivery_limit)
-    return result
 
 
 def hand_back(lib: ScriptLibrary, queue: str, ids: Sequence[str],

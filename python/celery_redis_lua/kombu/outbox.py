@@ -1,0 +1,211 @@
+"""The outbox: one per channel, the settling calls (acks, rejects) that have not landed yet.
+
+``message.ack()`` puts its delivery here and returns. The channel's next consume (the
+consumer's own round trip: a prefork worker refills its prefetch window as its pool frees
+slots) carries what has gathered, in front of it in the same write; what no consume takes
+within ``ack_flush_delay`` (5 ms by default) the keeper's thread sends (keeper.py), one
+``ack`` call per queue in one pipeline. On a cluster or with a durability wait the keeper
+sends them all (a consume must not wait for an fsync, and its node need not be the acks').
+The channel's close, and the process's exit, send what is left. A reject is sent at once,
+from the caller (its fencing count decides on the server whether it still applies); one
+that fails waits here like an ack.
+
+A call that fails, for any reason (a lost connection, a failover's CLUSTERDOWN or
+MASTERDOWN, a demoted primary's READONLY, TRYAGAIN, a refusal), stays in the outbox and is
+sent again about once a second: acking is idempotent, and a late ack also cancels a copy
+the sweep restored meanwhile. It is given up only when the lease of the message it
+settles would have lapsed (the visibility timeout after the ack), and then logged once,
+naming the queue and the message ids: by then the message is another consumer's to run.
+
+What this costs: an ack gathered but not yet sent dies with a killed process; its task
+comes back after the visibility timeout and runs again, as when a kill beats a
+synchronous ack to the wire; the window is ``ack_flush_delay``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol.library import ScriptLibrary
+from ..protocol.runner import Call
+from .settle import report
+
+logger = logging.getLogger(__name__)
+
+# A failed call is sent again after FIRST_RETRY_SECONDS, then at doubling intervals up to
+# RETRY_SECONDS: a failover's CLUSTERDOWN or READONLY lasts a second or two, and an ack that
+# lands late may find its message already restored by a sweep.
+FIRST_RETRY_SECONDS = 0.05
+RETRY_SECONDS = 1.0
+
+
+Group = tuple[str, str, bool]  # ("ack" or "reject", queue, requeue): one script call each
+
+
+@dataclass(frozen=True)
+class Pending:
+    since: float  # when it was first asked for: it is given up a visibility timeout later
+    count: int | None = None  # a reject's fencing count (the x-delivery-count it was delivered with)
+
+
+@dataclass
+class Batch:
+    """Calls taken out of an outbox to be sent: group -> {message id: Pending}."""
+
+    groups: dict[Group, dict[str, Pending]] = field(default_factory=lambda: defaultdict(dict))
+
+    def __len__(self) -> int:
+        return sum(map(len, self.groups.values()))
+
+
+class Outbox:
+    """One channel's pending acks and rejects (``lib`` is the channel's script library)."""
+
+    def __init__(self, lib: ScriptLibrary, delay: float, on_due: Callable[[Outbox], None],
+                 on_landed: Callable[[ScriptLibrary, str, Iterable[str]], None]) -> None:
+        self.lib, self.delay = lib, delay
+        self._on_due = on_due  # the keeper's: this outbox has something due at self.due
+        self._on_landed = on_landed  # the keeper's: these deliveries are settled (or given up)
+        self.forked()
+
+    def forked(self) -> None:
+        """Empty, with fresh locks (a forked child leaves the parent's acks to the parent)."""
+        self._lock = threading.Lock()
+        self._wire = threading.Lock()  # one send at a time: close waits for one on the wire
+        self._pending = Batch()
+        self._sent = 0  # how many calls send() has on the wire (counted as not landed yet)
+        self._failing: set[tuple[Group, str]] = set()  # warned about once already
+        self._retry_in = FIRST_RETRY_SECONDS
+        self.due = math.inf  # monotonic time at which the keeper sends what is pending
+
+    def __len__(self) -> int:
+        """Acks and rejects not landed yet: pending, or on the wire from :meth:`send` (not
+        those a consume took: they are the consume's until it settles them)."""
+        return len(self._pending) + self._sent
+
+    def add_ack(self, queue: str, message_id: str) -> None:
+        """Gather one ack; it goes within ``delay`` seconds (with a consume, or the keeper)."""
+        self._add(Batch({("ack", queue, False): {message_id: Pending(time.monotonic())}}),
+                  time.monotonic() + self.delay)
+
+    def reject(self, queue: str, message_id: str, *, requeue: bool, count: int | None) -> None:
+        """Reject now, fenced by ``count``; kept and sent again if that fails."""
+        group: Group = ("reject", queue, requeue)
+        self.run(Batch({group: {message_id: Pending(time.monotonic(), count)}}))
+
+    def take(self) -> Batch | None:
+        """What is pending, for a consume to carry in front of it (the caller settles it with
+        :meth:`settle`, or as lost); None where a batch is not one write (a cluster, a
+        durability wait: they stay for the keeper) or nothing is pending."""
+        if not self.lib.runner.batches_in_one_write:
+            return None
+        with self._lock:
+            if not self._pending.groups:
+                return None
+            batch, self._pending, self.due = self._pending, Batch(), math.inf
+        return batch
+
+    def calls(self, batch: Batch) -> list[Call[Any]]:
+        """The batch's calls, one per group, in the order :meth:`settle` expects."""
+        return [self.lib.calls.ack(queue, list(ids)) if kind == "ack" else
+                self.lib.calls.reject(queue, list(ids), requeue=requeue,
+                                      counts=[p.count for p in ids.values()])
+                for (kind, queue, requeue), ids in batch.groups.items()]
+
+    def settle(self, batch: Batch, results: Sequence[Any]) -> None:
+        """Record the results of ``batch``'s calls (an exception in a call's place): what
+        failed goes back in, to be sent again, until its message's lease would lapse."""
+        now = time.monotonic()
+        again = Batch()
+        for (group, ids), result in zip(batch.groups.items(), results, strict=True):
+            if isinstance(result, BaseException):
+                again.groups[group] = self._failed(group, ids, result, now)
+            else:
+                self._landed(group, ids, result)
+        if again:
+            self._add(again, now + self._retry_in)
+            self._retry_in = min(self._retry_in * 2, RETRY_SECONDS)
+        else:
+            self._retry_in = FIRST_RETRY_SECONDS
+
+    def _failed(self, group: Group, ids: dict[str, Pending], error: BaseException,
+                now: float) -> dict[str, Pending]:
+        """What of a failed call is sent again; the rest (past its lease) is logged once."""
+        kind, queue, _ = group
+        lease = self.lib.policy.visibility_ms / 1000
+        live = {i: p for i, p in ids.items() if now - p.since < lease}
+        lapsed = [i for i in ids if i not in live]
+        if lapsed:
+            logger.error("celery-redis-lua: gave up the %s of message(s) %s of queue %r (%s: %s): "
+                         "their lease has lapsed, so they may run again", kind, ", ".join(lapsed),
+                         queue, type(error).__name__, error)
+        new = [i for i in live if (group, i) not in self._failing]
+        if new:
+            logger.warning("celery-redis-lua: the %s of %d message(s) of queue %r failed (%s: %s); "
+                           "sending it again until it lands", kind, len(new), queue,
+                           type(error).__name__, error)
+        with self._lock:
+            self._failing.update((group, i) for i in live)
+            self._failing.difference_update((group, i) for i in lapsed)
+        self._on_landed(self.lib, queue, lapsed)  # no longer extended: its lease may lapse
+        return live
+
+    def _landed(self, group: Group, ids: dict[str, Pending], result: Any) -> None:
+        kind, queue, requeue = group
+        self._on_landed(self.lib, queue, ids)
+        if self._failing:
+            with self._lock:
+                self._failing.difference_update((group, i) for i in ids)
+        if kind == "reject":
+            report(self.lib, queue, list(ids), result, requeue=requeue)
+
+    def _add(self, batch: Batch, due: float) -> None:
+        with self._lock:
+            for group, ids in batch.groups.items():
+                for message_id, pending in ids.items():
+                    self._pending.groups[group].setdefault(message_id, pending)
+            sooner, self.due = due < self.due, min(self.due, due)
+        if sooner:  # the keeper may sleep past it
+            self._on_due(self)
+
+    def send(self, timeout: float = -1) -> bool:
+        """Send what is pending now, from this thread, after any send already on the wire
+        (waited for at most ``timeout`` seconds; -1: as long as it takes). Returns whether
+        it got its turn."""
+        if not self._wire.acquire(timeout=timeout):
+            return False
+        try:
+            with self._lock:
+                batch, self._pending, self.due = self._pending, Batch(), math.inf
+                self._sent = len(batch)
+            if batch:
+                self.run(batch)
+        finally:
+            self._sent = 0
+            self._wire.release()
+        return True
+
+    def run(self, batch: Batch, after: Sequence[Call[Any]] = ()) -> list[Any]:
+        """``batch``'s calls, then ``after``, in one pipeline; the batch settled, the results
+        of ``after`` returned (the exception in place of a failed one)."""
+        settling = self.calls(batch)
+        calls = [*settling, *after]
+        try:
+            results = self.lib.run_many(calls, raise_on_error=False)
+        except Exception as error:  # a lost connection: every call failed with it
+            results = [error] * len(calls)
+        self.settle(batch, results[:len(settling)])
+        return results[len(settling):]
+
+    def unsent(self) -> dict[str, list[str]]:
+        """What is still pending, "<kind> of <queue>" -> ids (the exit's report)."""
+        with self._lock:
+            return {f"{kind} of {queue!r}": list(ids)
+                    for (kind, queue, _), ids in self._pending.groups.items() if ids}
