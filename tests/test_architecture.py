@@ -94,7 +94,7 @@ def test_the_protocol_layer_never_imports_kombu() -> None:
                 names = [alias.name for alias in node.names]
             else:
                 continue
-                assert not any(n == "kombu" or n.startswith(("kombu.", "celery")) for n in names), name
+            assert not any(n == "kombu" or n.startswith(("kombu.", "celery")) for n in names), name
 
 
 def test_no_module_outside_the_keyspace_formats_a_key_name() -> None:

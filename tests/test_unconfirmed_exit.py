@@ -51,8 +51,6 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         yield srv
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31 item 3: refused unconfirmed publishes vanish at exit "
-                                       "(the exit hook flushes but never checks); fixed by the outbox")
 def test_a_producer_that_exits_without_close_names_its_refused_publishes(server: Server) -> None:
     url = f"redislua://127.0.0.1:{server.port}/0"
     with Connection(url) as conn:

@@ -35,7 +35,7 @@ from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
 from .settle import hand_back, reject
-from .unconfirmed import Pipeline, Send, UnconfirmedPublishError
+from .unconfirmed import Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,13 @@ class Channel(FanoutMixin, virtual.Channel):
         self.keys = self.options.keyspace(connection.db)
         self.client = connection.new_client()
         self.lib = ScriptLibrary(self.client, self.keys, self.options.policy, hold_connection=True)
-        self.outbox = KEEPER.outbox(self.lib, self.options.ack_flush_delay)  # acks, failed rejects
+        # What has not landed: acks, failed rejects, unconfirmed publishes (outbox.py).
+        unconfirmed = None if self.options.confirm_publish else (self.options.publish_pipeline,
+                                                                 self.options.publish_flush_delay)
+        self.outbox = KEEPER.outbox(self.lib, self.options.ack_flush_delay, unconfirmed)
+        self.unconfirmed = self.outbox.publishes  # None with confirm_publish (the default)
         self.routes = RouteCache(self.lib)
         self._publishing: Publishing | None = None
-        # Unconfirmed publishes (confirm_publish=False) gather here (unconfirmed.py).
-        self.unconfirmed = None if self.options.confirm_publish else Pipeline(
-            self.lib, self.options.publish_pipeline, self.options.publish_flush_delay)
         self._send: Send | None = None
         self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
         self._no_ack_queues: set[str] = set()

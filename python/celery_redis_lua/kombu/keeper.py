@@ -221,9 +221,10 @@ class Keeper:
 
     # -- outboxes -------------------------------------------------------------------------
 
-    def outbox(self, lib: ScriptLibrary, delay: float) -> Outbox:
-        """A new channel's outbox, sent by this keeper when due."""
-        outbox = Outbox(lib, delay, self._outbox_due, self.release)
+    def outbox(self, lib: ScriptLibrary, delay: float, publishes: tuple[int, float] | None = None) -> Outbox:
+        """A new channel's outbox (with a pipeline for unconfirmed publishes: (size, delay)),
+        sent by this keeper when due."""
+        outbox = Outbox(lib, delay, self._outbox_due, self.release, publishes)
         with self._lock:
             self._outboxes.add(outbox)
         return outbox
@@ -372,7 +373,7 @@ class Keeper:
     def at_exit(self) -> None:
         """Send every outbox, hand back everything still held (one budget for it all); what
         is left is logged at ERROR, by queue with its ids, never silently."""
-        if not (self._held or self._sending) or os.getpid() != self._pid:
+        if not (self._held or self._outboxes) or os.getpid() != self._pid:
             return
         if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
             return
@@ -380,7 +381,7 @@ class Keeper:
             now = time.monotonic()
             deadline = now + EXIT_BUDGET_SECONDS
             for outbox in list(self._sending):
-                outbox.send(max(0.0, deadline - time.monotonic()))
+                outbox.send(max(0.0, deadline - time.monotonic()), everything=True)
             with self._lock:  # a settling one is finished: it is the outbox's to report
                 held = [h for h in self._held.values() if not h.settling]
             self._hand_back(held, now, deadline)
@@ -389,11 +390,9 @@ class Keeper:
             self._ticking.release()
 
     def _report_at_exit(self) -> None:
-        for outbox in list(self._sending):
-            for queue, ids in outbox.unsent().items():
-                logger.error("celery-redis-lua: exiting with %d ack(s) of queue %r unsent: %s; those "
-                             "messages run again after the visibility timeout", len(ids), queue,
-                             ", ".join(ids))
+        for outbox in list(self._outboxes):
+            for line in outbox.unsent():
+                logger.error("celery-redis-lua: exiting with %s", line)
         with self._lock:
             left = [h for h in self._held.values() if not h.settling]
         for (_, queue), group in _grouped(left).items():

@@ -1,4 +1,6 @@
-"""The outbox: one per channel, the settling calls (acks, rejects) that have not landed yet.
+"""The outbox: one per channel, the calls that have not landed yet: acks and rejects, and
+(``confirm_publish=False``) the unconfirmed publishes, whose pipeline (unconfirmed.py) is
+sent the same way: by the keeper when due, at close and at exit.
 
 ``message.ack()`` puts its delivery here and returns. The channel's next consume (the
 consumer's own round trip: a prefork worker refills its prefetch window as its pool frees
@@ -36,6 +38,7 @@ from typing import Any
 from ..protocol.library import ScriptLibrary
 from ..protocol.runner import Call
 from .settle import report
+from .unconfirmed import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -69,21 +72,32 @@ class Outbox:
     """One channel's pending acks and rejects (``lib`` is the channel's script library)."""
 
     def __init__(self, lib: ScriptLibrary, delay: float, on_due: Callable[[Outbox], None],
-                 on_landed: Callable[[ScriptLibrary, str, Iterable[str]], None]) -> None:
+                 on_landed: Callable[[ScriptLibrary, str, Iterable[str]], None],
+                 publishes: tuple[int, float] | None = None) -> None:
         self.lib, self.delay = lib, delay
         self._on_due = on_due  # the keeper's: this outbox has something due at self.due
         self._on_landed = on_landed  # the keeper's: these deliveries are settled (or given up)
+        # Unconfirmed publishes: (publish_pipeline, publish_flush_delay), or None (confirmed).
+        self.publishes = None if publishes is None else Pipeline(lib, *publishes, lambda: on_due(self))
         self.forked()
 
     def forked(self) -> None:
         """Empty, with fresh locks (a forked child leaves the parent's acks to the parent)."""
         self._lock = threading.Lock()
         self._wire = threading.Lock()  # one send at a time: close waits for one on the wire
+        if self.publishes is not None:
+            self.publishes.forked()
         self._pending = Batch()
         self._sent = 0  # how many calls send() has on the wire (counted as not landed yet)
         self._failing: set[tuple[Group, str]] = set()  # warned about once already
         self._retry_in = FIRST_RETRY_SECONDS
-        self.due = math.inf  # monotonic time at which the keeper sends what is pending
+        self._due = math.inf  # monotonic time at which the keeper sends the pending acks
+
+    @property
+    def due(self) -> float:
+        """When the keeper must send (monotonic): the acks' time or the publishes'."""
+        publishes = self.publishes.due() if self.publishes is not None else None
+        return self._due if publishes is None else min(self._due, publishes)
 
     def __len__(self) -> int:
         """Acks and rejects not landed yet: pending, or on the wire from :meth:`send` (not
@@ -109,7 +123,7 @@ class Outbox:
         with self._lock:
             if not self._pending.groups:
                 return None
-            batch, self._pending, self.due = self._pending, Batch(), math.inf
+            batch, self._pending, self._due = self._pending, Batch(), math.inf
         return batch
 
     def calls(self, batch: Batch) -> list[Call[Any]]:
@@ -171,26 +185,36 @@ class Outbox:
             for group, ids in batch.groups.items():
                 for message_id, pending in ids.items():
                     self._pending.groups[group].setdefault(message_id, pending)
-            sooner, self.due = due < self.due, min(self.due, due)
+            sooner, self._due = due < self._due, min(self._due, due)
         if sooner:  # the keeper may sleep past it
             self._on_due(self)
 
-    def send(self, timeout: float = -1) -> bool:
-        """Send what is pending now, from this thread, after any send already on the wire
-        (waited for at most ``timeout`` seconds; -1: as long as it takes). Returns whether
-        it got its turn."""
+    def send(self, timeout: float = -1, *, everything: bool = False) -> bool:
+        """Send the pending acks now, from this thread, after any send already on the wire
+        (waited for at most ``timeout`` seconds; -1: as long as it takes), and the unconfirmed
+        publishes when due (``everything``: in any case). Returns whether it got its turn."""
         if not self._wire.acquire(timeout=timeout):
             return False
         try:
             with self._lock:
-                batch, self._pending, self.due = self._pending, Batch(), math.inf
+                batch, self._pending, self._due = self._pending, Batch(), math.inf
                 self._sent = len(batch)
             if batch:
                 self.run(batch)
         finally:
             self._sent = 0
             self._wire.release()
+        self._send_publishes(everything)
         return True
+
+    def _send_publishes(self, everything: bool) -> None:
+        due = self.publishes.due() if self.publishes is not None else None
+        if self.publishes is None or due is None or not (everything or due <= time.monotonic()):
+            return
+        try:
+            self.publishes.flush()
+        except Exception as error:  # a lost connection: the channel's next call meets it too
+            logger.warning("celery-redis-lua: unconfirmed publishes could not be sent (%s)", error)
 
     def run(self, batch: Batch, after: Sequence[Call[Any]] = ()) -> list[Any]:
         """``batch``'s calls, then ``after``, in one pipeline; the batch settled, the results
@@ -204,8 +228,9 @@ class Outbox:
         self.settle(batch, results[:len(settling)])
         return results[len(settling):]
 
-    def unsent(self) -> dict[str, list[str]]:
-        """What is still pending, "<kind> of <queue>" -> ids (the exit's report)."""
+    def unsent(self) -> list[str]:
+        """What has not landed, one line per queue and kind (the exit's report)."""
         with self._lock:
-            return {f"{kind} of {queue!r}": list(ids)
-                    for (kind, queue, _), ids in self._pending.groups.items() if ids}
+            lines = [f"{len(ids)} {kind}(s) of queue {queue!r} unsent: {', '.join(ids)}"
+                     for (kind, queue, _), ids in self._pending.groups.items() if ids]
+        return lines + (self.publishes.unsent() if self.publishes is not None else [])

@@ -1,10 +1,11 @@
 """Unconfirmed publishes (the ``confirm_publish=False`` option): many per round trip.
 
 By default a publish returns once the broker has stored the message (one round trip each).
-With ``confirm_publish=False`` it returns once the message is in the channel's pipeline;
-the pipeline goes to the server in one write when it holds ``publish_pipeline`` publishes,
-when its oldest has waited ``publish_flush_delay`` seconds (a daemon thread sends it), before
-the channel reads queue state or consumes, and when the channel closes.
+With ``confirm_publish=False`` it returns once the message is in the channel's pipeline,
+a part of the channel's outbox (outbox.py); the pipeline goes to the server in one write
+when it holds ``publish_pipeline`` publishes, when its oldest has waited
+``publish_flush_delay`` seconds (the keeper sends it), before the channel reads queue state
+or consumes, when the channel closes, and at exit.
 
 A batch's replies are read when the next batch goes (on a standalone server or a Sentinel
 primary without durability: the server stores one batch while the caller fills the next),
@@ -12,7 +13,8 @@ or ``publish_flush_delay`` after it went; elsewhere when it goes. NOSCRIPT is re
 there (the runner loads the script and sends only the calls that met it: they never ran).
 A publish the server refused (out of memory, a key of the wrong type, a script refusing
 its input) is kept and raised as :class:`UnconfirmedPublishError` by the first publish on
-the channel after its reply was read, by a call that reads queue state, or by the close:
+the channel after its reply was read, by a call that reads queue state, or by the close;
+a process that exits first logs it at ERROR with the queue, the count and the task ids:
 never dropped silently. A publish refused because its cached route went stale (a
 bind or unbind since) stored nothing and is published again, synchronously, with a fresh
 lookup, by the next publish or the close (in the caller's thread, not the sender's).
@@ -25,12 +27,10 @@ does not retry them).
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
 import time
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,8 +72,9 @@ class Pipeline:
     cluster routes every call by slot; durability ends each batch with a wait) each batch
     is one pipeline whose replies are read at once."""
 
-    def __init__(self, lib: Any, size: int, delay: float) -> None:
+    def __init__(self, lib: Any, size: int, delay: float, on_due: Callable[[], None]) -> None:
         self.lib, self.size, self.delay = lib, size, delay
+        self._on_due = on_due  # the outbox's: tell the keeper when a batch starts
         self._lock = threading.Lock()  # the pending list and the results, between two threads
         self._wire = threading.Lock()  # one batch written at a time: in order, replies in order
         self._writer = lib.runner.batch_writer()
@@ -82,6 +83,7 @@ class Pipeline:
         self._oldest = 0.0
         self._written_at = 0.0
         self.refused: list[tuple[str, BaseException]] = []
+        self._refused_ids: list[tuple[str, str | None]] = []  # (queue, task id) of each refused
         self.stale: list[Send] = []
 
     def forked(self) -> None:
@@ -99,8 +101,8 @@ class Pipeline:
             full = len(self._calls) >= self.size
         if full:
             self.push()
-        elif first:  # the sender wakes once per batch, not once per publish
-            SENDER.watch(self)
+        elif first:  # the keeper wakes once per batch, not once per publish
+            self._on_due()
 
     def due(self) -> float | None:
         """When the sender must act (monotonic): the oldest pending publish's deadline, or
@@ -150,7 +152,8 @@ class Pipeline:
             results = read()
         except Exception as error:  # a lost connection: these may or may not be stored
             with self._lock:
-                self.refused.extend((queue, error) for _, queue, _ in calls)
+                for send, queue, _ in calls:
+                    self._refuse(send, queue, error)
             raise
         with self._lock:
             for (send, queue, _), result in zip(calls if settled is None else settled, results, strict=True):
@@ -158,7 +161,7 @@ class Pipeline:
                     if not self.stale or self.stale[-1] is not send:
                         self.stale.append(send)
                 elif isinstance(result, BaseException):
-                    self.refused.append((queue, result))
+                    self._refuse(send, queue, result)
                 elif send is not None:
                     send.stored.add(queue)
 
@@ -167,64 +170,29 @@ class Pipeline:
             stale, self.stale = self.stale, []
         return stale
 
+    def _refuse(self, send: Send | None, queue: str, error: BaseException) -> None:
+        """(lock held)"""
+        self.refused.append((queue, error))
+        headers = send.message.get("headers") if send is not None else None
+        self._refused_ids.append((queue, headers.get("id") if isinstance(headers, dict) else None))
+
     def check(self) -> None:
         """Raise what the server refused since the last check."""
         with self._lock:
-            refused, self.refused = self.refused, []
+            refused, self.refused, self._refused_ids = self.refused, [], []
         if refused:
             raise UnconfirmedPublishError(refused)
 
-
-class Sender:
-    """One daemon thread per process: sends every pipeline whose oldest publish is due."""
-
-    def __init__(self) -> None:
-        self._pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, pipeline: Pipeline) -> None:
-        with self._wake:
-            self._pipelines.add(pipeline)
-            if self._thread is None or not self._thread.is_alive():
-                if self._thread is None:
-                    atexit.register(self.flush_all)
-                self._thread = threading.Thread(target=self._run, name="crl-unconfirmed", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                dues = [(due, p) for p in list(self._pipelines) if (due := p.due()) is not None]
-                if not dues:
-                    self._wake.wait()
-                    continue
-                due, pipeline = min(dues, key=lambda pair: pair[0])
-                wait = due - time.monotonic()
-                if wait > 0:
-                    self._wake.wait(wait)
-                    continue
-            try:
-                pipeline.flush()
-            except Exception as error:  # a lost connection: the owner's next call meets it too
-                logger.warning("celery-redis-lua: unconfirmed publishes could not be sent (%s)", error)
-
-    def forked(self) -> None:
-        """In a forked child: the parent's thread does not run here (watch starts one), and
-        the parent's publishes are forgotten."""
-        self._wake = threading.Condition()
-        for pipeline in list(self._pipelines):
-            pipeline.forked()
-
-    def flush_all(self) -> None:
-        """At exit: what is still pending goes (a process that never closed its channel)."""
-        for pipeline in list(self._pipelines):
-            try:
-                pipeline.flush()
-            except Exception as error:
-                logger.warning("celery-redis-lua: unconfirmed publishes lost at exit (%s)", error)
-
-
-SENDER = Sender()
-os.register_at_fork(after_in_child=SENDER.forked)
+    def unsent(self) -> list[str]:
+        """What was refused and never raised, or never sent, by queue (the exit's report)."""
+        with self._lock:
+            lines = []
+            for queue in dict.fromkeys(q for q, _ in self._refused_ids):
+                ids = [i or "-" for q, i in self._refused_ids if q == queue]
+                first = next(e for q, e in self.refused if q == queue)
+                lines.append(f"{len(ids)} unconfirmed publish(es) to {queue!r} refused by the server "
+                             f"({type(first).__name__}: {first}); task ids: {', '.join(ids)}")
+            pending = [queue for _, queue, _ in self._calls]
+            for queue in dict.fromkeys(pending):
+                lines.append(f"{pending.count(queue)} unconfirmed publish(es) to {queue!r} never sent")
+            return lines
