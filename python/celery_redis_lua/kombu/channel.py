@@ -252,11 +252,15 @@ class Channel(FanoutMixin, virtual.Channel):
             self.routes.changed(exchange, [queue])
 
     def _forget_queue(self, queue: str) -> None:
-        """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
-        self.lib.delete(queue)
+        """Delete the queue's keys, then its groups on the fanout exchanges it is bound to:
+        delete names those the queue's record holds, whichever connection bound it. A group
+        is in its stream's slot, so each goes in a call of its own (idempotent)."""
+        exchanges = dict.fromkeys(self.lib.delete(queue).fanout_exchanges)
         fanout = self.connection.fanout_queues.pop(queue, None)
         if fanout is not None:
-            self.lib.fanout_unbind(fanout[0], queue)
+            exchanges[fanout[0]] = None
+        if exchanges:
+            self.lib.run_many([self.lib.calls.fanout_unbind(exchange, queue) for exchange in exchanges])
         self.connection.declared.pop(queue, None)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
@@ -272,6 +276,9 @@ class Channel(FanoutMixin, virtual.Channel):
         one channel is served on any other channel of the connection."""
         if self.typeof(exchange).type == "fanout":
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
+            # Recorded with the queue (its slot) before the group is made: deleting the
+            # queue from any connection then finds the group (lua/delete.lua).
+            self.connection.declared[queue] = self.lib.declare(queue, fanout_exchange=exchange)
             self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
         added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
@@ -587,7 +594,8 @@ class Channel(FanoutMixin, virtual.Channel):
         state is only read."""
         in_flight = self.qos.in_flight(flush=from_loop)
         consumed = self.queues_polled
-        queues = set(in_flight) | {q for q in consumed if self._expires_ms(q)}
+        # A consumed fanout queue's keys too: its meta records its fanout bindings.
+        queues = set(in_flight) | {q for q in [*consumed, *self.fanout_polled] if self._expires_ms(q)}
         batch = [self.lib.calls.extend(queue, in_flight.get(queue, [])) for queue in sorted(queues)]
         for queue in [*consumed, *self.fanout_polled]:
             lifetime = self.binding_lifetime_ms(queue)
