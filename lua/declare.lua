@@ -1,26 +1,27 @@
 #!lua
 -- name: declare
--- version: 4
--- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, and refresh its expiry.
+-- version: 5
+-- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, record a fanout exchange it is bound to, and refresh its expiry.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments and last_id; it is what makes a queue exist
+--   meta     HASH    P meta:{Q}            queue arguments, last_id and 'fanout:<exchange>' -> 1 per fanout binding; it is what makes a queue exist
 --   dead     STREAM  P dead:{Q}            dead letters (expiry refresh only)
 --   message  HASH    P message:{Q}         id -> payload (counted; expiry refresh)
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]' (expiry refresh only)
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (expiry refresh only)
 -- ARGV:
---   1  expires_ms      integer > 0 or ''      x-expires: the queue's keys expire after this long without a publish, declare or consumer; floor 10000
---   2  message_ttl_ms  integer > 0 or ''      x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)
---   3  max_priority    integer 0..255 or ''   x-max-priority: priorities above it are delivered as it
+--   1  expires_ms       integer > 0 or ''     x-expires: the queue's keys expire after this long without a publish, declare or consumer; floor 10000
+--   2  message_ttl_ms   integer > 0 or ''     x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)
+--   3  max_priority     integer 0..255 or ''  x-max-priority: priorities above it are delivered as it
+--   4  fanout_exchange  string, optional      a fanout exchange the queue is bound to, recorded in meta so that delete names it; '' or absent: none
 -- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority}: message
 --   counts (in_flight is approximate: messages stored minus ready and delayed) and the arguments now in
 --   force (-1 where not set)
 -- errors:
 --   ERR celery-redis-lua: declare: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: declare: expected 3 arguments, got N
+--   ERR celery-redis-lua: declare: expected 3 or 4 arguments, got N
 --   ERR celery-redis-lua: declare: expires_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: message_ttl_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: max_priority must be an integer in 0..255 or empty, got 'V'
@@ -30,7 +31,10 @@
 --   arguments do not change once set: a declaration with other arguments is refused with
 --   the difference named, and one without arguments (a producer's) keeps the stored ones.
 --   A queue whose arguments were never set (created by a publish) takes the first ones
---   declared.
+--   declared. A queue bound to a fanout exchange has a consumer group on the exchange's
+--   stream, which is in another cluster slot; the binder declares the queue again with the
+--   exchange (before it creates the group), so the binding is known in the queue's own
+--   slot and deleting the queue from any connection can remove the group too.
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
@@ -53,7 +57,7 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 3 then return fail('expected 3 arguments, got ' .. #ARGV) end
+if #ARGV ~= 3 and #ARGV ~= 4 then return fail('expected 3 or 4 arguments, got ' .. #ARGV) end
 local expires, err1 = optional(ARGV[1], 'expires_ms', 1, nil, 'a positive integer')
 if expires == nil then return fail(err1) end
 local ttl, err2 = optional(ARGV[2], 'message_ttl_ms', 1, nil, 'a positive integer')
@@ -89,6 +93,8 @@ elseif any_declared then
   stored = declared
 end
 rcall('HSETNX', meta_key, 'last_id', '0000000000000000') -- ids follow the clock from here -- the queue exists from now on, even while empty
+local fanout_exchange = ARGV[4] or ''
+if fanout_exchange ~= '' then rcall('HSET', meta_key, 'fanout:' .. fanout_exchange, 1) end
 
 if stored.expires then
   local time = rcall('TIME')

@@ -115,9 +115,10 @@ BASE: dict[str, Build] = {
     "unpop": lambda k, s: ops.unpop(k, POLICY, QUEUE),
     "mig": lambda k, s: ops.migrated(k, POLICY, QUEUE, "forget", MIGRATED),
     "rer": lambda k, s: ops.rerouted(k, POLICY, QUEUE, EXCHANGE, 1),
+    "dcl": lambda k, s: ops.declare(k, POLICY, QUEUE, expires_ms=600_000, fanout_exchange=FANOUT),
 }
 (pub, con, rej, ext, ack, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
- unpop, mig, rer) = BASE.values()
+ unpop, mig, rer, dcl) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -241,6 +242,13 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "purge-batch-word": (arg(prg, 1, "all"), ("batch", "'all'")),
     "purge-7-keys": (keys(prg, 7), ("expected 8 keys", "got 7")),
     "delete-7-keys": (keys(dlt, 7), ("expected 8 keys", "got 7")),
+    "declare-2-args": (argv(dcl, 2), ("expected 3 or 4 arguments", "got 2")),
+    "declare-5-args": (lambda k, s: replace(dcl(k, s), args=[*dcl(k, s).args, "x"]),
+                       ("expected 3 or 4 arguments", "got 5")),
+    "declare-expires-word": (arg(dcl, 1, "soon"), ("expires_ms", "'soon'")),
+    "declare-priority-256": (arg(dcl, 3, 256), ("max_priority", "0..255", "'256'")),
+    # Refused arguments record no fanout binding either.
+    "declare-other-expires": (arg(dcl, 1, 20_000), ("x-expires stored 600000, declared 20000",)),
     "bind-lifetime-zero": (arg(bnd, 1, 0), ("lifetime_ms", "'0'")),
     "bind-lifetime-negative": (arg(bnd, 1, -5), ("lifetime_ms", "'-5'")),
     "bind-lifetime-word": (arg(bnd, 1, "soon"), ("lifetime_ms", "'soon'")),

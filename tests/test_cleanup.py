@@ -211,6 +211,6 @@ def test_delete_removes_meta_and_dead_letters_too(target: Target, lib: ScriptLib
     assert lib.reject(dead.queue, [dead.id], requeue=False).dead_lettered == 1
     assert lib.client.xlen(lib.keys.dead(dead.queue)) == 1
 
-    deleted = sum(lib.delete(queue) for queue in QUEUES)
+    deleted = sum(lib.delete(queue).messages for queue in QUEUES)
     assert deleted == len(published) - 1  # every message but the dead-lettered one
     assert target.keys() == (defining_keys(lib.keys, (), bound=bound))

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 from redis.crc import key_slot
 
-from celery_redis_lua import ScriptLibrary
+from celery_redis_lua import Deleted, ScriptLibrary
 from conftest import Target
 
 FANOUT_PREFIX = "/0."
@@ -130,6 +130,38 @@ def test_fanout_unbind_destroys_the_queues_group_only(lib: ScriptLibrary) -> Non
 
 def test_fanout_unbind_without_a_stream_is_a_no_op(target: Target, lib: ScriptLibrary) -> None:
     assert lib.fanout_unbind("never", "q") is False
+    assert target.keys() == set()
+
+
+def test_delete_names_the_fanout_exchanges_its_declares_recorded(target: Target, lib: ScriptLibrary) -> None:
+    """A fanout binding is recorded with the queue (its slot), so delete can name the
+    exchanges whose groups must go: on a cluster they are in other slots, so the caller
+    removes each with fanout_unbind, a second call."""
+    lib.declare("fq", expires_ms=600_000)
+    lib.publish("fq", "held")
+    for exchange in ("ex-a", "ex-b"):
+        assert lib.declare("fq", fanout_exchange=exchange).expires_ms == 600_000  # arguments kept
+        lib.fanout_bind(exchange, "fq")
+    assert lib.declare("fq", fanout_exchange="ex-a").ready == 1  # recorded once however often bound
+    lib.fanout_bind("ex-a", "stays")
+
+    deleted = lib.delete("fq")
+
+    assert (deleted.messages, sorted(deleted.fanout_exchanges)) == (1, ["ex-a", "ex-b"])
+    assert [lib.fanout_unbind(exchange, "fq") for exchange in deleted.fanout_exchanges] == [True, True]
+    assert group_names(lib, lib.keys.fanout("ex-a")) == ["stays"]
+    assert group_names(lib, lib.keys.fanout("ex-b")) == []
+    assert lib.fanout_unbind("ex-a", "fq") is False  # the second call is idempotent
+    # Declared again, the queue has no record of the old bindings.
+    lib.declare("fq")
+    assert lib.delete("fq").fanout_exchanges == ()
+
+
+def test_delete_of_a_queue_never_fanout_bound_names_no_exchange(target: Target, lib: ScriptLibrary) -> None:
+    lib.declare("plain", max_priority=3)
+    lib.publish("plain", "m")
+    assert lib.delete("plain") == Deleted(1)
+    assert lib.delete("plain") == Deleted(0)  # nothing left, and nothing created
     assert target.keys() == set()
 
 

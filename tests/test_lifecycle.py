@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from kombu.message import Message
 
 from celery_redis_lua import ScriptError
 from celery_redis_lua.kombu.keeper import KEEPER
+from conftest import TARGETS, require_kind
 from helpers import server_now_ms, wait_for_server_time, wait_until
 from kombu_support import Broker, consume, drain
 
@@ -207,6 +209,75 @@ def test_fanout_groups_go_with_their_queue_and_consumers_with_their_channel(kind
         queue(conn.default_channel).delete()
         assert kind_broker.client.xinfo_groups(stream) == []
         assert not kind_broker.client.exists(kind_broker.keys.fanout_groups(stream))
+
+
+@pytest.fixture(params=TARGETS)
+def any_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    """Each server kind and each cluster kind, with a prefix: on a cluster a queue's keys
+    and a fanout exchange's stream are in different slots."""
+    kind = request.param
+    if kind.endswith("-cluster"):
+        require_kind(kind.removesuffix("-cluster"))
+        server: Any = request.getfixturevalue(kind.replace("-", "_"))
+    else:
+        server = request.getfixturevalue(f"{kind}_server")
+    client = server.client(socket_timeout=10)
+    client.flushall()
+    yield Broker(server, "app:", client)
+    client.flushall()
+    client.close()
+
+
+@pytest.mark.parametrize("deleted_from", ["another connection", "the same connection"])
+def test_a_fanout_queue_deleted_from_any_connection_loses_its_group(any_broker: Broker,
+                                                                     deleted_from: str) -> None:
+    """Found by a user: a fanout queue consumed and closed on one connection, then deleted
+    from a new one, kept its consumer group (the connection that deleted it did not know
+    the binding), so a queue declared later under that name received the broadcasts sent
+    while it did not exist. In RabbitMQ a queue's deletion removes its bindings whoever
+    declared them."""
+    exchange = Exchange("bc", "fanout")
+    queue = Queue("gq", exchange)
+    stream = any_broker.keys.fanout("bc")
+    with any_broker.connection() as conn:
+        consumer, got = collect(conn, [queue], no_ack=True)
+        Producer(conn, exchange=exchange).publish("before")
+        drain(conn, got, 1)
+        consumer.cancel()
+        if deleted_from == "the same connection":
+            queue(conn.default_channel).delete()
+    if deleted_from == "another connection":
+        with any_broker.connection() as other:
+            queue(other.default_channel).delete()
+    groups_after_delete = [g["name"].decode() for g in any_broker.client.xinfo_groups(stream)]
+    assert not any_broker.lib.exists("gq")
+    with any_broker.connection() as producer_conn:
+        for i in range(2):
+            Producer(producer_conn, exchange=exchange).publish(f"sent while gone {i}")
+    with any_broker.connection() as conn:
+        consumer, got = collect(conn, [queue], no_ack=True)
+        Producer(conn, exchange=exchange).publish("after")
+        drain(conn, got, 1)
+        drain_for(conn, 0.5)
+        consumer.cancel()
+        received = [m.payload for m in got]
+    assert (groups_after_delete, received) == ([], ["after"])
+
+
+def test_an_expiring_fanout_queue_keeps_its_record_under_its_consumer(kind_broker: Broker) -> None:
+    """The record of a fanout binding lives in the queue's meta, which expires with the
+    queue: a consumer past x-expires keeps it (and the queue) alive, so a deletion from
+    another connection after that still finds the group."""
+    exchange, queue = _pidbox(expires=EXPIRES_S, message_ttl=300)
+    stream = kind_broker.keys.fanout(exchange.name)
+    with kind_broker.connection() as conn:
+        consumer, _ = collect(conn, [queue], no_ack=True)
+        drain_for(conn, EXPIRES_S + 2)
+        assert kind_broker.lib.exists(queue.name)  # consumed: it never expires (it did)
+        consumer.cancel()
+    with kind_broker.connection() as other:
+        queue(other.default_channel).delete()
+    assert kind_broker.client.xinfo_groups(stream) == []
 
 
 # -- defect 6: a large fanout batch lost entries --------------------------------------------

@@ -372,7 +372,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
         def delete(self, queue: str) -> None:
             """Delete the queue (then a consumer declares it again, if it expires)."""
             held = len([m for m in self.m.messages.values() if m.queue == queue])
-            assert self.lib.delete(queue) == held
+            assert self.lib.delete(queue).messages == held
             self.forget_queue(queue)
             assert not (all_keys(client) & set(k.queue_keys(queue)))
             if queue == expiring:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from celery_redis_lua import Declared, Keyspace, QueueStats, ScriptLibrary
+from celery_redis_lua import Declared, Deleted, Keyspace, QueueStats, ScriptLibrary
 from conftest import Target
 from helpers import (
     id_microseconds,
@@ -82,7 +82,7 @@ def test_delete_removes_everything_of_the_queue_only(target: Target, lib: Script
     in_flight = [d.id for d in taken[1:]]
     survivor = lib.publish("other", "keep me")
 
-    assert lib.delete("doomed") == 6  # 3 ready + 1 delayed + 2 in flight
+    assert lib.delete("doomed") == Deleted(6)  # 3 ready + 1 delayed + 2 in flight
     assert exists(lib, "doomed", [*ready, delayed]) == [False] * 7
     assert keys_of(target, "doomed") == set()  # meta and the dead letters went too
     assert lib.ack("doomed", in_flight) == 0
@@ -104,9 +104,9 @@ def test_delete_is_one_call_that_unlinks_every_key_of_the_queue(target: Target, 
     assert lib.reject("gone", [taken[0].id], requeue=False).dead_lettered == 1
     assert {k.decode() for k in keys_of(target, "gone")} == set(lib.keys.queue_keys("gone"))
 
-    assert lib.run(lib.calls.delete("gone")) == 5  # 3 ready, 1 delayed, 1 in flight
+    assert lib.run(lib.calls.delete("gone")) == Deleted(5)  # 3 ready, 1 delayed, 1 in flight
     assert target.keys() == set()
-    assert lib.run(lib.calls.delete("gone")) == 0  # nothing left; and nothing created
+    assert lib.run(lib.calls.delete("gone")) == Deleted(0)  # nothing left; and nothing created
     assert target.keys() == set()
 
     # Declared again under the same name, the queue starts empty and without its old arguments,
@@ -129,7 +129,7 @@ def test_ids_are_not_reused_by_a_publish_right_after_delete(lib: ScriptLibrary) 
     for _ in range(50):
         first, held, second = lib.run_many([lib.calls.publish("again", "old"), lib.calls.delete("again"),
                                             lib.calls.publish("again", "new")])
-        assert held == 1
+        assert held == Deleted(1)
         assert second > first
         assert lib.ack("again", [first]) == 0
         assert lib.size("again") == 1

@@ -13,6 +13,7 @@ from .protocol.ops import (
     Consumed,
     DeadLetter,
     Declared,
+    Deleted,
     Delivery,
     Dropped,
     QueueStats,
@@ -32,7 +33,7 @@ for _scheme, _target in ALIASES.items():
     TRANSPORT_ALIASES.setdefault(_scheme, _target)
 
 __all__ = [
-    "Call", "Consumed", "DeadLetter", "Declared", "Delivery", "Dropped", "Keyspace", "KeyspaceError",
-    "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner",
-    "SweepReport", "Transport", "cancel", "load_scripts", "where",
+    "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
+    "KeyspaceError", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
+    "ScriptRunner", "SweepReport", "Transport", "cancel", "load_scripts", "where",
 ]

@@ -254,12 +254,16 @@ class Channel(FanoutMixin, virtual.Channel):
             self.routes.changed(exchange, [queue])
 
     def _forget_queue(self, queue: str) -> None:
-        """Delete the queue's keys and, when it is bound to a fanout exchange, its group."""
-        self.lib.delete(queue)
+        """Delete the queue's keys, then its groups on the fanout exchanges it is bound to:
+        delete names those the queue's record holds, whichever connection bound it. A group
+        is in its stream's slot, so each goes in a call of its own (idempotent)."""
+        exchanges = dict.fromkeys(self.lib.delete(queue).fanout_exchanges)
         KEEPER.withdraw(self, queue)
         fanout = self.connection.fanout_queues.pop(queue, None)
         if fanout is not None:
-            self.lib.fanout_unbind(fanout[0], queue)
+            exchanges[fanout[0]] = None
+        if exchanges:
+            self.lib.run_many([self.lib.calls.fanout_unbind(exchange, queue) for exchange in exchanges])
         self.connection.declared.pop(queue, None)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
@@ -275,6 +279,9 @@ class Channel(FanoutMixin, virtual.Channel):
         one channel is served on any other channel of the connection."""
         if self.typeof(exchange).type == "fanout":
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
+            # Recorded with the queue (its slot) before the group is made: deleting the
+            # queue from any connection then finds the group (lua/delete.lua).
+            self.connection.declared[queue] = self.lib.declare(queue, fanout_exchange=exchange)
             self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
         added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
@@ -603,8 +610,9 @@ class Channel(FanoutMixin, virtual.Channel):
         with a live consumer never expires (nor its routes). Asked again when they change."""
         expires, calls = self._expires_ms(queue), []
         if expires and queue in self._active_queues:
-            fanout = queue in self.connection.fanout_queues
-            calls = [self.fanout_bind_call(queue)] if fanout else [self.lib.calls.extend(queue, [])]
+            calls = [self.lib.calls.extend(queue, [])]  # a fanout queue's too: meta records its bindings
+            if queue in self.connection.fanout_queues:
+                calls.append(self.fanout_bind_call(queue))
             for exchange, routing_key, arguments in self.state.queue_bindings(queue):
                 meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
                 calls.append(self.lib.calls.bind(exchange, [self._binding_member(exchange, *meta)],

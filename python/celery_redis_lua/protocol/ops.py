@@ -221,6 +221,15 @@ class FanoutBatch:
 
 
 @dataclass(frozen=True)
+class Deleted:
+    """What delete reports: how many messages the queue held, and the fanout exchanges it
+    was bound to (their groups are in other slots: remove each with fanout_unbind)."""
+
+    messages: int
+    fanout_exchanges: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FanoutBound:
     created: bool  # the queue's group was made now, at the stream's end
     groups_removed: int  # expired groups of other queues
@@ -335,9 +344,12 @@ def _argument(value: Any) -> int | None:
 
 @operation
 def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None,
-            message_ttl_ms: int | None = None, max_priority: int | None = None) -> Call[Declared]:
+            message_ttl_ms: int | None = None, max_priority: int | None = None,
+            fanout_exchange: str | None = None) -> Call[Declared]:
+    """``fanout_exchange``: record that the queue is bound to it, so that delete names it."""
     return Call("declare", k.queue_keys(queue),
-                [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority)],
+                [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority),
+                 fanout_exchange or ""],
                 lambda reply: Declared(*(int(n) for n in reply[:3]), *(_argument(n) for n in reply[3:6])))
 
 
@@ -348,8 +360,9 @@ def purge(k: Keyspace, p: Policy, queue: str, *, batch: int = 10000) -> Call[tup
 
 
 @operation
-def delete(k: Keyspace, p: Policy, queue: str) -> Call[int]:
-    return Call("delete", k.queue_keys(queue), [], int)
+def delete(k: Keyspace, p: Policy, queue: str) -> Call[Deleted]:
+    return Call("delete", k.queue_keys(queue), [],
+                lambda reply: Deleted(int(reply[0]), tuple(_text(e) for e in reply[1:])))
 
 
 @operation
