@@ -1,32 +1,25 @@
-"""The keeper: what the kombu adapter does off the caller's stack, in one thread per process.
+"""The keeper: all the kombu adapter does off the caller's stack, in one thread per process.
 
-It holds one table, the **held** deliveries: every message a consume took with acks, from
-the moment its reply is read (not when kombu learns of it: a consume hands kombu its
-messages one at a time, and a solo task blocks the loop inside the first) until its ack,
-reject or hand-back has landed. Each entry remembers who holds it: the channel while that
-is open, the kombu ``Message`` once the channel closed (an *orphan*: Celery may still be
-running it and ack it through the old Message after reconnecting), the outbox once its ack
-or reject is asked for (*settling*: never handed back, still extended, so a call the
-server refuses for a while, in a failover, lands before the message's lease lapses).
-The keeper alone keeps them alive, on deadlines, never reading a kombu object:
+One table holds the deliveries consumes took with acks, from the moment the reply is read
+(a consume hands kombu its messages one at a time, and a solo task blocks the loop inside
+the first) until their ack, reject or hand-back lands. Each is held by the channel while it
+is open, by its kombu ``Message`` once the channel closed (an *orphan*: Celery may still
+ack it after reconnecting), and is *settling* once its ack or reject is asked for (never
+handed back, still extended, so a call refused during a failover lands in time). On
+deadlines, never reading a kombu object, the thread:
 
-- every held delivery's visibility deadline is pushed forward a third of the visibility
-  before it lapses, whatever the consumer's loop is doing (a solo task, a warm shutdown,
-  a reconnect);
-- what nobody holds any more (a Message dropped unacked, a channel dropped without
-  ``close()``, the messages a closed channel never handed kombu) is handed back, counted;
-  while orphans wait, the cycle collector runs on a back-off (Celery's requests are in
-  reference cycles, so a dropped Message is only freed by it);
-- the **keep-alive** calls a channel registers when it consumes or binds (the refresh of
-  an expiring queue, of its bindings, of its fanout group) run every third of the
-  queue's x-expires, until the channel withdraws them (cancel, close);
-- each channel's **outbox** (outbox.py) is sent when due: the acks no consume carried
-  within ``ack_flush_delay``, and what failed, again, until it lands.
+- extends every held deadline a third of the visibility before it lapses, whatever the
+  consumer's loop is doing (a solo task, a warm shutdown, a reconnect);
+- hands back, counted, what nobody holds any more (a dropped Message or channel, what a
+  closed channel never handed kombu), running the cycle collector on a back-off while
+  orphans wait (Celery's requests are in reference cycles);
+- runs the keep-alive calls channels register for their expiring queues, bindings and
+  fanout groups (three times per x-expires), until they withdraw them;
+- sends each channel's outbox (outbox.py) when due.
 
-The thread sleeps until the earliest of those deadlines and ends when there are none;
-one tick runs at a time. At exit, what is still held is handed back (one budget for all
-of it), and a forked child starts with an empty keeper. A SIGKILLed process takes the
-keeper with it, so the visibility timeout still returns a dead worker's messages.
+It sleeps until the earliest deadline and ends when there is none. At exit what is held is
+handed back and the outboxes sent (one budget); a forked child starts empty. A SIGKILLed
+process takes it along, so the visibility timeout still returns a dead worker's messages.
 """
 
 from __future__ import annotations
@@ -52,21 +45,15 @@ from .settle import hand_back
 
 logger = logging.getLogger(__name__)
 
-# A dropped Message is noticed within this long while orphans wait.
-ORPHAN_CHECK_SECONDS = 1.0
-# The cycle collector runs first this long after an orphan arrives, then at doubling
-# intervals up to GC_MAX_SECONDS (a long task must not cost a collection every few seconds).
-GC_FIRST_SECONDS = 2.0
-GC_MAX_SECONDS = 60.0
-# How long the thread waits when it finds another thread ticking.
-BUSY_SECONDS = 0.01
-# A call that failed (the broker unreachable, a failover) is tried again this soon at most.
-RETRY_SECONDS = 1.0
-# A hand-back that keeps failing is given up after this long (logged). That loses
-# nothing: the message stays in the broker and the sweep restores it once its deadline lapses.
+ORPHAN_CHECK_SECONDS = 1.0  # a dropped Message is noticed within this long
+# The collector runs this long after an orphan arrives, then at doubling intervals up to
+# GC_MAX_SECONDS: a long task must not cost a collection every few seconds.
+GC_FIRST_SECONDS, GC_MAX_SECONDS = 2.0, 60.0
+BUSY_SECONDS = 0.01  # the thread's pause when another thread is ticking
+RETRY_SECONDS = 1.0  # a failed extend or keep-alive is tried again this soon at most
+# A hand-back failing this long is given up (logged): the sweep restores the message anyway.
 GIVE_UP_SECONDS = 3600.0
-# At exit, all that is left gets this long together: an unreachable broker must not hang
-# the shutdown (the sweep restores what was not handed back).
+# At exit, everything left gets this long together: a dead broker must not hang the exit.
 EXIT_BUDGET_SECONDS = 10.0
 
 Key = tuple[ScriptLibrary, str, str]  # (the library it came through, queue, message id)
@@ -78,7 +65,7 @@ def _gone() -> None:
 
 @dataclass(eq=False)
 class Held:
-    """One delivery taken by a consume and not yet acked, rejected or handed back."""
+    """A delivery taken by a consume whose ack, reject or hand-back has not landed."""
 
     lib: ScriptLibrary  # the channel's (its client reconnects when used after a close)
     queue: str
@@ -86,15 +73,13 @@ class Held:
     count: int  # the x-delivery-count it was delivered with: a hand-back is fenced by it
     holder: Callable[[], Any]  # a weak reference: the channel, then (orphaned) the Message
     orphaned: bool = False
-    settling: bool = False  # its ack or reject is asked for: held until that lands
+    settling: bool = False
     since: float = field(default_factory=time.monotonic)  # taken, or found dropped
 
 
 @dataclass(eq=False)
 class KeepAlive:
-    """Calls a channel registered to be run every ``interval`` seconds while it lives."""
-
-    owner: Callable[[], Any]  # a weak reference to the channel
+    owner: Callable[[], Any]  # a weak reference to the channel that registered the calls
     lib: ScriptLibrary
     calls: list[Call[Any]]
     interval: float
@@ -109,8 +94,7 @@ class Keeper:
         self.reset()
 
     def reset(self) -> None:
-        """Empty, with fresh locks and no thread (a forked child: the parent's deliveries
-        and acks are the parent's)."""
+        """Empty, fresh locks, no thread: a forked child leaves the parent's to the parent."""
         for outbox in list(getattr(self, "_outboxes", ())):
             outbox.forked()
         # Re-entrant: kombu closes a channel from a weakref finalizer, which the cycle
@@ -129,8 +113,7 @@ class Keeper:
         self._pid = os.getpid()
 
     def clear(self) -> None:
-        """Forget everything held and pending (tests: what a failed test left, its server
-        gone, must not be retried by the next ones); the thread then finds nothing due."""
+        """Forget everything (tests: what a failed test left must not be retried later)."""
         with self._lock:
             self._held.clear()
             self._orphans.clear()
@@ -160,8 +143,8 @@ class Keeper:
             self._start()
 
     def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
-        """The delivery's ack or reject is asked for: from now on nobody's to hand back (the
-        caller may drop its Message at once), still extended until :meth:`release`."""
+        """Its ack or reject is asked for: never handed back from now (the caller may drop
+        its Message at once), extended until :meth:`release`."""
         with self._lock:
             held = self._held.get((lib, queue, message_id))
             if held is not None:
@@ -222,8 +205,7 @@ class Keeper:
     # -- outboxes -------------------------------------------------------------------------
 
     def outbox(self, lib: ScriptLibrary, delay: float, publishes: tuple[int, float] | None = None) -> Outbox:
-        """A new channel's outbox (with a pipeline for unconfirmed publishes: (size, delay)),
-        sent by this keeper when due."""
+        """A channel's outbox (``publishes``: the unconfirmed pipeline's size and delay)."""
         outbox = Outbox(lib, delay, self._outbox_due, self.release, publishes)
         with self._lock:
             self._outboxes.add(outbox)
@@ -265,8 +247,7 @@ class Keeper:
                 time.sleep(BUSY_SECONDS)
 
     def tick(self) -> bool:
-        """Do what is due, unless another thread is doing it (False). Any error is kept to
-        its part and tried again soon."""
+        """Do what is due, unless another thread is (False); an error stays in its part."""
         if os.getpid() != self._pid or not self._ticking.acquire(blocking=False):
             return False
         try:
@@ -327,8 +308,7 @@ class Keeper:
                 alive.due = now + min(RETRY_SECONDS, alive.interval)
 
     def _send_outboxes(self, now: float, timeout: float = 0) -> None:
-        """Send the outboxes that are due (one a close is sending is skipped: it takes
-        what is pending); forget those left empty."""
+        """Send the due outboxes (skipping one a close is sending); forget emptied ones."""
         with self._lock:
             due = [o for o in self._sending if o.due <= now]
         for outbox in due:
@@ -337,8 +317,7 @@ class Keeper:
             self._sending = {o for o in self._sending if o.due != math.inf}
 
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
-        """Give ``dropped`` back to their queues, counted; what fails stays an orphan (tried
-        again on the next check) until GIVE_UP_SECONDS."""
+        """Give ``dropped`` back, counted; what fails stays an orphan until GIVE_UP_SECONDS."""
         for (lib, queue), group in _grouped(dropped).items():
             if time.monotonic() > deadline:
                 return
@@ -371,8 +350,7 @@ class Keeper:
                 self._orphans_due = min(self._orphans_due, now + ORPHAN_CHECK_SECONDS)
 
     def at_exit(self) -> None:
-        """Send every outbox, hand back everything still held (one budget for it all); what
-        is left is logged at ERROR, by queue with its ids, never silently."""
+        """Send every outbox, hand back what is held (one budget); log what is left."""
         if not (self._held or self._outboxes) or os.getpid() != self._pid:
             return
         if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit

@@ -1,27 +1,21 @@
-"""The outbox: one per channel, the calls that have not landed yet: acks and rejects, and
-(``confirm_publish=False``) the unconfirmed publishes, whose pipeline (unconfirmed.py) is
-sent the same way: by the keeper when due, at close and at exit.
+"""The outbox: one per channel, what has not landed yet: acks, rejects that failed, and the
+unconfirmed publishes' pipeline (unconfirmed.py); the keeper sends it when due.
 
-``message.ack()`` puts its delivery here and returns. The channel's next consume (the
-consumer's own round trip: a prefork worker refills its prefetch window as its pool frees
-slots) carries what has gathered, in front of it in the same write; what no consume takes
-within ``ack_flush_delay`` (5 ms by default) the keeper's thread sends (keeper.py), one
-``ack`` call per queue in one pipeline. On a cluster or with a durability wait the keeper
-sends them all (a consume must not wait for an fsync, and its node need not be the acks').
-The channel's close, and the process's exit, send what is left. A reject is sent at once,
-from the caller (its fencing count decides on the server whether it still applies); one
-that fails waits here like an ack.
+``message.ack()`` puts its delivery here and returns. The channel's next consume carries
+what has gathered in front of it, in the same write (a prefork worker refills its window
+as its pool frees slots); what none takes within ``ack_flush_delay`` the keeper sends, one
+``ack`` call per queue. On a cluster or with a durability wait the keeper sends them all (a
+consume must not wait for an fsync, and its node need not be the acks'). Close and exit
+send what is left. A reject goes at once (its fencing count decides on the server whether
+it still applies) and waits here only if it fails.
 
-A call that fails, for any reason (a lost connection, a failover's CLUSTERDOWN or
-MASTERDOWN, a demoted primary's READONLY, TRYAGAIN, a refusal), stays in the outbox and is
-sent again about once a second: acking is idempotent, and a late ack also cancels a copy
-the sweep restored meanwhile. It is given up only when the lease of the message it
-settles would have lapsed (the visibility timeout after the ack), and then logged once,
-naming the queue and the message ids: by then the message is another consumer's to run.
-
-What this costs: an ack gathered but not yet sent dies with a killed process; its task
-comes back after the visibility timeout and runs again, as when a kill beats a
-synchronous ack to the wire; the window is ``ack_flush_delay``.
+A call that fails for any reason (a lost connection, CLUSTERDOWN or MASTERDOWN in a
+failover, READONLY from a demoted primary, TRYAGAIN) stays and is sent again: acking is
+idempotent, and a late ack also cancels a copy the sweep restored. It is given up, logged
+once with the queue and ids, when the message's lease would have lapsed (the visibility
+timeout after the ack): by then it is another consumer's. An ack not yet sent dies with a
+killed process: its task runs again after the visibility timeout, as when a kill beats a
+synchronous ack; the window is ``ack_flush_delay``.
 """
 
 from __future__ import annotations
@@ -42,11 +36,9 @@ from .unconfirmed import Pipeline
 
 logger = logging.getLogger(__name__)
 
-# A failed call is sent again after FIRST_RETRY_SECONDS, then at doubling intervals up to
-# RETRY_SECONDS: a failover's CLUSTERDOWN or READONLY lasts a second or two, and an ack that
-# lands late may find its message already restored by a sweep.
-FIRST_RETRY_SECONDS = 0.05
-RETRY_SECONDS = 1.0
+# A failed call goes again after FIRST_RETRY_SECONDS, then doubling up to RETRY_SECONDS: a
+# failover's CLUSTERDOWN lasts a second or two, and a late ack may find its message restored.
+FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
 
 
 Group = tuple[str, str, bool]  # ("ack" or "reject", queue, requeue): one script call each
@@ -60,7 +52,7 @@ class Pending:
 
 @dataclass
 class Batch:
-    """Calls taken out of an outbox to be sent: group -> {message id: Pending}."""
+    """group -> {message id: Pending}, taken out of an outbox to be sent."""
 
     groups: dict[Group, dict[str, Pending]] = field(default_factory=lambda: defaultdict(dict))
 

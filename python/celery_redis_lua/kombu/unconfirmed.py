@@ -1,28 +1,21 @@
-"""Unconfirmed publishes (the ``confirm_publish=False`` option): many per round trip.
+"""Unconfirmed publishes (``confirm_publish=False``): many per round trip.
 
-By default a publish returns once the broker has stored the message (one round trip each).
-With ``confirm_publish=False`` it returns once the message is in the channel's pipeline,
-a part of the channel's outbox (outbox.py); the pipeline goes to the server in one write
-when it holds ``publish_pipeline`` publishes, when its oldest has waited
-``publish_flush_delay`` seconds (the keeper sends it), before the channel reads queue state
-or consumes, when the channel closes, and at exit.
+A publish then returns once the message is in the channel's pipeline (part of its outbox,
+outbox.py), which goes in one write when it holds ``publish_pipeline`` publishes, when its
+oldest has waited ``publish_flush_delay`` (the keeper sends it), before the channel reads
+queue state or consumes, at close and at exit. On a standalone server or a Sentinel primary
+without durability a batch's replies are read when the next batch goes (the server stores
+one while the caller fills the next) or ``publish_flush_delay`` after it went; elsewhere
+at once. NOSCRIPT is recovered there (only the calls that met it are sent again).
 
-A batch's replies are read when the next batch goes (on a standalone server or a Sentinel
-primary without durability: the server stores one batch while the caller fills the next),
-or ``publish_flush_delay`` after it went; elsewhere when it goes. NOSCRIPT is recovered
-there (the runner loads the script and sends only the calls that met it: they never ran).
-A publish the server refused (out of memory, a key of the wrong type, a script refusing
-its input) is kept and raised as :class:`UnconfirmedPublishError` by the first publish on
-the channel after its reply was read, by a call that reads queue state, or by the close;
-a process that exits first logs it at ERROR with the queue, the count and the task ids:
-never dropped silently. A publish refused because its cached route went stale (a
-bind or unbind since) stored nothing and is published again, synchronously, with a fresh
-lookup, by the next publish or the close (in the caller's thread, not the sender's).
-
-What a crash can lose: the publishes still in the pipeline (at most ``publish_pipeline``,
-or ``publish_flush_delay`` seconds' worth); a lost connection also loses those on the wire
-whose replies were not read (at most two batches; they may or may not be stored: kombu
-does not retry them).
+A publish the server refused (out of memory, a wrong type, a script refusing its input) is
+raised as :class:`UnconfirmedPublishError` by the channel's next publish after its reply
+was read, a call that reads queue state, or the close; one still unraised at exit is
+logged at ERROR with its queue, count and task ids: never dropped silently. One refused
+for a stale cached route stored nothing and goes again, with a fresh lookup, at the next
+publish or the close (in the caller's thread). A crash loses what is still in the pipeline
+(``publish_pipeline`` or ``publish_flush_delay``'s worth); a lost connection also the
+batches on the wire whose replies were unread (stored or not: kombu does not retry them).
 """
 
 from __future__ import annotations
@@ -65,12 +58,10 @@ class Send:
 class Pipeline:
     """A channel's unconfirmed publishes, gathered and sent in one write.
 
-    On a standalone server (or a Sentinel primary) without durability, a batch's replies
-    are read when the next batch is written (runner.BatchWriter, a connection of the
-    pipeline's own), so the server stores one batch while the caller fills the next; the
-    sender thread reads the last one's replies ``delay`` after it went. Elsewhere (a
-    cluster routes every call by slot; durability ends each batch with a wait) each batch
-    is one pipeline whose replies are read at once."""
+    With a batch writer (runner.BatchWriter, a connection of the pipeline's own) a batch's
+    replies are read when the next is written, the last one's by the keeper ``delay`` after
+    it went; elsewhere (a cluster routes each call by slot, durability ends each batch with
+    a wait) each batch is one pipeline whose replies are read at once."""
 
     def __init__(self, lib: Any, size: int, delay: float, on_due: Callable[[], None]) -> None:
         self.lib, self.size, self.delay = lib, size, delay
@@ -82,8 +73,7 @@ class Pipeline:
         self._on_wire: list[tuple[Send | None, str, Call[Any]]] = []  # written, replies unread
         self._oldest = 0.0
         self._written_at = 0.0
-        self.refused: list[tuple[str, BaseException]] = []
-        self._refused_ids: list[tuple[str, str | None]] = []  # (queue, task id) of each refused
+        self.refused: list[tuple[str, BaseException, str | None]] = []  # queue, error, task id
         self.stale: list[Send] = []
 
     def forked(self) -> None:
@@ -105,8 +95,8 @@ class Pipeline:
             self._on_due()
 
     def due(self) -> float | None:
-        """When the sender must act (monotonic): the oldest pending publish's deadline, or
-        the deadline for the replies of the batch on the wire; None if neither."""
+        """When the keeper must send (the oldest pending publish's deadline) or read (the
+        replies of the batch on the wire): monotonic, or None."""
         with self._lock:
             if self._calls:
                 return self._oldest + self.delay
@@ -171,28 +161,25 @@ class Pipeline:
         return stale
 
     def _refuse(self, send: Send | None, queue: str, error: BaseException) -> None:
-        """(lock held)"""
-        self.refused.append((queue, error))
-        headers = send.message.get("headers") if send is not None else None
-        self._refused_ids.append((queue, headers.get("id") if isinstance(headers, dict) else None))
+        headers = send.message.get("headers") if send is not None else None  # (lock held)
+        self.refused.append((queue, error, headers.get("id") if isinstance(headers, dict) else None))
 
     def check(self) -> None:
         """Raise what the server refused since the last check."""
         with self._lock:
-            refused, self.refused, self._refused_ids = self.refused, [], []
+            refused, self.refused = self.refused, []
         if refused:
-            raise UnconfirmedPublishError(refused)
+            raise UnconfirmedPublishError([(queue, error) for queue, error, _ in refused])
 
     def unsent(self) -> list[str]:
         """What was refused and never raised, or never sent, by queue (the exit's report)."""
         with self._lock:
-            lines = []
-            for queue in dict.fromkeys(q for q, _ in self._refused_ids):
-                ids = [i or "-" for q, i in self._refused_ids if q == queue]
-                first = next(e for q, e in self.refused if q == queue)
-                lines.append(f"{len(ids)} unconfirmed publish(es) to {queue!r} refused by the server "
-                             f"({type(first).__name__}: {first}); task ids: {', '.join(ids)}")
-            pending = [queue for _, queue, _ in self._calls]
-            for queue in dict.fromkeys(pending):
-                lines.append(f"{pending.count(queue)} unconfirmed publish(es) to {queue!r} never sent")
-            return lines
+            refused, pending = list(self.refused), [queue for _, queue, _ in self._calls]
+        lines = []
+        for queue in dict.fromkeys(q for q, _, _ in refused):
+            mine = [(error, task_id or "-") for q, error, task_id in refused if q == queue]
+            first = mine[0][0]
+            lines.append(f"{len(mine)} unconfirmed publish(es) to {queue!r} refused by the server "
+                         f"({type(first).__name__}: {first}); task ids: {', '.join(i for _, i in mine)}")
+        return lines + [f"{pending.count(q)} unconfirmed publish(es) to {q!r} never sent"
+                        for q in dict.fromkeys(pending)]
