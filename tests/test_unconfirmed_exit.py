@@ -32,7 +32,8 @@ import sys
 from kombu import Connection, Exchange
 import celery_redis_lua  # noqa: F401  (registers redislua://)
 
-conn = Connection(sys.argv[1], transport_options={"confirm_publish": False})
+conn = Connection(sys.argv[1], transport_options={"confirm_publish": False,
+                                                  "publish_pipeline": int(sys.argv[4])})
 producer = conn.Producer()
 for i in range(int(sys.argv[2])):
     producer.publish({"i": i}, exchange=Exchange(sys.argv[3], "direct"), routing_key=sys.argv[3])
@@ -51,7 +52,12 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         yield srv
 
 
-def test_a_producer_that_exits_without_close_names_its_refused_publishes(server: Server) -> None:
+# A pipeline of 100 (the default): the last batch is sent at exit. Of 1: a publish is written
+# at once and its reply still unread at exit (the exit must read it, not only send); one
+# publish, since the next would raise the refusal of the one before.
+@pytest.mark.parametrize(("pipeline", "count"), [(100, COUNT), (1, 1)])
+def test_a_producer_that_exits_without_close_names_its_refused_publishes(server: Server,
+                                                                         pipeline: int, count: int) -> None:
     url = f"redislua://127.0.0.1:{server.port}/0"
     with Connection(url) as conn:
         QUEUE(conn.default_channel).declare()
@@ -62,14 +68,14 @@ def test_a_producer_that_exits_without_close_names_its_refused_publishes(server:
         lib.publish(NAME, "{}")
     refused_before = refused_for_memory(client)
 
-    run = subprocess.run([sys.executable, "-c", PRODUCER, url, str(COUNT), NAME], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", PRODUCER, url, str(count), NAME, str(pipeline)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
 
-    assert run.stdout.strip() == f"published {COUNT}", run.stderr
+    assert run.stdout.strip() == f"published {count}", run.stderr
     [stats] = lib.stats([NAME])
     assert stats.ready == 0
-    assert refused_for_memory(client) - refused_before >= COUNT  # sent (at exit) and refused
+    assert refused_for_memory(client) - refused_before >= count  # sent (at exit) and refused
     said = run.stderr
-    assert NAME in said and re.search(rf"\b{COUNT}\b", said), (
-        f"the producer exited with status {run.returncode} and said nothing of its {COUNT} refused "
+    assert NAME in said and re.search(rf"\b{count}\b", said), (
+        f"the producer exited with status {run.returncode} and said nothing of its {count} refused "
         f"publishes to {NAME!r} (stderr: {said!r})")

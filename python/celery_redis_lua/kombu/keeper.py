@@ -358,7 +358,7 @@ class Keeper:
         try:
             now = time.monotonic()
             deadline = now + EXIT_BUDGET_SECONDS
-            for outbox in list(self._sending):
+            for outbox in {*self._sending, *self._outboxes}:  # with replies unread too
                 outbox.send(max(0.0, deadline - time.monotonic()), everything=True)
             with self._lock:  # a settling one is finished: it is the outbox's to report
                 held = [h for h in self._held.values() if not h.settling]

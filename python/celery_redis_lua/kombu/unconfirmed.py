@@ -91,7 +91,7 @@ class Pipeline:
             full = len(self._calls) >= self.size
         if full:
             self.push()
-        elif first:  # the keeper wakes once per batch, not once per publish
+        if first or full:  # the keeper wakes once per batch (to send it, or read its replies)
             self._on_due()
 
     def due(self) -> float | None:
