@@ -15,7 +15,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 from kombu.message import Message
 
-from celery_redis_lua.kombu.channel import REFILL_GATHER_SECONDS
+from celery_redis_lua.kombu.consuming import REFILL_GATHER_SECONDS
 from helpers import hub_readable, hub_wake_fd, wait_until
 from tools.servers import Server
 

@@ -1,11 +1,9 @@
 """kombu glue: a virtual Channel whose every operation is a script call.
 
-The channel holds no protocol logic of its own: publish, consume, ack, reject,
-declare, bind, purge and delete each map to one script (see lua/). What lives
-here is bookkeeping kombu needs (which queues are consumed, with or without
-ack), the queue-side steps of a consuming round (consume now, block on the queues'
-wake lists, consume again when woken) that the poller runs, and what it asks the keeper
-(keeper.py) to keep alive. Fanout streams are in fanout.py, acks and prefetch accounting in qos.py.
+The channel holds no protocol logic: publish, consume, ack, reject, declare, bind, purge and
+delete each map to one script (lua/). Here is the bookkeeping kombu needs (which queues are
+consumed, with or without ack) and what the keeper (keeper.py) keeps alive. The consuming
+round is in consuming.py, fanout streams in fanout.py, acks and prefetch accounting in qos.py.
 """
 
 from __future__ import annotations
@@ -14,57 +12,33 @@ import contextlib
 import logging
 import os
 import socket
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
-from redis.crc import key_slot
 
-from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps, publish_arguments
+from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Consumed, Delivery, StaleRoute
-from ..protocol.runner import Call
+from ..protocol.ops import StaleRoute
+from .consuming import ConsumingMixin
 from .fanout import FanoutMixin
 from .keeper import KEEPER
-from .outbox import Batch
 from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
-from .settle import hand_back, reject
 from .unconfirmed import Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
-# Server-side floor for a BLPOP/XREAD block, so a due-now hint never spins.
-MIN_BLOCK_SECONDS = 0.005
-# A prefetch slot freed while the channel still holds more than half its window waits up to
-# this long for others before the consume call that refills it: the prefork pool frees its
-# slots one task at a time, and refilling each alone cost the hub a round trip per task
-# (0.82 consume calls per task against 0.08 on threads). Bounded, so a pool child left idle
-# by a long task elsewhere waits no longer than this for its next message.
-REFILL_GATHER_SECONDS = 0.002
 # A closing channel waits at most this long for a batch of its acks already on the wire.
 CLOSE_ACK_TIMEOUT_SECONDS = 10.0
 # The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
 FANOUT_PATTERN = "fanout"
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """A consume sent without waiting for its reply: the acks it carries in front of it (one
-    call per queue), the queues and the room it asked for, the calls as they were written."""
-
-    acks: Batch | None
-    group: list[str]
-    room: int
-    calls: list[Call[Any]]
-
-
-class Channel(FanoutMixin, virtual.Channel):
+class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     """A kombu channel on the celery-redis-lua scripts."""
 
     QoS = QoS
@@ -102,10 +76,9 @@ class Channel(FanoutMixin, virtual.Channel):
 
     @property
     def state(self) -> Any:
-        """kombu's binding state, of the connection. A closed channel has none: a kombu entity
-        still bound to it after a reconnect (an exchange declared before it) meets a lost
-        connection here, which kombu's ensure() answers by reviving the entity on a new
-        channel, instead of an AttributeError no retry handles (a chaos run met one)."""
+        """kombu's binding state, of the connection. A closed channel has none: an entity still
+        bound to it after a reconnect meets a lost connection here, which kombu's ensure()
+        answers by reviving it on a new channel (an AttributeError no retry handles)."""
         connection = self.connection
         if connection is None:
             raise redis.ConnectionError("celery-redis-lua: this channel was closed (by a reconnect?)")
@@ -128,14 +101,11 @@ class Channel(FanoutMixin, virtual.Channel):
             self._send = None
 
     def _inplace_augment_message(self, message: dict[str, Any], exchange: str, routing_key: str) -> None:
-        """kombu's, without a delivery tag: delivery sets the tag (the queue and the message id,
-        envelope.py), so kombu's uuid4 here would only cost a urandom call and ~55 bytes of
-        every stored message that nobody reads (the script-level producers leave it out too).
-        A text body (what kombu's JSON serializer and Celery's default produce) goes into the
-        envelope as it is, without ``body_encoding``: base64 would store a third more bytes of
-        it in Redis and hide the task's arguments from whoever reads the message with
-        redis-cli. A binary one (pickle, msgpack, compressed) is base64 as in stock kombu.
-        Every kombu consumer decodes both (an absent ``body_encoding`` means none)."""
+        """kombu's, without a delivery tag: delivery sets it (queue and message id, envelope.py),
+        so kombu's uuid4 would only cost a urandom call and ~55 unread bytes per message. A
+        text body (JSON, Celery's default) goes in as it is: base64 would store a third more
+        bytes and hide the task's arguments from redis-cli. A binary one is base64 as in stock
+        kombu; every kombu consumer decodes both (no ``body_encoding`` means none)."""
         properties, body = message["properties"], message["body"]
         if not isinstance(body, str):
             message["body"], properties["body_encoding"] = self.encode_body(body, self.body_encoding)
@@ -154,9 +124,9 @@ class Channel(FanoutMixin, virtual.Channel):
             self._publishing = None
 
     def settle_unconfirmed(self, *, flush: bool = True) -> None:
-        """Unconfirmed publishes (confirm_publish=False): send what is pending (``flush``),
-        publish again those a stale route refused (fresh lookup, synchronously, skipping the
-        queues that stored them), and raise what the server refused (unconfirmed.py)."""
+        """Unconfirmed publishes: send what is pending (``flush``), publish again those a stale
+        route refused (synchronously, skipping queues that stored them), raise what the server
+        refused (unconfirmed.py)."""
         if self.unconfirmed is None:
             return
         if flush:
@@ -167,8 +137,8 @@ class Channel(FanoutMixin, virtual.Channel):
         self.unconfirmed.check()
 
     def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> list[str]:
-        """kombu's, except that a cached table that routes the key nowhere is looked up
-        again before the message is called undeliverable (a bind elsewhere since)."""
+        """kombu's, but a cached table that routes the key nowhere is looked up again before the
+        message is called undeliverable (a bind elsewhere since)."""
         publishing = self._publishing
         if exchange and publishing is not None and not publishing.fresh:
             try:
@@ -200,9 +170,8 @@ class Channel(FanoutMixin, virtual.Channel):
     # -- queues and bindings ----------------------------------------------------------------
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
-        """Declare through the script, which keeps the queue's stored arguments when none are
-        given and refuses different ones; remember the arguments in force (their expiry
-        decides how often this connection keeps the queue and its bindings alive)."""
+        """Declare through the script (it keeps stored arguments when none are given, refuses
+        different ones); the expiry in force decides how often the queue is kept alive."""
         arguments = kwargs.get("arguments") or {}
         expires = _ms_argument(queue, arguments, "x-expires")
         if expires is None:
@@ -227,8 +196,8 @@ class Channel(FanoutMixin, virtual.Channel):
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
                      **kwargs: Any) -> None:
-        """Delete the queue's keys whether or not this process knows its bindings; the
-        bindings it knows are removed too."""
+        """Delete the queue's keys whether or not this process knows its bindings (those it
+        knows are removed too)."""
         if if_empty and self._size(queue):
             return
         for exchange, routing_key, arguments in self.state.queue_bindings(queue):
@@ -248,15 +217,13 @@ class Channel(FanoutMixin, virtual.Channel):
         self._keep_alive(queue)
 
     def _unbind(self, exchange: str, queue: str, member: str) -> None:
-        """Unbind; when something was removed, cached copies of the table (in any process)
-        are refused from now on for ``queue``."""
+        """Unbind; if something was removed, cached tables (any process) are refused for ``queue``."""
         if self.lib.unbind(exchange, [member]):
             self.routes.changed(exchange, [queue])
 
     def _forget_queue(self, queue: str) -> None:
-        """Delete the queue's keys, then its groups on the fanout exchanges it is bound to:
-        delete names those the queue's record holds, whichever connection bound it. A group
-        is in its stream's slot, so each goes in a call of its own (idempotent)."""
+        """Delete the queue's keys, then its groups on the fanout exchanges its record names
+        (whichever connection bound it); a group is in its stream's slot: a call each."""
         exchanges = dict.fromkeys(self.lib.delete(queue).fanout_exchanges)
         KEEPER.withdraw(self, queue)
         fanout = self.connection.fanout_queues.pop(queue, None)
@@ -279,8 +246,7 @@ class Channel(FanoutMixin, virtual.Channel):
         one channel is served on any other channel of the connection."""
         if self.typeof(exchange).type == "fanout":
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
-            # Recorded with the queue (its slot) before the group is made: deleting the
-            # queue from any connection then finds the group (lua/delete.lua).
+            # Recorded with the queue before the group is made: a delete from anywhere finds it.
             self.connection.declared[queue] = self.lib.declare(queue, fanout_exchange=exchange)
             self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
@@ -335,59 +301,6 @@ class Channel(FanoutMixin, virtual.Channel):
         self._restart_waits()
         return result
 
-    def _restart_waits(self) -> None:
-        """The consumed queues changed: end pending waits (they name the old keys), so the
-        next round blocks on the new set at once instead of after blocking_timeout."""
-        if self.closed:
-            return
-        for wait in list(self.queue_waits.values()):
-            if wait.batch is not None:  # an in-flight consume: its replies come within ms
-                self._consume_arrived(wait, then_wait=False)
-                continue
-            self._give_back_wake(wait.cancel())
-        for wait in list(self.stream_waits.values()):
-            wait.cancel()
-
-    def _give_back_wake(self, woken: Any) -> None:
-        """A wait cancelled just as its BLPOP took a wake token: the token goes back for
-        another consumer (this one consumes in its next round anyway, or is closing). Lost
-        with the connection, it would cost the other consumers one blocking_timeout."""
-        if woken:
-            with contextlib.suppress(redis.RedisError, OSError):
-                self.lib.unpop(self.keys.queue_of(woken[0]))
-
-    # -- the blocking waits -----------------------------------------------------------------
-
-    def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
-        """The wait for ``key``'s slot: on a cluster, on a connection to the node that owns
-        the slot (asked again at every reconnect); else the channel's one wait of its kind."""
-        slot = key_slot(key.encode()) if self.is_cluster else None
-        wait = waits.get(slot)
-        if wait is None:
-            if self.is_cluster:
-                client: RedisCluster = self.client
-                wait = BlockingRead(
-                    lambda: client.get_redis_connection(client.get_node_from_key(key)).connection_pool,
-                    on_redirect=client.nodes_manager.initialize)
-            else:
-                wait = BlockingRead(self.client.connection_pool, on_lost=self._consume_lost)
-            waits[slot] = wait
-        return wait
-
-    @property
-    def queue_wait(self) -> BlockingRead:
-        """The wait of the first queue group (the only one when not on a cluster)."""
-        groups = self.lib.slot_groups(self.queues_polled)
-        return self._wait(self.queue_waits, self.keys.queue(groups[0][0]) if groups else "")
-
-    def waits(self) -> list[BlockingRead]:
-        return [*self.queue_waits.values(), *self.stream_waits.values()]
-
-    def on_wait_readable(self, wait: BlockingRead) -> int:
-        if any(wait is w for w in self.queue_waits.values()):
-            return self.on_queue_wait_readable(wait)
-        return self.on_stream_wait_readable(wait)
-
     def basic_recover(self, requeue: bool = False) -> None:
         """Redeliver every unacked message now (a closing channel adopts them instead)."""
         if not requeue:
@@ -409,205 +322,12 @@ class Channel(FanoutMixin, virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> Any:
         raise NotImplementedError("celery-redis-lua consumes through Transport.drain_events")
 
-    def can_consume(self) -> bool:
-        return bool(self.qos.can_consume())
-
-    @property
-    def queues_polled(self) -> list[str]:
-        """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
-        fanout = self.connection.fanout_queues
-        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
-
-    def headroom(self) -> int:
-        """How many messages QoS lets this channel take now."""
-        room = self.qos.can_consume_max_estimate()
-        return self.options.consume_batch if room is None else min(room, self.options.consume_batch)
-
-    def poll_queues(self) -> int:
-        """Deliver what is ready in the consumed queues whose wait is not pending, then start
-        their waits (one per slot group on a cluster, so a message on any node wakes us)."""
-        if not self.queues_polled or not self.can_consume():
-            return 0
-        idle = [group for group in self.lib.slot_groups(self.queues_polled)
-                if self._wait(self.queue_waits, self.keys.queue(group[0])).pending is None]
-        if not idle:
-            self._refill_due = None  # the pending waits refill the window
-            return 0
-        if self._gathering():
-            return 0
-        if self._consumes_in_flight(idle):
-            self._send_consume(idle[0])
-            return 0
-        delivered, wake_in_ms = self.consume_now([queue for group in idle for queue in group])
-        if self.can_consume():
-            for group in idle:
-                self.start_queue_wait(group, wake_in_ms)
-        return delivered
-
-    def refill_due(self) -> float | None:
-        """When a refill :meth:`poll_queues` held back is due (monotonic), else None: the
-        event loop must come back by then even if nothing else happens."""
-        return self._refill_due
-
-    def _gathering(self) -> bool:
-        """Whether to hold the refill back: more than half the prefetch window is still
-        held, and the first slot freed since the last refill has waited less than
-        REFILL_GATHER_SECONDS. A window of one or two, or none, is refilled at once."""
-        window, room = self.qos.prefetch_count, self.qos.can_consume_max_estimate()
-        if not window or room is None or 2 * room >= window:
-            self._refill_due = None
-            return False
-        now = time.monotonic()
-        if self._refill_due is None:
-            self._refill_due = now + REFILL_GATHER_SECONDS
-        if now < self._refill_due:
-            return True
-        self._refill_due = None
-        return False
-
-    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None]:
-        """Deliver what is ready in ``queues`` (default: every consumed one); returns
-        (delivered, wake_in_ms)."""
-        queues = self.queues_polled if queues is None else queues
-        delivered, wake = 0, None
-        for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
-                              (False, [q for q in queues if q not in self._no_ack_queues])):
-            room = self.headroom()
-            if not group or room <= 0:
-                continue
-            consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
-            _log_expired(consumed.expired, group)
-            delivered += self._deliver_all(consumed.deliveries, no_ack)
-            if consumed.wake_in_ms is not None:
-                wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
-        return delivered, wake
-
-    # -- consumes in flight (Celery's event loop) ------------------------------------------
-
-    def _consumes_in_flight(self, idle: list[list[str]]) -> bool:
-        """Whether this round's consume goes out without waiting for its reply: in Celery's
-        hub, which reads the reply when the wait's socket is readable and meanwhile feeds the
-        pool, instead of the loop standing still for a round trip per refill (a prefork
-        worker drains a prefilled queue 22-26% faster, docs/decisions.md). Where the
-        consume and the acks it carries are one write (a standalone server or a Sentinel
-        primary, no durability wait), and for queues consumed with acks (a no_ack message
-        is gone once consumed: one that a closing channel never read would be lost)."""
-        return (self.connection.poller.in_hub and len(idle) == 1 and self.lib.runner.batches_in_one_write
-                and not any(queue in self._no_ack_queues for queue in idle[0]))
-
-    def _send_consume(self, group: list[str]) -> None:
-        """Send a consume for ``group`` (and the acks gathered meanwhile, in front of it) on
-        the group's wait connection; :meth:`_consume_arrived` takes the replies."""
-        room = self.headroom()
-        acks = self.outbox.take()
-        calls = [*(self.outbox.calls(acks) if acks else []), self.lib.calls.consume(group, room)]
-        sent = InFlight(acks, group, room, calls)
-        self._wait(self.queue_waits, self.keys.queue(group[0])).send_batch(
-            lambda connection: self.lib.runner.wire(connection, calls), len(calls), sent,
-            timeout=max(self.options.blocking_timeout, 1.0))
-
-    def _consume_arrived(self, wait: BlockingRead, *, closing: bool = False, then_wait: bool = True) -> int:
-        """Settle the acks an in-flight consume carried and deliver what it consumed (give
-        it back instead when the channel closes, or its queue is no longer consumed here:
-        nobody saw it); then, if it found fewer than it asked for, wait on the queues."""
-        replies, sent = wait.read_batch()  # a lost connection: the acks went to the registry
-        try:  # the calls that met NOSCRIPT (a flush, a failover) never ran: load, run them now
-            results = self.lib.runner.rerun_noscript(sent.calls, replies, raise_on_error=False)
-        except Exception as error:  # that run met a lost connection: the acks are sent again
-            results = [error] * len(sent.calls)
-        if sent.acks is not None:
-            self.outbox.settle(sent.acks, results[:-1])
-        consumed = results[-1]
-        if isinstance(consumed, Exception):
-            raise consumed
-        _log_expired(consumed.expired, sent.group)
-        polled = [] if closing else self.queues_polled
-        unwanted = [d for d in consumed.deliveries if d.queue not in polled]
-        for queue in dict.fromkeys(d.queue for d in unwanted):
-            back = [d for d in unwanted if d.queue == queue]
-            hand_back(self.lib, queue, [d.id for d in back], [d.delivery_count for d in back])
-        delivered = self._deliver_all([d for d in consumed.deliveries if d.queue in polled], False)
-        if then_wait and not closing and len(consumed.deliveries) < sent.room and self.can_consume():
-            self.start_queue_wait([q for q in sent.group if q in polled], consumed.wake_in_ms)
-        return delivered
-
-    def _consume_lost(self, sent: InFlight) -> None:
-        """An in-flight consume's replies will never be read: its acks go back to the outbox,
-        to be sent again; what it consumed comes back after the
-        visibility timeout, counted, as after a synchronous consume whose reply was lost."""
-        if sent.acks is not None:
-            lost = redis.ConnectionError("celery-redis-lua: the connection of an in-flight consume was lost")
-            self.outbox.settle(sent.acks, [lost] * len(sent.acks.groups))
-
-    def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
-        """Block on the wake lists of ``queues`` (consumed ones of one slot; bounded by
-        blocking_timeout and by the next ETA) with BLPOP: it pops a token, never a message,
-        so nothing is in limbo if this consumer dies while it waits. Returns whether a wait
-        is now pending."""
-        if not queues or self.headroom() <= 0:
-            return False
-        timeout = self.options.blocking_timeout
-        if wake_in_ms is not None:
-            timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
-            timeout = max(timeout, MIN_BLOCK_SECONDS)
-        keys = [self.keys.wake(q) for q in queues]
-        self._wait(self.queue_waits, self.keys.queue(queues[0])).send("BLPOP", *keys, f"{timeout:.3f}",
-                                                                      timeout=timeout)
-        return True
-
-    def on_queue_wait_readable(self, wait: BlockingRead) -> int:
-        """Take an in-flight consume's replies, or a woken (or timed-out) wait: either way
-        the queues are consumed now (the wait is no longer pending, so its group is polled)
-        and the wait starts again; returns how many were delivered."""
-        if wait.batch is not None:
-            return self._consume_arrived(wait)
-        wait.read()  # the token (or None: the block timed out); consume decides what is there
-        return self.poll_queues()
-
-    def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
-        """A consume of the loop, carrying this channel's gathered acks (outbox.py): a
-        consumer's own round trip sends them, and the keeper makes no call of its own."""
-        batch = self.outbox.take()
-        if batch is None:
-            return self.lib.run(call)
-        (result,) = self.outbox.run(batch, [call])
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def _deliver_all(self, deliveries: list[Delivery], no_ack: bool) -> int:
-        """Hand kombu each delivery, held by this channel (keeper.py) from now: kombu takes
-        them one at a time, and a solo task blocks inside the first."""
-        if not no_ack:
-            KEEPER.take(self, self.lib, deliveries)
-        delivered = 0
-        for delivery in deliveries:
-            payload = self._decode_or_reject(delivery, no_ack)
-            if payload is not None:
-                self.connection._deliver(payload, delivery.queue)
-                delivered += 1
-        return delivered
-
-    def _decode_or_reject(self, delivery: Delivery, no_ack: bool) -> dict[str, Any] | None:
-        """A payload that is not a kombu envelope is rejected (dead-lettered) with a log
-        line naming it; the consumer and every other message go on."""
-        try:
-            return delivered_envelope(delivery)
-        except BadEnvelope as error:
-            logger.error("celery-redis-lua: rejected a message: %s", error)
-            if not no_ack:
-                KEEPER.release(self.lib, delivery.queue, [delivery.id])
-                reject(self.lib, delivery.queue, [delivery.id], requeue=False,
-                       counts=[delivery.delivery_count])
-            return None
-
     # -- periodic work ----------------------------------------------------------------------
 
     def _keep_alive(self, queue: str) -> None:
-        """Register with the keeper what keeps ``queue`` alive while this channel consumes
-        it: with an x-expires, the refresh of its keys, of the bindings this connection
-        declared for it and of its fanout group, three times per x-expires, so that a queue
-        with a live consumer never expires (nor its routes). Asked again when they change."""
+        """Register with the keeper what keeps ``queue`` alive while this channel consumes it:
+        with an x-expires, refresh its keys, this connection's bindings and its fanout group
+        three times per x-expires (a consumed queue never expires, nor its routes)."""
         expires, calls = self._expires_ms(queue), []
         if expires and queue in self._active_queues:
             calls = [self.lib.calls.extend(queue, [])]  # a fanout queue's too: meta records its bindings
@@ -671,8 +391,7 @@ class Channel(FanoutMixin, virtual.Channel):
             raise refused
 
     def _close_unconfirmed(self) -> UnconfirmedPublishError | None:
-        """Send the unconfirmed publishes before the channel goes; what the server refused
-        (or a lost connection took) is raised once the channel is closed."""
+        """Send the unconfirmed publishes; what was refused (or lost) is raised once closed."""
         if self.unconfirmed is None:
             return None
         try:
@@ -690,11 +409,6 @@ class Channel(FanoutMixin, virtual.Channel):
         return None
 
 
-def _log_expired(expired: int, queues: list[str]) -> None:
-    if expired:
-        logger.warning("celery-redis-lua: %d message(s) of queue(s) %s had expired (message TTL) "
-                       "while they waited and were dead-lettered instead of delivered",
-                       expired, ", ".join(queues))
 
 
 def _ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:

@@ -1,13 +1,11 @@
 """Fanout exchanges on Streams: the channel methods that publish to and consume from them.
 
 Each queue bound to a fanout exchange has a consumer group on the exchange's stream
-(created when it is bound, see lua/fanout_bind.lua), and a record beside the stream with
-its x-expires and x-message-ttl: a group unread for x-expires is gone as its queue would
-be, and entries older than x-message-ttl are not delivered. A channel reads its groups
-with the fanout_consume script and waits for new entries with XREAD; after a full batch
-the XREAD returns at once, so a backlog drains without waiting out ``blocking_timeout``.
-Which queues are bound to which fanout exchange is the connection's (``fanout_queues``),
-so any channel of the connection can consume a queue bound on another.
+(lua/fanout_bind.lua) with the queue's x-expires and x-message-ttl: a group unread for
+x-expires is gone as its queue would be; older entries are not delivered. A channel reads
+its groups with fanout_consume and waits with XREAD, which returns at once after a full
+batch, so a backlog drains without waiting out ``blocking_timeout``. The bindings are the
+connection's (``fanout_queues``): any of its channels consumes a queue bound on another.
 """
 
 from __future__ import annotations
@@ -91,8 +89,8 @@ class FanoutMixin:
         return delivered
 
     def poll_streams(self) -> int:
-        """Read the consumed fanout queues' groups, then wait (XREAD) on the streams whose
-        wait is not pending: one wait per slot of the streams on a cluster."""
+        """Read the consumed fanout queues' groups, then XREAD on the streams whose wait is not
+        pending (one wait per slot on a cluster)."""
         groups: dict[int | None, list[str]] = {}
         for queue in self.fanout_polled:
             stream = self.keys.fanout(self.connection.fanout_queues[queue][0])
@@ -120,8 +118,8 @@ class FanoutMixin:
         return self.consume_fanout_now()
 
     def _leave_fanout(self, queues: Iterable[str]) -> None:
-        """This channel's consumer leaves the groups of ``queues`` it read (it stops
-        consuming them, or closes); best effort, the next bind clears what is left."""
+        """This channel's consumer leaves the groups of ``queues`` it read; best effort (the
+        next bind clears what is left)."""
         for queue in queues:
             if queue not in self._fanout_read:
                 continue

@@ -1,10 +1,8 @@
 """Transport options: names, defaults and validation (the reference API's, plus dead letters).
 
-Every option is checked when the transport is created (kombu creates it at
-connection time); a wrong type or value raises :class:`OptionError` with the
-option's name. Options this transport does not know are left alone: kombu and
-Celery pass their own keys (``max_retries``, ``interval_start``, ...) through
-the same dictionary.
+Every option is checked when the transport is created; a wrong type or value raises
+:class:`OptionError` naming it. Unknown options are left alone: kombu and Celery pass their
+own keys (``max_retries``, ...) through the same dictionary.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ class TransportOptions:
     sweep_interval: float = 60
     # Most messages one consume call may deliver (on top of the QoS headroom).
     consume_batch: int = 100
-    # Bindings of a queue with x-expires go stale max(x-expires, this) after their last
-    # refresh (seconds); a consumer refreshes them three times per x-expires. Lower it only
-    # to see stale bindings go sooner (tests do).
+    # Bindings of a queue with x-expires go stale max(x-expires, this) seconds after their
+    # last refresh (three times per x-expires while consumed); tests lower it.
     binding_lifetime_floor: float = 300
     # Sentinel (sentinel:// or redislua+sentinel:// URLs), as kombu's stock Sentinel channel.
     master_name: str | None = None
@@ -70,14 +67,12 @@ class TransportOptions:
     # a publish not confirmed within durability_timeout seconds raises NotDurable.
     durability: str | None = None
     durability_timeout: float = 1.0
-    # Acks are sent in batches (kombu/outbox.py): an ack waits at most this long (seconds) for
-    # the consumer's next consume to carry it (or for others to share its own round
-    # trip); 0 sends each batch as soon as the keeper's thread runs. 5 ms: a prefork worker's
-    # refill comes within it (a freed slot gathers for up to 2 ms, channel.py), and it is
-    # all a killed worker can replay beyond a synchronous ack's window.
+    # Acks are batched (kombu/outbox.py): one waits at most this long (seconds) for the next
+    # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
+    # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
     ack_flush_delay: float = 0.005
-    # Unconfirmed publishes (kombu/unconfirmed.py): False pipelines them, publish_pipeline per
-    # write at most, none waiting longer than publish_flush_delay seconds.
+    # False pipelines publishes (kombu/unconfirmed.py): publish_pipeline per write at most,
+    # none waiting longer than publish_flush_delay seconds.
     confirm_publish: bool = True
     publish_pipeline: int = 100
     publish_flush_delay: float = 0.005

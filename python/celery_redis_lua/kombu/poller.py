@@ -1,26 +1,19 @@
 """The consuming round, and the blocking waits it is made of.
 
-Per channel, a round delivers what is ready now (the consume script, up to the QoS
-headroom), then, while QoS allows, starts one BLPOP across the wake lists of the channel's
-queues on the server (bounded by ``blocking_timeout`` and by the next ETA) and one XREAD
-across its fanout streams; when a wait's socket is readable, the queues are consumed (the
-wake list holds a token, never a message) and what the streams had is delivered.
-In Celery's event loop the waits are sockets registered with the hub; without it (plain
-kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way the
-sweep runs from here. In the hub, where it can, the
-round's consume goes out on the wait's connection as a batch (:meth:`BlockingRead.
-send_batch`, with the acks gathered meanwhile in front of it) and is read the same way,
-when the socket is readable: the loop feeds the pool instead of standing still for the
-round trip (channel.py, "consumes in flight").
+Per channel, a round delivers what is ready now, then, while QoS allows, starts one BLPOP
+across the wake lists of its queues (a token, never a message) and one XREAD across its
+fanout streams (consuming.py, fanout.py); a readable wait means consume again. In Celery's
+hub the waits are sockets registered with it, and where it can the round's consume goes out
+on the wait's connection as a batch read when the socket is readable (:meth:`BlockingRead.
+send_batch`); without it (plain kombu, gevent, eventlet) :meth:`Poller.drain_events`
+select()s on them. Either way the sweep runs from here.
 
-The waits and those batches are the only commands Python sends to Redis itself, not
-through redis-py's client (Lua cannot block). A wait is sent without waiting for its
-reply, so the loop can watch the socket;
-``cancel()`` ends a pending wait at once with CLIENT UNBLOCK from another connection, so
-shutting down never waits out ``blocking_timeout``. Where CLIENT UNBLOCK is refused (it is
-in ``@admin``; some managed services lack it) the wait's connection is closed instead: a
-BLPOP that had just popped loses its reply, and with it a wake token, never a message
-(the other consumers of that queue then wait out one ``blocking_timeout`` at most).
+The waits and those batches are the only commands sent outside redis-py's client (Lua cannot
+block), without waiting for the reply so the loop can watch the socket. ``cancel()`` ends a
+wait at once with CLIENT UNBLOCK from another connection, so shutting down never waits out
+``blocking_timeout``; where that is refused (it is in ``@admin``; some managed services lack
+it) the connection is closed instead: a BLPOP that had just popped loses a wake token, never
+a message (the other consumers then wait out one ``blocking_timeout`` at most).
 """
 
 from __future__ import annotations
@@ -42,32 +35,29 @@ logger = logging.getLogger(__name__)
 
 # A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
 OVERDUE_GRACE_SECONDS = 5.0
-# How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to send its reply
-# before its connection is closed instead.
+# How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
 UNBLOCK_GRACE_SECONDS = 0.5
 # A cluster node's answers to a blocking wait that mean "not here, not now": nothing popped.
 REDIRECTED = (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
               redis.exceptions.ClusterDownError)
-# drain_events wakes at least this often to run the periodic work; in Celery's event loop
-# a timer checks as often whether it is due.
+# drain_events wakes at least this often for the periodic work; in Celery's hub a timer does.
 TICK_SECONDS = 1.0
 
 
 class BlockingRead:
     """One dedicated connection for blocking waits, made with ``pool``'s settings but kept
-    outside it: a wait holds its connection for up to ``blocking_timeout``, and counted in
-    the pool, the waits of a few channels would leave too few connections for the acks of
-    many greenlets or threads (gevent stalled on 'Too many connections')."""
+    outside it: a wait holds its connection for up to ``blocking_timeout``, and counted in the
+    pool, a few channels' waits would leave too few connections for the acks of many
+    greenlets or threads."""
 
     def __init__(self, pool: redis.ConnectionPool | Callable[[], redis.ConnectionPool], *,
                  on_redirect: Callable[[], None] = lambda: None,
                  on_lost: Callable[[Any], None] = lambda batch: None) -> None:
         # On a cluster, the pool of the node that owns the wait's slot, asked again at every
-        # reconnect (a failover or a slot migration moves it); else the channel's pool.
+        # reconnect (a failover or a slot migration moves it).
         self._pool_of = pool if callable(pool) else (lambda: pool)
         self._on_redirect = on_redirect  # the slot moved (MOVED, ASK...): refresh the slot map
-        # A pending batch's replies will never be read (the connection is lost or closed):
-        # its owner settles what the batch carried (the acks go to the keeper).
+        # A pending batch's replies will never be read: its owner settles what it carried.
         self._on_lost = on_lost
         self.connection: Any = None
         self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
@@ -108,10 +98,9 @@ class BlockingRead:
         self.timeout = timeout
 
     def send_batch(self, wire: Callable[[Any], bytes], replies: int, batch: Any, *, timeout: float) -> None:
-        """Write the commands ``wire(connection)`` packs (``replies`` of them) without waiting
-        for their replies: the loop reads them (:meth:`read_batch`) when the socket is
-        readable. ``batch`` is the owner's record of what was sent; a write that fails
-        hands it to ``on_lost`` before the error is raised."""
+        """Write the ``replies`` commands ``wire(connection)`` packs without waiting for their
+        replies (:meth:`read_batch` reads them). ``batch`` is the owner's record of what was
+        sent; a write that fails hands it to ``on_lost`` before the error is raised."""
         try:
             connection = self._connect()
             connection.send_packed_command([wire(connection)], check_health=False)
@@ -136,8 +125,8 @@ class BlockingRead:
             self.pending, self.batch = None, None
 
     def overdue(self, grace: float) -> bool:
-        """The server should have answered by now (a half-open socket never says so).
-        A block without timeout (blocking_timeout 0) is never overdue."""
+        """The server should have answered by now (a half-open socket never says so); a block
+        without timeout (blocking_timeout 0) never is."""
         return (self.pending is not None and self.timeout > 0
                 and time.monotonic() - self.sent_at > self.timeout + grace)
 
@@ -150,8 +139,7 @@ class BlockingRead:
                 return self.connection.read_response(timeout=timeout)
             return self.connection.read_response()
         except REDIRECTED:
-            # A cluster node that no longer (or not yet) serves the slot answered before it
-            # blocked: nothing was popped. Wait again where the refreshed slot map says.
+            # A node that no longer (or not yet) serves the slot: nothing was popped.
             self.disconnect()
             self._on_redirect()
             return None
@@ -231,9 +219,8 @@ class Poller:
     # -- a round --------------------------------------------------------------------------
 
     def poll_round(self, channel: Consuming) -> int:
-        """Deliver what is ready now and start the waits that are not pending (a channel has
-        one wait for its queues and one for its fanout streams; on a cluster, one of each per
-        slot it consumes from)."""
+        """Deliver what is ready now and start the waits that are not pending (one for queues,
+        one for fanout streams; on a cluster, one of each per slot)."""
         delivered = channel.poll_queues() + channel.poll_streams()
         for wait in channel.waits():
             if wait.overdue(self.overdue_grace):
@@ -249,16 +236,14 @@ class Poller:
         return channel.on_wait_readable(wait)
 
     def refill_due(self) -> float | None:
-        """The earliest refill a channel held back (monotonic), if any: the loop must not
-        sleep past it."""
+        """The earliest refill a channel held back (monotonic): the loop must not sleep past it."""
         return min((due for channel in list(self.channels) if (due := channel.refill_due()) is not None),
                    default=None)
 
     # -- periodic work ----------------------------------------------------------------------
 
     def run_periodic(self, force: bool = False) -> None:
-        """The sweep, every ``sweep_interval`` (keeping deliveries and queues alive is the
-        keeper's, which does not depend on this loop running)."""
+        """The sweep, every ``sweep_interval`` (keeping things alive is the keeper's)."""
         now = time.monotonic()
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.sweep_interval
@@ -296,99 +281,99 @@ class Poller:
     # -- with Celery's event loop -----------------------------------------------------------
 
     def register(self, loop: Any) -> None:
-        """Poll in the hub's ticks, read waits when their sockets are readable. After a
-        reconnect Celery registers the new connection too: this one unregisters when it
-        closes, and never removes a reader it does not own (fds get reused)."""
-        registered: dict[int, BlockingRead] = {}
-        # Deliveries made during a tick schedule Celery's work (early acks, for one) with
-        # hub.call_soon, which the hub runs only after its next poll returns; the solo pool
-        # then waited out the next timer (up to blocking_timeout) between prefetch batches.
-        # A byte on this pipe makes that poll return at once.
-        wake_read, wake_write = os.pipe()
-        os.set_blocking(wake_read, False)
-        os.set_blocking(wake_write, False)
-
-        def on_wake() -> None:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_read, 4096)
-
-        def wake(**_: Any) -> None:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.write(wake_write, b"!")
-
-        # A warm shutdown (SIGTERM) only sets a flag the hub reads after its poll returns, and
-        # Python resumes an interrupted poll: an idle worker then sat out the rest of the 1 s
-        # tick before it began to stop. Celery's worker_shutting_down is sent from the signal
-        # handler: the byte makes the poll return at once.
-        shutting_down = _celery_signal("worker_shutting_down")
-        if shutting_down is not None:
-            shutting_down.connect(wake, weak=False)
-
-        def owned(fd: int, wait: BlockingRead) -> bool:
-            reader = loop.readers.get(fd)
-            return reader is not None and reader[1][1:] == (wait,)
-
-        def on_readable(channel: Consuming, wait: BlockingRead) -> None:
-            self.on_readable(channel, wait)
-
-        # The hub sleeps until its next timer or event: a refill a channel held back sets a
-        # timer of its own (one per due time: a channel keeps its due time until the refill),
-        # or it would wait for the next tick. The hub reckons its poll's timeout before it
-        # runs the on_tick callbacks, so the byte on the pipe makes this poll return and the
-        # next one count the new timer.
-        armed: list[float | None] = [None]  # the due time of the last timer set
-
-        def wake_for_refill() -> None:
-            due = self.refill_due()
-            if due is not None and due != armed[0]:
-                armed[0] = due
-                loop.call_later(max(0.0, due - time.monotonic()), lambda: None)
-                wake()
-
-        def on_tick() -> None:
-            for channel in list(self.channels):
-                if self.poll_round(channel):
-                    wake()
-                for wait in channel.waits():
-                    fd = wait.fileno()
-                    if wait.pending is not None and fd is not None and not (
-                            registered.get(fd) is wait and owned(fd, wait)):
-                        loop.add_reader(fd, on_readable, channel, wait)
-                        registered[fd] = wait
-            for fd, wait in list(registered.items()):
-                if wait.fileno() != fd:
-                    if owned(fd, wait):
-                        loop.remove_reader(fd)
-                    del registered[fd]
-            wake_for_refill()
-
-        def unregister() -> None:
-            self.in_hub = False
-            if shutting_down is not None:
-                shutting_down.disconnect(wake)
-            loop.on_tick.discard(on_tick)
-            timer.cancel()
-            for fd, wait in list(registered.items()):
-                if owned(fd, wait):
-                    loop.remove_reader(fd)
-            registered.clear()
-            loop.remove_reader(wake_read)
-            for fd in (wake_read, wake_write):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-        loop.add_reader(wake_read, on_wake)
-        loop.on_tick.add(on_tick)
-        self.in_hub = True
-        # A weak reference: the hub's timer must not keep a closed connection's poller alive.
-        periodic = weakref.WeakMethod(self.run_periodic)
-        timer = loop.call_repeatedly(TICK_SECONDS, lambda: (run := periodic()) and run())
-        loop.call_soon(lambda: (run := periodic()) and run(force=False))
-        self._unregister = unregister
+        """Poll in the hub's ticks, read waits when their sockets are readable (:class:`HubRegistration`)."""
+        self._unregister = HubRegistration(self, loop).unregister
 
     def unregister(self) -> None:
         self._unregister()
         self._unregister = lambda: None
+
+
+class HubRegistration:
+    """A poller registered with Celery's hub. After a reconnect Celery registers the new
+    connection too: this one unregisters when it closes, and never removes a reader it does
+    not own (fds get reused)."""
+
+    def __init__(self, poller: Poller, loop: Any) -> None:
+        self.poller, self.loop = poller, loop
+        self.registered: dict[int, BlockingRead] = {}
+        # Deliveries made during a tick schedule Celery's work (early acks) with call_soon,
+        # which the hub runs only after its next poll returns: a byte on this pipe makes that
+        # poll return at once (the solo pool would wait out a timer between batches).
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        # A warm shutdown (SIGTERM) only sets a flag the hub reads after its poll returns, and
+        # Python resumes an interrupted poll; worker_shutting_down is sent from the signal
+        # handler, so a byte then makes the poll return at once.
+        self.shutting_down = _celery_signal("worker_shutting_down")
+        if self.shutting_down is not None:
+            self.shutting_down.connect(self.wake, weak=False)
+        self.armed: float | None = None  # the due time of the last refill timer set
+        loop.add_reader(self.wake_read, self.on_wake)
+        loop.on_tick.add(self.on_tick)
+        poller.in_hub = True
+        # A weak reference: the hub's timer must not keep a closed connection's poller alive.
+        periodic = weakref.WeakMethod(poller.run_periodic)
+        self.timer = loop.call_repeatedly(TICK_SECONDS, lambda: (run := periodic()) and run())
+        loop.call_soon(lambda: (run := periodic()) and run(force=False))
+
+    def on_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.wake_read, 4096)
+
+    def wake(self, **_: Any) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self.wake_write, b"!")
+
+    def owned(self, fd: int, wait: BlockingRead) -> bool:
+        reader = self.loop.readers.get(fd)
+        return reader is not None and reader[1][1:] == (wait,)
+
+    def on_readable(self, channel: Consuming, wait: BlockingRead) -> None:
+        self.poller.on_readable(channel, wait)
+
+    def on_tick(self) -> None:
+        for channel in list(self.poller.channels):
+            if self.poller.poll_round(channel):
+                self.wake()
+            for wait in channel.waits():
+                fd = wait.fileno()
+                if wait.pending is not None and fd is not None and not (
+                        self.registered.get(fd) is wait and self.owned(fd, wait)):
+                    self.loop.add_reader(fd, self.on_readable, channel, wait)
+                    self.registered[fd] = wait
+        for fd, wait in list(self.registered.items()):
+            if wait.fileno() != fd:
+                if self.owned(fd, wait):
+                    self.loop.remove_reader(fd)
+                del self.registered[fd]
+        self.wake_for_refill()
+
+    def wake_for_refill(self) -> None:
+        """A refill held back sets a timer (one per due time), or the hub would sleep until the
+        next tick; it reckons its poll's timeout before on_tick, so the byte on the pipe makes
+        this poll return and the next one count the new timer."""
+        due = self.poller.refill_due()
+        if due is not None and due != self.armed:
+            self.armed = due
+            self.loop.call_later(max(0.0, due - time.monotonic()), lambda: None)
+            self.wake()
+
+    def unregister(self) -> None:
+        self.poller.in_hub = False
+        if self.shutting_down is not None:
+            self.shutting_down.disconnect(self.wake)
+        self.loop.on_tick.discard(self.on_tick)
+        self.timer.cancel()
+        for fd, wait in list(self.registered.items()):
+            if self.owned(fd, wait):
+                self.loop.remove_reader(fd)
+        self.registered.clear()
+        self.loop.remove_reader(self.wake_read)
+        for fd in (self.wake_read, self.wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _celery_signal(name: str) -> Any:

@@ -1,9 +1,8 @@
 """QoS for the channel: kombu's prefetch accounting, with ack and reject through the scripts.
 
-Every ack, reject and hand-back releases its delivery from the keeper's held table
-(:mod:`.keeper`) first. What is unacked when the channel closes stays held by its Message
-(an orphan) rather than handed back at once: Celery may still be running it and ack it
-after reconnecting.
+What is unacked when the channel closes stays held by its Message (an orphan of the keeper,
+:mod:`.keeper`) rather than handed back at once: Celery may still run it and ack it after
+reconnecting.
 """
 
 from __future__ import annotations
@@ -32,14 +31,12 @@ class QoS(virtual.QoS):
         return self.channel.lib
 
     def ack(self, delivery_tag: str) -> None:
-        """Ack through the channel's outbox, in a batch with the acks around it: one that
-        fails, for any reason, is kept and sent again (outbox.py) instead of failing: the
-        task is done, it must not run again."""
+        """Ack through the channel's outbox, batched: one that fails is kept and sent again
+        (outbox.py) instead of failing: the task is done, it must not run again."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
-            # Settling from now, not when the batch is sent: the caller may drop its Message
-            # before that, and a keeper tick in between would take it for dropped unacked
-            # and hand it back (the task would run again). Released when the ack lands.
+            # Settling from now: the caller may drop its Message before the batch is sent, and
+            # a keeper tick would take it for dropped unacked and hand it back.
             KEEPER.settling(self.lib, tag.queue, tag.id)
             self.channel.outbox.add_ack(tag.queue, tag.id)
         super().ack(delivery_tag)
@@ -81,9 +78,8 @@ class QoS(virtual.QoS):
                 KEEPER.release(self.lib, queue, ids)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """The channel closes: its unacked deliveries stay held by their Messages (the
-        keeper's orphans); those nobody holds any more are handed back at once, counted as a
-        delivery, the others when they are dropped unacked, or at exit."""
+        """The channel closes: its unacked deliveries stay held by their Messages (orphans);
+        those nobody holds are handed back now, counted, the others when dropped or at exit."""
         KEEPER.orphan(self.lib, self._take_unacked())
         return []
 

@@ -1,9 +1,8 @@
 """Routes cached per channel: a publish to a named exchange without a lookup round trip.
 
-kombu routes every publish through the exchange's binding table (``get_table``); looking it
-up each time cost a second round trip per publish. A channel keeps each table it looked
-up for as long as the first of its bindings lives (``Routes.stale_in_ms``) and at most
-:data:`MAX_AGE_SECONDS`, and every publish through a cached table carries (exchange, the
+kombu routes every publish through the exchange's binding table (``get_table``). A channel
+keeps each table it looked up while the first of its bindings lives (``Routes.stale_in_ms``),
+at most :data:`MAX_AGE_SECONDS`; a publish through a cached table carries (exchange, the
 lookup's server time) to the publish script.
 
 Why a stale table is never used silently:
@@ -88,9 +87,8 @@ class RouteCache:
 
     def changed(self, exchange: str, queues: Iterable[str] | None = None) -> None:
         """This process just bound or unbound in ``exchange``: record it on ``queues`` (default:
-        every queue the table now routes to) with the table server's time, so that every
-        cached copy of the old table is refused. Our own copy goes too, and none is kept that
-        was looked up in the millisecond of the record (it would be refused)."""
+        every queue the table routes to) with the server's time, so every cached copy of the
+        old table is refused; ours goes too (none looked up in that millisecond is kept)."""
         self._tables.pop(exchange, None)
         routes = self.lib.lookup(exchange)
         self._recorded[exchange] = routes.looked_up_ms

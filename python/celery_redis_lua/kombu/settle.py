@@ -1,7 +1,5 @@
-"""Rejecting deliveries: the one path every reject and hand-back takes (a decoding failure,
-``basic_recover``, a delivery nobody holds any more, exit; a consumer's reject goes through
-its channel's outbox, which reports the same way),
-with the log lines an operator needs when one reaches the delivery limit."""
+"""Rejecting deliveries: the one path every reject and hand-back outside the outbox takes
+(which reports the same way), with the log line an operator needs at the delivery limit."""
 
 from __future__ import annotations
 

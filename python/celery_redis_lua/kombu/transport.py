@@ -1,10 +1,6 @@
-"""The kombu transport: connections, and which loop consumes (kombu's ``drain_events`` or
-Celery's hub).
-
-The transport only makes connections and chooses the loop; the consuming rounds and the
-sweep (every ``sweep_interval``) belong to the connection's :class:`~.poller.Poller`, and
-keeping deliveries, queues and bindings alive to the process's keeper (:mod:`.keeper`),
-whatever the loop is doing.
+"""The kombu transport: it makes connections and chooses the loop (kombu's ``drain_events``
+or Celery's hub). The rounds and the sweep are the connection's :class:`~.poller.Poller`'s;
+keeping deliveries, queues and bindings alive is the process's keeper's (:mod:`.keeper`).
 """
 
 from __future__ import annotations
@@ -111,8 +107,8 @@ class Transport(virtual.Transport):
 
     @cached_property
     def sentinel(self) -> SentinelUrls | None:
-        """The sentinels, when the broker URLs are ``sentinel://`` or ``redislua+sentinel://``
-        ones (kombu's convention: one URL per sentinel, joined by ';')."""
+        """The sentinels of ``sentinel://`` or ``redislua+sentinel://`` URLs (one per sentinel,
+        joined by ';')."""
         client = self.client
         urls = [url for url in client.alt if isinstance(url, str) and is_sentinel_url(url)]
         if not urls and is_sentinel_url(client.hostname or ""):
@@ -129,16 +125,14 @@ class Transport(virtual.Transport):
         if self.options.master_name is None:
             raise OptionError("transport option 'master_name' is required with sentinel:// URLs "
                               "(the name the sentinels monitor the primary under)")
-        # kombu's failover cycling would switch this Connection to the next URL after a
-        # failed connect, and with the class route a 'sentinel://' URL means kombu's own
-        # Sentinel transport. The pool already asks every sentinel: nothing to switch to.
+        # kombu's failover cycling would switch to the next URL after a failed connect (with
+        # the class route, kombu's own Sentinel transport); the pool asks every sentinel.
         client.cycle = None
         return parsed
 
     @cached_property
     def cluster(self) -> ClusterUrl | None:
-        """The seed nodes, when the broker URL is a ``redislua+cluster://`` one or the
-        ``cluster`` option is on (cluster.py)."""
+        """The seed nodes of a ``redislua+cluster://`` URL, or with the ``cluster`` option."""
         client, options = self.client, self.options
         host = client.hostname or ""
         if not (is_cluster_host(host) or options.cluster):
@@ -222,10 +216,9 @@ class Transport(virtual.Transport):
 
     @cached_property
     def cluster_client(self) -> RedisCluster:
-        """One client for the connection's channels: redis-py discovers the nodes and routes
-        each command to the node that owns its keys (following MOVED, ASK and TRYAGAIN, which
-        the server answers before it runs anything). It never sends a command again after a
-        lost connection (no retries): a resent publish would store its message twice."""
+        """One client for the connection's channels, routing each command to the node of its
+        keys (MOVED, ASK and TRYAGAIN come before anything runs). No retries after a lost
+        connection: a resent publish would store its message twice."""
         cluster = self.cluster
         assert cluster is not None
         params = self.connection_params()
@@ -245,11 +238,10 @@ class Transport(virtual.Transport):
 
     @cached_property
     def pool(self) -> redis.ConnectionPool:
-        """The connections commands share (acks come from many threads or greenlets at once):
-        at most max_connections, and a caller waits for a free one (up to POOL_WAIT_SECONDS)
-        instead of failing. The blocking waits have connections of their own (poller.py).
-        Through Sentinel, every connection asks the sentinels for the primary when it
-        connects, so a reconnect after a failover finds the new one."""
+        """The connections commands share (acks come from many threads or greenlets): at most
+        max_connections, a caller waits up to POOL_WAIT_SECONDS for one instead of failing
+        (the blocking waits have their own, poller.py). Through Sentinel each connection asks
+        for the primary when it connects, so a reconnect after a failover finds the new one."""
         if self.sentinel is not None:
             options = self.options
             assert options.master_name is not None
@@ -259,9 +251,8 @@ class Transport(virtual.Transport):
         return redis.BlockingConnectionPool(timeout=POOL_WAIT_SECONDS, **self.connection_params())
 
     def check_server(self, client: redis.Redis) -> None:
-        """A new channel's first command: connection errors surface now, as kombu expects; a
-        master name no sentinel knows, or a durability setting the server cannot honour, is
-        a clear error (not retried)."""
+        """A new channel's first command: connection errors surface now, as kombu expects; an
+        unknown master name or a durability the server cannot honour is a clear error."""
         try:
             client.ping()
         except MasterNotFoundError as error:

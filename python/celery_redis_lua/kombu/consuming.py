@@ -1,0 +1,305 @@
+"""The queue side of consuming: the channel methods of a consuming round (poller.py runs them).
+
+A round consumes what is ready (the consume script, up to the QoS headroom, carrying the acks
+gathered meanwhile), then blocks on the queues' wake lists (BLPOP, one wait per cluster slot)
+and consumes again when woken. In Celery's hub the consume can go out without waiting for its
+reply ("in flight"), read when the wait's socket is readable. Fanout streams are in fanout.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from ..protocol.envelope import BadEnvelope, delivered_envelope
+from ..protocol.ops import Consumed, Delivery
+from ..protocol.runner import Call
+from .keeper import KEEPER
+from .outbox import Batch
+from .poller import BlockingRead
+from .settle import hand_back, reject
+
+logger = logging.getLogger(__name__)
+
+# Server-side floor for a BLPOP/XREAD block, so a due-now hint never spins.
+MIN_BLOCK_SECONDS = 0.005
+# A slot freed while the channel holds more than half its prefetch window waits this long
+# for others before the consume that refills it: the prefork pool frees its slots one at a
+# time, and a refill each costs the hub a round trip per task.
+REFILL_GATHER_SECONDS = 0.002
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A consume sent without waiting for its reply: the acks in front of it, the queues and
+    room it asked for, the calls as written."""
+
+    acks: Batch | None
+    group: list[str]
+    room: int
+    calls: list[Call[Any]]
+
+
+class ConsumingMixin:
+    """Mixed into :class:`~celery_redis_lua.kombu.channel.Channel`."""
+
+    connection: Any
+    client: Any
+    lib: Any
+    keys: Any
+    options: Any
+    outbox: Any
+    qos: Any
+    closed: bool
+    is_cluster: bool
+    queue_waits: dict[int | None, BlockingRead]
+    stream_waits: dict[int | None, BlockingRead]
+    on_stream_wait_readable: Any
+    _active_queues: list[str]
+    _no_ack_queues: set[str]
+    _refill_due: float | None
+
+    # -- the round ----------------------------------------------------------------------------
+
+    def can_consume(self) -> bool:
+        return bool(self.qos.can_consume())
+
+    @property
+    def queues_polled(self) -> list[str]:
+        """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
+        fanout = self.connection.fanout_queues
+        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
+
+    def headroom(self) -> int:
+        """How many messages QoS lets this channel take now."""
+        room = self.qos.can_consume_max_estimate()
+        return self.options.consume_batch if room is None else min(room, self.options.consume_batch)
+
+    def poll_queues(self) -> int:
+        """Deliver what is ready in the consumed queues whose wait is not pending, then start
+        their waits (one per slot group on a cluster)."""
+        if not self.queues_polled or not self.can_consume():
+            return 0
+        idle = [group for group in self.lib.slot_groups(self.queues_polled)
+                if self._wait(self.queue_waits, self.keys.queue(group[0])).pending is None]
+        if not idle:
+            self._refill_due = None  # the pending waits refill the window
+            return 0
+        if self._gathering():
+            return 0
+        if self._consumes_in_flight(idle):
+            self._send_consume(idle[0])
+            return 0
+        delivered, wake_in_ms = self.consume_now([queue for group in idle for queue in group])
+        if self.can_consume():
+            for group in idle:
+                self.start_queue_wait(group, wake_in_ms)
+        return delivered
+
+    def refill_due(self) -> float | None:
+        """When a refill held back is due (monotonic): the loop must come back by then."""
+        return self._refill_due
+
+    def _gathering(self) -> bool:
+        """Hold the refill back while more than half the window is held and the first slot
+        freed has waited less than REFILL_GATHER_SECONDS (a window of 1 or 2 never waits)."""
+        window, room = self.qos.prefetch_count, self.qos.can_consume_max_estimate()
+        if not window or room is None or 2 * room >= window:
+            self._refill_due = None
+            return False
+        now = time.monotonic()
+        if self._refill_due is None:
+            self._refill_due = now + REFILL_GATHER_SECONDS
+        if now < self._refill_due:
+            return True
+        self._refill_due = None
+        return False
+
+    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None]:
+        """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms)."""
+        queues = self.queues_polled if queues is None else queues
+        delivered, wake = 0, None
+        for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
+                              (False, [q for q in queues if q not in self._no_ack_queues])):
+            room = self.headroom()
+            if not group or room <= 0:
+                continue
+            consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
+            _log_expired(consumed.expired, group)
+            delivered += self._deliver_all(consumed.deliveries, no_ack)
+            if consumed.wake_in_ms is not None:
+                wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
+        return delivered, wake
+
+    def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
+        """A consume carrying the gathered acks (outbox.py): no round trip of their own."""
+        batch = self.outbox.take()
+        if batch is None:
+            return self.lib.run(call)
+        (result,) = self.outbox.run(batch, [call])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _deliver_all(self, deliveries: list[Delivery], no_ack: bool) -> int:
+        """Hand kombu each delivery, held (keeper.py) from now: kombu takes them one at a time,
+        and a solo task blocks inside the first."""
+        if not no_ack:
+            KEEPER.take(self, self.lib, deliveries)
+        delivered = 0
+        for delivery in deliveries:
+            payload = self._decode_or_reject(delivery, no_ack)
+            if payload is not None:
+                self.connection._deliver(payload, delivery.queue)
+                delivered += 1
+        return delivered
+
+    def _decode_or_reject(self, delivery: Delivery, no_ack: bool) -> dict[str, Any] | None:
+        """A payload that is not a kombu envelope is rejected (dead-lettered) and logged."""
+        try:
+            return delivered_envelope(delivery)
+        except BadEnvelope as error:
+            logger.error("celery-redis-lua: rejected a message: %s", error)
+            if not no_ack:
+                KEEPER.release(self.lib, delivery.queue, [delivery.id])
+                reject(self.lib, delivery.queue, [delivery.id], requeue=False,
+                       counts=[delivery.delivery_count])
+            return None
+
+    # -- consumes in flight (Celery's hub) -----------------------------------------------------
+
+    def _consumes_in_flight(self, idle: list[list[str]]) -> bool:
+        """Send this round's consume without waiting for its reply: in Celery's hub (it feeds
+        the pool meanwhile), where consume and acks are one write (standalone or Sentinel, no
+        durability wait), for queues with acks (a no_ack one unread at close would be lost)."""
+        return (self.connection.poller.in_hub and len(idle) == 1 and self.lib.runner.batches_in_one_write
+                and not any(queue in self._no_ack_queues for queue in idle[0]))
+
+    def _send_consume(self, group: list[str]) -> None:
+        """Send a consume for ``group``, the gathered acks in front, on the group's wait."""
+        room = self.headroom()
+        acks = self.outbox.take()
+        calls = [*(self.outbox.calls(acks) if acks else []), self.lib.calls.consume(group, room)]
+        sent = InFlight(acks, group, room, calls)
+        self._wait(self.queue_waits, self.keys.queue(group[0])).send_batch(
+            lambda connection: self.lib.runner.wire(connection, calls), len(calls), sent,
+            timeout=max(self.options.blocking_timeout, 1.0))
+
+    def _consume_arrived(self, wait: BlockingRead, *, closing: bool = False, then_wait: bool = True) -> int:
+        """Settle the acks an in-flight consume carried, deliver what it took (hand it back when
+        closing or no longer consumed here), and wait if it found fewer than it asked for."""
+        replies, sent = wait.read_batch()  # a lost connection: the acks go back (_consume_lost)
+        try:  # the calls that met NOSCRIPT (a flush, a failover) never ran: load, run them now
+            results = self.lib.runner.rerun_noscript(sent.calls, replies, raise_on_error=False)
+        except Exception as error:  # that run met a lost connection: the acks are sent again
+            results = [error] * len(sent.calls)
+        if sent.acks is not None:
+            self.outbox.settle(sent.acks, results[:-1])
+        consumed = results[-1]
+        if isinstance(consumed, Exception):
+            raise consumed
+        _log_expired(consumed.expired, sent.group)
+        polled = [] if closing else self.queues_polled
+        unwanted = [d for d in consumed.deliveries if d.queue not in polled]
+        for queue in dict.fromkeys(d.queue for d in unwanted):
+            back = [d for d in unwanted if d.queue == queue]
+            hand_back(self.lib, queue, [d.id for d in back], [d.delivery_count for d in back])
+        delivered = self._deliver_all([d for d in consumed.deliveries if d.queue in polled], False)
+        if then_wait and not closing and len(consumed.deliveries) < sent.room and self.can_consume():
+            self.start_queue_wait([q for q in sent.group if q in polled], consumed.wake_in_ms)
+        return delivered
+
+    def _consume_lost(self, sent: InFlight) -> None:
+        """An in-flight consume's replies are lost: its acks go back to the outbox; what it took
+        comes back after the visibility timeout, counted."""
+        if sent.acks is not None:
+            lost = redis.ConnectionError("celery-redis-lua: the connection of an in-flight consume was lost")
+            self.outbox.settle(sent.acks, [lost] * len(sent.acks.groups))
+
+    # -- the blocking waits -----------------------------------------------------------------------
+
+    def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
+        """BLPOP on the wake lists of ``queues`` (one slot), bounded by blocking_timeout and the
+        next ETA: it pops a token, never a message, so nothing is in limbo if this consumer
+        dies. Returns whether a wait is now pending."""
+        if not queues or self.headroom() <= 0:
+            return False
+        timeout = self.options.blocking_timeout
+        if wake_in_ms is not None:
+            timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
+            timeout = max(timeout, MIN_BLOCK_SECONDS)
+        keys = [self.keys.wake(q) for q in queues]
+        self._wait(self.queue_waits, self.keys.queue(queues[0])).send("BLPOP", *keys, f"{timeout:.3f}",
+                                                                      timeout=timeout)
+        return True
+
+    def on_queue_wait_readable(self, wait: BlockingRead) -> int:
+        """An in-flight consume's replies, or a woken (or timed-out) wait: consume now, wait
+        again; returns how many were delivered."""
+        if wait.batch is not None:
+            return self._consume_arrived(wait)
+        wait.read()  # the token (or None: the block timed out); consume decides what is there
+        return self.poll_queues()
+
+    def on_wait_readable(self, wait: BlockingRead) -> int:
+        if any(wait is w for w in self.queue_waits.values()):
+            return self.on_queue_wait_readable(wait)
+        return self.on_stream_wait_readable(wait)
+
+    def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
+        """The wait for ``key``'s slot (on a cluster, to the node that owns it); else the one."""
+        slot = key_slot(key.encode()) if self.is_cluster else None
+        wait = waits.get(slot)
+        if wait is None:
+            if self.is_cluster:
+                client: RedisCluster = self.client
+                wait = BlockingRead(
+                    lambda: client.get_redis_connection(client.get_node_from_key(key)).connection_pool,
+                    on_redirect=client.nodes_manager.initialize)
+            else:
+                wait = BlockingRead(self.client.connection_pool, on_lost=self._consume_lost)
+            waits[slot] = wait
+        return wait
+
+    @property
+    def queue_wait(self) -> BlockingRead:
+        """The wait of the first queue group (the only one when not on a cluster)."""
+        groups = self.lib.slot_groups(self.queues_polled)
+        return self._wait(self.queue_waits, self.keys.queue(groups[0][0]) if groups else "")
+
+    def waits(self) -> list[BlockingRead]:
+        return [*self.queue_waits.values(), *self.stream_waits.values()]
+
+    def _restart_waits(self) -> None:
+        """The consumed queues changed: end pending waits (they name the old keys), so the
+        next round blocks on the new set at once instead of after blocking_timeout."""
+        if self.closed:
+            return
+        for wait in list(self.queue_waits.values()):
+            if wait.batch is not None:  # an in-flight consume: its replies come within ms
+                self._consume_arrived(wait, then_wait=False)
+                continue
+            self._give_back_wake(wait.cancel())
+        for wait in list(self.stream_waits.values()):
+            wait.cancel()
+
+    def _give_back_wake(self, woken: Any) -> None:
+        """A wait cancelled just as it took a wake token gives it back (lost, it would cost the
+        other consumers one blocking_timeout)."""
+        if woken:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.lib.unpop(self.keys.queue_of(woken[0]))
+
+
+def _log_expired(expired: int, queues: list[str]) -> None:
+    if expired:
+        logger.warning("celery-redis-lua: %d message(s) of queue(s) %s had expired (message TTL) "
+                       "while they waited and were dead-lettered instead of delivered",
+                       expired, ", ".join(queues))
