@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
@@ -63,7 +63,7 @@ def _gone() -> None:
     return None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per delivery: slots make it cheap
 class Held:
     """A delivery taken by a consume whose ack, reject or hand-back has not landed."""
 
@@ -74,7 +74,7 @@ class Held:
     holder: Callable[[], Any]  # a weak reference: the channel, then (orphaned) the Message
     orphaned: bool = False
     settling: bool = False
-    since: float = field(default_factory=time.monotonic)  # taken, or found dropped
+    since: float = 0.0  # orphaned or found dropped (a failing hand-back is given up after it)
 
 
 @dataclass(eq=False)
@@ -149,7 +149,8 @@ class Keeper:
             held = self._held.get((lib, queue, message_id))
             if held is not None:
                 held.settling = True
-                self._orphans.discard((lib, queue, message_id))
+                if held.orphaned:
+                    self._orphans.discard((lib, queue, message_id))
             return held
 
     def release(self, lib: ScriptLibrary, queue: str, ids: Iterable[str]) -> None:
@@ -172,10 +173,10 @@ class Keeper:
             for queue, message_id, message in unacked:
                 held = self._held.get((lib, queue, message_id))
                 if held is not None:
-                    held.holder, held.orphaned = weakref.ref(message), True
+                    held.holder, held.orphaned, held.since = weakref.ref(message), True, now
             for key, held in self._held.items():
                 if held.lib is lib and not held.orphaned and not held.settling:
-                    held.holder, held.orphaned = _gone, True
+                    held.holder, held.orphaned, held.since = _gone, True, now
                 if held.orphaned:
                     self._orphans.add(key)
             self._gc_gap, self._next_gc = GC_FIRST_SECONDS, now

@@ -44,10 +44,9 @@ FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
 Group = tuple[str, str, bool]  # ("ack" or "reject", queue, requeue): one script call each
 
 
-@dataclass(frozen=True)
-class Pending:
-    since: float  # when it was first asked for: it is given up a visibility timeout later
-    count: int | None = None  # a reject's fencing count (the x-delivery-count it was delivered with)
+# One pending call's entry: (when it was first asked for: it is given up a visibility timeout
+# later, a reject's fencing count or None). A tuple, not a dataclass: one is made per ack.
+Pending = tuple[float, int | None]
 
 
 @dataclass
@@ -97,14 +96,21 @@ class Outbox:
         return len(self._pending) + self._sent
 
     def add_ack(self, queue: str, message_id: str) -> None:
-        """Gather one ack; it goes within ``delay`` seconds (with a consume, or the keeper)."""
-        self._add(Batch({("ack", queue, False): {message_id: Pending(time.monotonic())}}),
-                  time.monotonic() + self.delay)
+        """Gather one ack; it goes within ``delay`` seconds (with a consume, or the keeper).
+        The path of every ack: one lock, one dict write, and the keeper told once per batch."""
+        now = time.monotonic()
+        with self._lock:
+            self._pending.groups[("ack", queue, False)].setdefault(message_id, (now, None))
+            sooner = now + self.delay < self._due
+            if sooner:
+                self._due = now + self.delay
+        if sooner:  # the keeper may sleep past it
+            self._on_due(self)
 
     def reject(self, queue: str, message_id: str, *, requeue: bool, count: int | None) -> None:
         """Reject now, fenced by ``count``; kept and sent again if that fails."""
         group: Group = ("reject", queue, requeue)
-        self.run(Batch({group: {message_id: Pending(time.monotonic(), count)}}))
+        self.run(Batch({group: {message_id: (time.monotonic(), count)}}))
 
     def take(self) -> Batch | None:
         """What is pending, for a consume to carry in front of it (the caller settles it with
@@ -122,7 +128,7 @@ class Outbox:
         """The batch's calls, one per group, in the order :meth:`settle` expects."""
         return [self.lib.calls.ack(queue, list(ids)) if kind == "ack" else
                 self.lib.calls.reject(queue, list(ids), requeue=requeue,
-                                      counts=[p.count for p in ids.values()])
+                                      counts=[count for _, count in ids.values()])
                 for (kind, queue, requeue), ids in batch.groups.items()]
 
     def settle(self, batch: Batch, results: Sequence[Any]) -> None:
@@ -146,7 +152,7 @@ class Outbox:
         """What of a failed call is sent again; the rest (past its lease) is logged once."""
         kind, queue, _ = group
         lease = self.lib.policy.visibility_ms / 1000
-        live = {i: p for i, p in ids.items() if now - p.since < lease}
+        live = {i: p for i, p in ids.items() if now - p[0] < lease}
         lapsed = [i for i in ids if i not in live]
         if lapsed:
             logger.error("celery-redis-lua: gave up the %s of message(s) %s of queue %r (%s: %s): "
