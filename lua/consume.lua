@@ -1,12 +1,12 @@
 #!lua
 -- name: consume
--- version: 6
+-- version: 7
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -36,8 +36,11 @@
 --   consumer activity: it refreshes the expiry of a queue with x-expires. A call that stops
 --   at its count with messages left pushes the wake token, so another blocked consumer
 --   takes them (a burst that one consumer's room cannot hold is shared); a queue left with
---   nothing ready or delayed drops its token, so none outlives the messages. Writes are
---   variadic where they can be, which keeps the server's cost per message low.
+--   nothing ready or delayed drops its token, so none outlives the messages. A paused
+--   queue is left as it is (its countdowns wait too) and drops its token, so its consumers
+--   sleep until resume wakes them; the pause is read in the call that would take, so no
+--   delivery races it. Writes are variadic where they can be, which keeps the server's cost
+--   per message low.
 
 local rcall = redis.call
 
@@ -125,7 +128,16 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
   queues[q] = {queue = queue_key, delayed = KEYS[base + 2], index = KEYS[base + 3], meta = KEYS[base + 4],
                dead = KEYS[base + 5], message = KEYS[base + 6], state = KEYS[base + 7], wake = KEYS[base + 8],
-               base = base}
+               base = base, pos = q}
+end
+
+-- A paused queue (the pause script) delivers nothing and promotes nothing; the others are
+-- consumed as if it were not in the call.
+local active = {}
+for _, q in ipairs(queues) do
+  local meta = rcall('HMGET', q.meta, 'expires', 'paused')
+  q.expires, q.paused = tonumber(meta[1]), meta[2] ~= false
+  if not q.paused then active[#active + 1] = q end
 end
 
 local time = rcall('TIME')
@@ -135,7 +147,7 @@ local deadline = now + visibility
 -- 1. Promote due delayed messages, and work out when the next one falls due.
 --    The common case (nothing due) costs one ZRANGE per queue.
 local wake_in = -1
-for _, q in ipairs(queues) do
+for _, q in ipairs(active) do
   local first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now then
     local due = rcall('ZRANGE', q.delayed, '-inf', now, 'BYSCORE', 'LIMIT', 0, count + 100, 'WITHSCORES')
@@ -165,31 +177,32 @@ end
 --    first across queues. One queue: ZPOPMIN. Several: merge their heads, then ZREM.
 local function take(need)
   local taken = {}
-  if #queues == 1 then
-    local popped = rcall('ZPOPMIN', queues[1].queue, need)
-    for i = 1, #popped, 2 do taken[#taken + 1] = {1, popped[i]} end
+  if #active == 0 then return taken, true end
+  if #active == 1 then
+    local popped = rcall('ZPOPMIN', active[1].queue, need)
+    for i = 1, #popped, 2 do taken[#taken + 1] = {active[1].pos, popped[i]} end
     return taken, #popped < 2 * need
   end
   local heads, positions = {}, {}
-  for q = 1, #queues do
-    heads[q] = rcall('ZRANGE', queues[q].queue, 0, need - 1, 'WITHSCORES')
+  for q = 1, #active do
+    heads[q] = rcall('ZRANGE', active[q].queue, 0, need - 1, 'WITHSCORES')
     positions[q] = 1
   end
   local removed = {}
   while #taken < need do
     local best, best_score
-    for q = 1, #queues do
+    for q = 1, #active do
       local score = tonumber(heads[q][positions[q] + 1])
       if score and (not best or score < best_score) then best, best_score = q, score end
     end
     if not best then break end
     local id = heads[best][positions[best]]
     positions[best] = positions[best] + 2
-    taken[#taken + 1] = {best, id}
+    taken[#taken + 1] = {active[best].pos, id}
     removed[best] = removed[best] or {}
     table.insert(removed[best], id)
   end
-  for q, ids in pairs(removed) do variadic('ZREM', queues[q].queue, ids) end
+  for q, ids in pairs(removed) do variadic('ZREM', active[q].queue, ids) end
   return taken, #taken < need
 end
 
@@ -254,9 +267,11 @@ while skips_left > 0 do
 end
 reply[2] = expired
 -- What is left wakes another consumer (a call that stopped at its count, or its skips);
--- a queue left with nothing to wake anyone for drops its token.
+-- a queue left with nothing to wake anyone for, or paused, drops its token.
 for _, q in ipairs(queues) do
-  if drained or rcall('ZCARD', q.queue) == 0 then
+  if q.paused then
+    rcall('DEL', q.wake)
+  elseif drained or rcall('ZCARD', q.queue) == 0 then
     if not q.delayed_left then rcall('DEL', q.wake) end
   else
     arm_wake(q.wake)
@@ -266,9 +281,8 @@ end
 -- 4. Consuming keeps a queue with x-expires alive, all eight keys at once.
 for _, q in ipairs(queues) do
   count_in_meta(q.meta, 'dropped:expired', q.expired or 0)
-  local expires = tonumber(rcall('HGET', q.meta, 'expires'))
-  if expires then
-    local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+  if q.expires then
+    local at = string.format('%d', now + q.expires) -- one absolute time: the keys expire together
     for i = 1, QUEUE_KEYS do rcall('PEXPIREAT', KEYS[q.base + i], at) end
   end
 end

@@ -1,12 +1,12 @@
 #!lua
 -- name: publish
--- version: 8
+-- version: 9
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority) and last_id
+--   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, and 'paused' (no wake token then)
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
@@ -141,15 +141,16 @@ local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id'}
-if exchange then fields[5] = 'route:' .. exchange end
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused'}
+if exchange then fields[6] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
+local paused = meta[5] ~= false
 
 -- A cached route: refused when the bindings to this queue changed since (or the queue is
 -- gone: declare and the first publish set last_id, so no last_id means no queue).
 if routed then
-  local changed = tonumber(meta[5])
+  local changed = tonumber(meta[6])
   if not last_id or (changed and changed >= routed) then
     return {'stale-route', changed or -1}
   end
@@ -165,8 +166,9 @@ if task_id ~= '' then
 end
 
 -- The token first: its LLEN is this script's last check of a key's type, so a wake key
--- someone overwrote refuses the publish before anything of the message is written.
-arm_wake(wake_key)
+-- someone overwrote refuses the publish before anything of the message is written. A
+-- paused queue wakes nobody (resume does).
+if not paused then arm_wake(wake_key) end
 local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 rcall('HSET', meta_key, 'last_id', id)
 

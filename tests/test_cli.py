@@ -47,8 +47,9 @@ def url(standalone: redis.Redis, valkey_server: Server) -> str:
 def status_rows(result: Result) -> dict[str, list[int]]:
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead"]
-    return {row.split()[0]: [int(n) for n in row.split()[1:]] for row in rows}
+    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead", "paused"]
+    assert all(row.split()[5] == "no" for row in rows)
+    return {row.split()[0]: [int(n) for n in row.split()[1:5]] for row in rows}
 
 
 def test_publish_stores_a_celery_envelope_and_status_shows_it_ready(
@@ -178,7 +179,7 @@ def test_installed_console_script_publishes_and_reports(url: str) -> None:
     assert ready.returncode == 0 and ready.stdout.strip() != published.stdout.strip()
     status = run("status", "--queue", "subq")
     assert status.returncode == 0, status.stderr
-    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0"]
+    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0", "no"]
     bad = run("publish", "tasks.add", "--args", "nope")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("celery-redis-lua: error: --args is not valid JSON")

@@ -35,7 +35,8 @@ FREES_MEMORY = {"ack", "reject", "delete", "purge", "sweep", "unbind", "lookup",
 READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists", "locate"}
 # Every script that works on a queue's messages takes the same eight keys per queue.
 QUEUE_SCRIPTS = {"publish", "consume", "unpop", "ack", "reject", "extend", "sweep",
-                 "declare", "purge", "delete", "stats", "metrics", "dead_replay", "locate", "cancel"}
+                 "declare", "purge", "delete", "stats", "metrics", "dead_replay", "locate", "cancel",
+                 "pause", "resume"}
 QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state", "wake"]
 QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
                       "P dead:{Q}", "P message:{Q}", "P state:{Q}", "P wake:{Q}"]
@@ -145,6 +146,8 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
         "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000)), 1),
         "consume": (ops.consume(k, p, QUEUES, 2), 2),
         "unpop": (ops.unpop(k, p, "wq1"), 1),
+        "pause": (ops.pause(k, p, "wq1", "sample"), 1),
+        "resume": (ops.resume(k, p, "wq1"), 1),
         "ack": (ops.ack(k, p, "wq1", IDS), 1),
         "reject": (ops.reject(k, p, "wq1", IDS, requeue=True), 1),
         "extend": (ops.extend(k, p, "wq1", IDS), 1),
@@ -247,6 +250,7 @@ def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis)
     assert is_message_id(results["publish"])
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
     assert results["unpop"] == 0  # consume took the message: no token to give back
+    assert (results["pause"], results["resume"]) == (True, True)
     assert results["lookup"] == [("rk", "", "wq1")]
     assert results["fanout_leave"] is True  # fanout_consume made the consumer 'worker-1'
     assert results["fanout_unbind"] is True

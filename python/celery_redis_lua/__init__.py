@@ -4,6 +4,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from _celery_redis_lua_alias import ALIASES
 
+from .flow import pause, resume
 from .kombu.transport import Transport
 from .locate import cancel, where
 from .protocol.contract import Script, load_scripts
@@ -35,5 +36,5 @@ for _scheme, _target in ALIASES.items():
 __all__ = [
     "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
     "KeyspaceError", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
-    "ScriptRunner", "SweepReport", "Transport", "cancel", "load_scripts", "where",
+    "ScriptRunner", "SweepReport", "Transport", "cancel", "load_scripts", "pause", "resume", "where",
 ]

@@ -212,7 +212,8 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Operator's tool for celery-redis-lua: scripts, publishing, queue status, dead letters."""
+    """Operator's tool for celery-redis-lua: scripts, publishing, queue status, pause and resume,
+    dead letters."""
 
 
 @main.group()
@@ -323,14 +324,38 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
 @click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
 @connection_options
 def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
-    """Ready, delayed, in-flight and dead-lettered messages per queue."""
+    """Ready, delayed, in-flight and dead-lettered messages per queue, and which are paused."""
     lib = connect(url, prefix)
     names = list(queues) or lib.queue_names()
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
-    rows = [(s.queue, s.ready, s.delayed, s.in_flight, s.dead) for s in lib.stats(names)]
-    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead"], rows))
+    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused)) for m in lib.metrics(names)]
+    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead", "paused"], rows))
+
+
+def _paused(reason: str | None) -> str:
+    return "no" if reason is None else f"yes: {reason}" if reason else "yes"
+
+
+@main.command("pause")
+@click.argument("queue")
+@click.option("--reason", default="", help="Why, shown by status (at most 256 bytes).")
+@connection_options
+def pause_command(queue: str, reason: str, url: str, prefix: str) -> None:
+    """Pause a queue for every consumer, held in the broker: it takes publishes and delivers
+    nothing (due countdowns wait too) until resumed; messages in flight finish normally."""
+    changed = connect(url, prefix).pause(queue, reason)
+    click.echo(f"{queue!r} paused" if changed else f"{queue!r} was paused already (reason updated)")
+
+
+@main.command("resume")
+@click.argument("queue")
+@connection_options
+def resume_command(queue: str, url: str, prefix: str) -> None:
+    """Resume a paused queue: its blocked consumers wake at once."""
+    changed = connect(url, prefix).resume(queue)
+    click.echo(f"{queue!r} resumed" if changed else f"{queue!r} was not paused")
 
 
 @main.group()

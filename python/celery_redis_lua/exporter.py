@@ -89,6 +89,11 @@ def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
     ]
     for name, doc, value in per_queue:
         yield _gauge(f"queue_{name}", doc, ["queue"], (([m.queue], value(m)) for m in found))
+    paused = GaugeMetricFamily("celery_queue_paused", "1 while the queue is paused (celery-redis-lua "
+                               "pause): it takes publishes and delivers nothing.", labels=["queue_name"])
+    for m in found:
+        paused.add_metric([m.queue], 0 if m.paused is None else 1)
+    yield paused
     due = [([m.queue], m.next_eta_in_ms / 1000) for m in found if m.next_eta_in_ms is not None]
     yield _gauge("queue_next_eta_seconds", "Until the earliest delayed message is due (absent: none).",
                  ["queue"], due)

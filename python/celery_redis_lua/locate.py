@@ -102,7 +102,7 @@ def cancel_task(lib: ScriptLibrary, task_id: str, queues: Sequence[str] | None =
 
 
 @contextlib.contextmanager
-def _library_of(app: Any) -> Iterator[ScriptLibrary]:
+def library_of(app: Any) -> Iterator[ScriptLibrary]:
     """The script library of ``app``'s broker connection (our transport)."""
     with app.connection_for_write() as connection:
         lib = getattr(connection.default_channel, "lib", None)
@@ -114,7 +114,7 @@ def _library_of(app: Any) -> Iterator[ScriptLibrary]:
 
 def where(app: Any, task_id: str, queues: Sequence[str] | None = None) -> Whereabouts:
     """``celery_redis_lua.where(app, task_id)``: where the task is, through the app's broker."""
-    with _library_of(app) as lib:
+    with library_of(app) as lib:
         return locate_task(lib, task_id, queues)
 
 
@@ -122,5 +122,5 @@ def cancel(app: Any, task_id: str, queues: Sequence[str] | None = None) -> Cance
     """``celery_redis_lua.cancel(app, task_id)``: cancel a ready or delayed task through the
     app's broker connection, so it never runs. A task already in flight is reported
     (``outcome == 'in_flight'``) and left alone: revoke it in Celery."""
-    with _library_of(app) as lib:
+    with library_of(app) as lib:
         return cancel_task(lib, task_id, queues)

@@ -112,6 +112,8 @@ class ScriptLibrary:
 
     publish = _Bound(ops.publish)
     unpop = _Bound(ops.unpop)
+    pause = _Bound(ops.pause)
+    resume = _Bound(ops.resume)
     ack = _Bound(ops.ack)
     reject = _Bound(ops.reject)
     extend = _Bound(ops.extend)

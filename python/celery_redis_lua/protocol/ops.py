@@ -167,6 +167,7 @@ class QueueMetrics:
     next_eta: int | None
     redelivered: int
     dropped: dict[str, int]
+    paused: str | None = None  # the reason given to pause ('' for none); None: running
 
     @property
     def oldest_ready_age_ms(self) -> int | None:
@@ -288,6 +289,25 @@ def unpop(k: Keyspace, p: Policy, queue: str) -> Call[int]:
 
 
 @operation
+def pause(k: Keyspace, p: Policy, queue: str, reason: str = "") -> Call[bool]:
+    """Pause ``queue`` (it takes publishes and delivers nothing); True unless it was paused."""
+    return Call("pause", k.queue_keys(queue), [reason], bool)
+
+
+@operation
+def resume(k: Keyspace, p: Policy, queue: str) -> Call[bool]:
+    """Resume ``queue`` and wake a blocked consumer; True if it was paused."""
+    return Call("resume", k.queue_keys(queue), [], bool)
+
+
+def _paused_reason(value: Any) -> str | None:
+    """meta's 'paused' field ('<unix ms> <reason>') as the reason; None when not paused."""
+    if not value:
+        return None
+    return _text(value).partition(" ")[2]
+
+
+@operation
 def ack(k: Keyspace, p: Policy, queue: str, ids: Sequence[str]) -> Call[int]:
     return Call("ack", k.queue_keys(queue), list(ids), int)
 
@@ -385,12 +405,13 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
     def decode(reply: Sequence[Any]) -> list[QueueMetrics]:
         now, rows = int(reply[0]), reply[1:]
         found = []
-        for i in range(0, len(rows), 8):
-            ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped = rows[i:i + 8]
+        for i in range(0, len(rows), 9):
+            ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused = rows[i:i + 9]
             found.append(QueueMetrics(
-                names[i // 8], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
+                names[i // 9], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
                 optional(eta), int(redelivered),
-                {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)}))
+                {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)},
+                _paused_reason(paused)))
         return found
 
     return Call("metrics", _keys_of(k, names), [], decode)
