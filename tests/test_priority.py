@@ -58,8 +58,9 @@ def test_same_millisecond_publishes_keep_publish_order(lib: ScriptLibrary, targe
     per_ms = Counter(scores.values())
     tied = sum(n for n in per_ms.values() if n > 1)
     # Proof that the same millisecond really happened, for a large part of the burst.
+    # (How many share one ms depends on the host's load: CI saw 19 at most once, so no bound
+    # on the largest group; half the burst in shared milliseconds is the proof.)
     assert tied >= 500, f"only {tied} of 1000 publishes shared a ms: {sorted(per_ms.values())}"
-    assert max(per_ms.values()) >= 20
     # Ready time never goes backwards in publish order.
     assert [scores[i] for i in ids] == sorted(scores[i] for i in ids)
 
