@@ -139,8 +139,10 @@ class Keeper:
         with self._lock:
             for d in deliveries:
                 self._held[(lib, d.queue, d.id)] = Held(lib, d.queue, d.id, d.delivery_count, holder)
-            self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
-            self._start()
+            due = time.monotonic() + lib.policy.heartbeat_seconds
+            if due < self._extend_due:  # else the running thread has an earlier deadline: no wake
+                self._extend_due = due
+                self._start()
 
     def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
         """Its ack or reject is asked for: never handed back from now (the caller may drop
