@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 3
--- summary: Take a task's ready or delayed message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
+-- version: 4
+-- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; counter 'dropped:cancelled' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; counters 'dropped:cancelled', 'retrying' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
@@ -14,7 +14,7 @@
 -- ARGV:
 --   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 --   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
--- returns: array {outcome, id, state}: outcome 'cancelled' (state: 'ready' or 'delayed', the
+-- returns: array {outcome, id, state}: outcome 'cancelled' (state: 'ready', 'delayed' or 'retry', the
 --   message is gone and dead-lettered), 'in_flight' (a consumer holds it: nothing changed;
 --   revoke the task in Celery), or {'missing'} (no message of that task id in this queue)
 -- errors:
@@ -99,6 +99,7 @@ forget_task(state_key, id, s)
 rcall('HDEL', state_key, id)
 drop_idle_wake(queue_key, delayed_key, KEYS[8])
 count_in_meta(meta_key, 'dropped:cancelled', 1)
+if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end -- it waited to retry
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)

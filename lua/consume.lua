@@ -1,12 +1,12 @@
 #!lua
 -- name: consume
--- version: 7
+-- version: 8
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -151,7 +151,7 @@ for _, q in ipairs(active) do
   local first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now then
     local due = rcall('ZRANGE', q.delayed, '-inf', now, 'BYSCORE', 'LIMIT', 0, count + 100, 'WITHSCORES')
-    local promoted = {}
+    local promoted, retried = {}, 0
     for i = 1, #due, 2 do
       local id, eta = due[i], tonumber(due[i + 1])
       local raw = rcall('HGET', q.state, id)
@@ -160,10 +160,12 @@ for _, q in ipairs(active) do
         rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + eta), id)
         if tonumber(s.expires_at) then rcall('ZADD', q.index, s.expires_at, id) end -- dropped at its TTL
         rcall('HSET', q.state, id, state_line('ready', s.count, s))
+        if s.state == 'retry' then retried = retried + 1 end -- a delayed retry (reject, sweep) is due
       end
       promoted[#promoted + 1] = id
     end
     variadic('ZREM', q.delayed, promoted)
+    if retried > 0 then rcall('HINCRBY', q.meta, 'retrying', -retried) end
     first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
   end
   q.delayed_left = first[1] ~= nil

@@ -1,7 +1,7 @@
 #!lua
 -- name: declare
--- version: 5
--- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority) or check them against the stored ones, record a fanout exchange it is bound to, and refresh its expiry.
+-- version: 6
+-- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority, x-delayed-retry-*) or check them against the stored ones, record a fanout exchange it is bound to, and refresh its expiry.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
@@ -16,15 +16,23 @@
 --   2  message_ttl_ms   integer > 0 or ''     x-message-ttl: messages expire after waiting this long (per-message TTLs can only shorten it)
 --   3  max_priority     integer 0..255 or ''  x-max-priority: priorities above it are delivered as it
 --   4  fanout_exchange  string, optional      a fanout exchange the queue is bound to, recorded in meta so that delete names it; '' or absent: none
--- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority}: message
---   counts (in_flight is approximate: messages stored minus ready and delayed) and the arguments now in
---   force (-1 where not set)
+--   5  retry_type       string, optional      x-delayed-retry-type: 'disabled', 'all', 'failed' or 'returned'; '' or absent: not set
+--   6  retry_min_ms     integer > 0 or ''     x-delayed-retry-min: the first retry's delay; required with a type other than 'disabled'
+--   7  retry_max_ms     integer > 0 or ''     x-delayed-retry-max: the longest delay (no cap when empty); at least retry_min_ms
+-- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority, retry_type,
+--   retry_min_ms, retry_max_ms}: message counts (in_flight is approximate: messages stored minus
+--   ready and delayed) and the arguments now in force (-1, or 'disabled' for the type, where not set)
 -- errors:
 --   ERR celery-redis-lua: declare: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: declare: expected 3 or 4 arguments, got N
+--   ERR celery-redis-lua: declare: expected 3, 4 or 7 arguments, got N
 --   ERR celery-redis-lua: declare: expires_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: message_ttl_ms must be a positive integer or empty, got 'V'
 --   ERR celery-redis-lua: declare: max_priority must be an integer in 0..255 or empty, got 'V'
+--   ERR celery-redis-lua: declare: retry_type must be 'disabled', 'all', 'failed', 'returned' or empty, got 'V'
+--   ERR celery-redis-lua: declare: retry_min_ms must be a positive integer or empty, got 'V'
+--   ERR celery-redis-lua: declare: retry_max_ms must be a positive integer or empty, got 'V'
+--   ERR celery-redis-lua: declare: x-delayed-retry-type 'T' needs x-delayed-retry-min
+--   ERR celery-redis-lua: declare: x-delayed-retry-max V is below x-delayed-retry-min M
 --   ERR celery-redis-lua: declare: queue 'Q' was declared with other arguments: x-expires stored 10000, declared 20000; ... (delete the queue to change them)
 -- why: arguments live in the broker, as with RabbitMQ, so that producers in any language
 --   get the same TTL and priority cap without knowing them. As with RabbitMQ, a queue's
@@ -34,12 +42,17 @@
 --   declared. A queue bound to a fanout exchange has a consumer group on the exchange's
 --   stream, which is in another cluster slot; the binder declares the queue again with the
 --   exchange (before it creates the group), so the binding is known in the queue's own
---   slot and deleting the queue from any connection can remove the group too.
+--   slot and deleting the queue from any connection can remove the group too. The
+--   delayed-retry arguments follow RabbitMQ 4.3's quorum queues; reject and sweep read them
+--   (a type of 'disabled' is stored as not set).
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
-local NAMES = {'expires', 'message_ttl', 'max_priority'}
-local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority'}
+local NAMES = {'expires', 'message_ttl', 'max_priority', 'retry_type', 'retry_min', 'retry_max'}
+local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority',
+                    retry_type = 'x-delayed-retry-type', retry_min = 'x-delayed-retry-min',
+                    retry_max = 'x-delayed-retry-max'}
+local RETRY_TYPES = {disabled = true, all = true, failed = true, returned = true}
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: declare: ' .. message)
@@ -57,21 +70,41 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 3 and #ARGV ~= 4 then return fail('expected 3 or 4 arguments, got ' .. #ARGV) end
+if #ARGV ~= 3 and #ARGV ~= 4 and #ARGV ~= 7 then return fail('expected 3, 4 or 7 arguments, got ' .. #ARGV) end
 local expires, err1 = optional(ARGV[1], 'expires_ms', 1, nil, 'a positive integer')
 if expires == nil then return fail(err1) end
 local ttl, err2 = optional(ARGV[2], 'message_ttl_ms', 1, nil, 'a positive integer')
 if ttl == nil then return fail(err2) end
 local max_priority, err3 = optional(ARGV[3], 'max_priority', 0, 255, 'an integer in 0..255')
 if max_priority == nil then return fail(err3) end
+local retry_type = ARGV[5] or ''
+if retry_type ~= '' and not RETRY_TYPES[retry_type] then
+  return fail("retry_type must be 'disabled', 'all', 'failed', 'returned' or empty, got '" .. retry_type .. "'")
+end
+local retry_min, err5 = optional(ARGV[6] or '', 'retry_min_ms', 1, nil, 'a positive integer')
+if retry_min == nil then return fail(err5) end
+local retry_max, err6 = optional(ARGV[7] or '', 'retry_max_ms', 1, nil, 'a positive integer')
+if retry_max == nil then return fail(err6) end
+if retry_type == 'disabled' or retry_type == '' then
+  retry_type, retry_min, retry_max = false, false, false -- disabled is the default: nothing stored
+elseif not retry_min then
+  return fail("x-delayed-retry-type '" .. retry_type .. "' needs x-delayed-retry-min")
+elseif retry_max and retry_max < retry_min then
+  return fail('x-delayed-retry-max ' .. retry_max .. ' is below x-delayed-retry-min ' .. retry_min)
+end
 
 local meta_key = KEYS[4]
 local declared = {expires = expires and math.max(expires, MIN_EXPIRES_MS), message_ttl = ttl,
-                  max_priority = max_priority}
-local raw = rcall('HMGET', meta_key, 'expires', 'message_ttl', 'max_priority')
-local stored = {expires = tonumber(raw[1]), message_ttl = tonumber(raw[2]), max_priority = tonumber(raw[3])}
-local any_declared = declared.expires or declared.message_ttl or declared.max_priority
-local any_stored = stored.expires or stored.message_ttl or stored.max_priority
+                  max_priority = max_priority, retry_type = retry_type, retry_min = retry_min,
+                  retry_max = retry_max}
+local raw = rcall('HMGET', meta_key, unpack(NAMES))
+local stored = {expires = tonumber(raw[1]), message_ttl = tonumber(raw[2]), max_priority = tonumber(raw[3]),
+                retry_type = raw[4] or nil, retry_min = tonumber(raw[5]), retry_max = tonumber(raw[6])}
+local any_declared, any_stored = false, false
+for _, name in ipairs(NAMES) do
+  any_declared = any_declared or declared[name]
+  any_stored = any_stored or stored[name]
+end
 
 if any_declared and any_stored then
   local differences = {}
@@ -105,4 +138,5 @@ end
 
 local ready, delayed = rcall('ZCARD', KEYS[1]), rcall('ZCARD', KEYS[2])
 return {ready, delayed, math.max(0, rcall('HLEN', KEYS[6]) - ready - delayed),
-        stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1}
+        stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1,
+        stored.retry_type or 'disabled', stored.retry_min or -1, stored.retry_max or -1}

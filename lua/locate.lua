@@ -1,7 +1,7 @@
 #!lua flags=no-writes
 -- name: locate
--- version: 3
--- summary: Where a task's message is in one queue: ready (and how many are ahead), delayed (ETA), in flight (deadline), or not here.
+-- version: 4
+-- summary: Where a task's message is in one queue: ready (and how many are ahead), delayed (ETA), waiting to retry (until when), in flight (deadline), or not here.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
@@ -14,7 +14,8 @@
 -- ARGV:
 --   1  task_id  string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 -- returns: array {where, id, delivery_count, priority, expires_at, detail}: where is 'ready'
---   (detail: messages ahead of it, of any priority), 'delayed' (detail: ETA, unix ms) or
+--   (detail: messages ahead of it, of any priority), 'delayed' (detail: ETA, unix ms), 'retry'
+--   (a delayed retry after a failed or returned delivery; detail: unix ms it is ready again) or
 --   'in_flight' (detail: unix ms at which the sweep takes it back unless acked or extended);
 --   {'missing'} when the queue has no message of that task id (acked, dropped, expired, never
 --   published here, or published without its task id)
@@ -53,7 +54,7 @@ local s = parse_state(raw)
 local detail
 if s.state == 'ready' then
   detail = rcall('ZRANK', KEYS[1], id) or 0 -- ready scores sort by priority, then time, then id
-elseif s.state == 'delayed' then
+elseif s.state == 'delayed' or s.state == 'retry' then
   detail = tonumber(rcall('ZSCORE', KEYS[2], id) or -1)
 else
   detail = tonumber(rcall('ZSCORE', KEYS[3], id) or -1)

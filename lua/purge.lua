@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: purge
--- version: 5
+-- version: 6
 -- summary: Delete a batch of the ready and delayed messages of one queue; in-flight messages are left alone.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (not touched)
+--   meta     HASH    P meta:{Q}            queue arguments; counter 'retrying' (less the retry-waiting messages purged)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -70,7 +70,7 @@ local function variadic(command, key, items)
   end
 end
 
-local purged = 0
+local purged, retrying = 0, 0
 for _, key in ipairs({KEYS[1], KEYS[2]}) do
   local messages = rcall('ZRANGE', key, 0, batch - purged - 1)
   variadic('ZREM', key, messages)
@@ -78,11 +78,14 @@ for _, key in ipairs({KEYS[1], KEYS[2]}) do
   variadic('HDEL', KEYS[6], messages)
   for _, id in ipairs(messages) do
     local raw = rcall('HGET', KEYS[7], id)
-    if raw then forget_task(KEYS[7], id, parse_state(raw)) end
+    local s = raw and parse_state(raw)
+    if s then forget_task(KEYS[7], id, s) end
+    if s and s.state == 'retry' then retrying = retrying + 1 end
   end
   variadic('HDEL', KEYS[7], messages)
   purged = purged + #messages
   if purged >= batch then break end
 end
+if retrying > 0 then rcall('HINCRBY', KEYS[4], 'retrying', -retrying) end
 drop_idle_wake(KEYS[1], KEYS[2], KEYS[8])
 return {purged, rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2])}

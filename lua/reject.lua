@@ -1,18 +1,18 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 7
--- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit) or drop them.
+-- version: 8
+-- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
---   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
+--   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms; a delayed retry waits here
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
 --   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready
 -- ARGV:
---   1   requeue             0 or 1           1: back to the queue as a redelivery; 0: drop
+--   1   requeue             failed, returned or drop (1 and 0 are failed and drop)   failed: a consumer rejected it with requeue; returned: handed back unstarted; both are counted redeliveries; drop: dead-letter it
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
 --   3   dead_letter_maxlen  integer >= 0     approximate cap of the dead-letter stream; 0 deletes dropped messages outright
 --   4   visibility_ms       integer > 0      unused since version 7 (no ready message sits popped); still checked
@@ -21,7 +21,7 @@
 -- errors:
 --   ERR celery-redis-lua: reject: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: reject: expected at least 5 arguments, got N
---   ERR celery-redis-lua: reject: requeue must be 0 or 1, got 'V'
+--   ERR celery-redis-lua: reject: requeue must be failed, returned, drop, 1 or 0, got 'V'
 --   ERR celery-redis-lua: reject: delivery_limit must be an integer >= 0, got 'V'
 --   ERR celery-redis-lua: reject: dead_letter_maxlen must be an integer >= 0, got 'V'
 --   ERR celery-redis-lua: reject: visibility_ms must be a positive integer, got 'V'
@@ -36,7 +36,12 @@
 --   counted stale, so a late hand-back cannot requeue or drop someone else's delivery.
 --   A requeued message keeps its TTL deadline (as in RabbitMQ); if it has passed, the
 --   next consume or sweep dead-letters it with reason 'expired'. A requeue pushes the
---   wake token, so a consumer blocked with nothing to do takes the message at once.
+--   wake token, so a consumer blocked with nothing to do takes the message at once. A queue
+--   declared with x-delayed-retry-type (RabbitMQ 4.3's names) delays a requeue of that kind
+--   ('all' both) by min(retry_min * delivery_count, retry_max) ms: the message waits in the
+--   delayed set in state 'retry', priority and count kept, and is counted in 'retrying'
+--   until consume or the sweep makes it ready. The token is pushed then too, so a blocked
+--   consumer learns the earlier ETA.
 
 local rcall = redis.call
 
@@ -90,15 +95,32 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
+-- Delayed retry (RabbitMQ 4.3's x-delayed-retry-*, stored by declare): whether a requeue of
+-- kind `cause` ('failed' or 'returned') waits before it is ready again (nil: it does not),
+-- and for how long: min(retry_min * delivery_count, retry_max) ms.
+local function retry_policy(meta_key, cause)
+  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max')
+  local min = tonumber(r[2])
+  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil end
+  return {min = min, max = tonumber(r[3])}
+end
+
+local function retry_delay(policy, count)
+  local delay = policy.min * count
+  if policy.max and delay > policy.max then return policy.max end
+  return delay
+end
+
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
 if #ARGV < 5 then return fail('expected at least 5 arguments, got ' .. #ARGV) end
-local queue_key, index_key, meta_key, dead_key, message_key, state_key = KEYS[1], KEYS[3], KEYS[4], KEYS[5],
-  KEYS[6], KEYS[7]
+local queue_key, delayed_key, index_key, meta_key, dead_key, message_key, state_key = unpack(KEYS, 1, 7)
 local wake_key = KEYS[8]
-if ARGV[1] ~= '0' and ARGV[1] ~= '1' then return fail("requeue must be 0 or 1, got '" .. ARGV[1] .. "'") end
-local requeue = ARGV[1] == '1'
+local CAUSES = {['1'] = 'failed', failed = 'failed', returned = 'returned', ['0'] = false, drop = false}
+local cause = CAUSES[ARGV[1]]
+if cause == nil then return fail("requeue must be failed, returned, drop, 1 or 0, got '" .. ARGV[1] .. "'") end
+local requeue = cause ~= false
 local limit = natural(ARGV[2])
 if not limit then return fail("delivery_limit must be an integer >= 0, got '" .. ARGV[2] .. "'") end
 local dead_maxlen = natural(ARGV[3])
@@ -125,7 +147,8 @@ end
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
-local requeued, dead_lettered, deleted, stale = 0, 0, 0, 0
+local retry = requeue and retry_policy(meta_key, cause)
+local requeued, dead_lettered, deleted, stale, retrying = 0, 0, 0, 0, 0
 for i, id in ipairs(ids) do
   local payload = rcall('HGET', message_key, id)
   local raw = rcall('HGET', state_key, id)
@@ -134,7 +157,18 @@ for i, id in ipairs(ids) do
     stale = stale + 1 -- delivered again since: not this consumer's to reject
   elseif payload and s then
     local attempts = s.count + 1
-    if requeue and (limit == 0 or attempts < limit) then
+    if s.state == 'retry' and not (retry and (limit == 0 or attempts < limit)) then
+      rcall('ZREM', delayed_key, id) -- rejected by id alone while it waited: it waits no more
+      retrying = retrying - 1
+    end
+    if retry and (limit == 0 or attempts < limit) then
+      rcall('HSET', state_key, id, state_line('retry', attempts, s))
+      rcall('ZADD', delayed_key, string.format('%d', now + retry_delay(retry, attempts)), id)
+      if tonumber(s.expires_at) then rcall('ZADD', index_key, s.expires_at, id) else rcall('ZREM', index_key, id) end
+      rcall('ZREM', queue_key, id) -- a ready one (rejected by id alone) is no longer ready
+      if s.state ~= 'retry' then retrying = retrying + 1 end
+      requeued = requeued + 1
+    elseif requeue and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('ready', attempts, s))
       rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
       if tonumber(s.expires_at) then -- ready: indexed only to be dropped at its TTL
@@ -169,6 +203,7 @@ end
 
 if requeued > 0 then arm_wake(wake_key) end
 count_in_meta(meta_key, 'redelivered', requeued)
+if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
 count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)
 local expires = tonumber(rcall('HGET', meta_key, 'expires'))
 if expires then

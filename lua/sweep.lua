@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 6
+-- version: 7
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -39,7 +39,10 @@
 --   scripts before version 6: a ready message still in the queue (backlog) or one popped
 --   and never claimed (restore, not a delivery). A ready message is indexed only at its TTL.
 --   Whatever the sweep makes ready pushes the wake token; a queue left with nothing ready
---   or delayed drops it. allow-oom, because the sweep mostly frees memory.
+--   or delayed drops it. A timed-out delivery of a queue whose x-delayed-retry-type is
+--   'failed' or 'all' waits min(retry_min * delivery_count, retry_max) ms in the delayed set
+--   (state 'retry', counted in 'retrying') before it is ready again, as reject's requeue
+--   does. allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
 
@@ -102,6 +105,22 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
+-- Delayed retry (RabbitMQ 4.3's x-delayed-retry-*, stored by declare): whether a requeue of
+-- kind `cause` ('failed' or 'returned') waits before it is ready again (nil: it does not),
+-- and for how long: min(retry_min * delivery_count, retry_max) ms.
+local function retry_policy(meta_key, cause)
+  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max')
+  local min = tonumber(r[2])
+  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil end
+  return {min = min, max = tonumber(r[3])}
+end
+
+local function retry_delay(policy, count)
+  local delay = policy.min * count
+  if policy.max and delay > policy.max then return policy.max end
+  return delay
+end
+
 if #KEYS == 0 or #KEYS % QUEUE_KEYS ~= 0 then return fail('expected 8 keys per queue, got ' .. #KEYS) end
 if #ARGV ~= 5 then return fail('expected 5 arguments, got ' .. #ARGV) end
 local visibility = natural(ARGV[1])
@@ -151,6 +170,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local queue_key, delayed_key, index_key, meta_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local dead_key, message_key, state_key, wake_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7], KEYS[base + 8]
   local requeued_before, expired_before, limit_before = requeued, expired, limit_reached
+  local retrying = 0 -- the change of the queue's 'retrying' counter
   local ready_before = promoted + requeued + unclaimed
 
   local function drop(id, s, payload, reason, count)
@@ -163,6 +183,8 @@ for q = 1, #KEYS / QUEUE_KEYS do
     rcall('HDEL', state_key, id)
     rcall('ZREM', queue_key, id)
     rcall('ZREM', index_key, id)
+    if s.state == 'retry' or s.state == 'delayed' then rcall('ZREM', delayed_key, id) end
+    if s.state == 'retry' then retrying = retrying - 1 end
     if #reported < 5 * report_limit then
       for _, item in ipairs({q, id, count, reason, payload}) do reported[#reported + 1] = item end
     end
@@ -177,6 +199,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       rcall('ZADD', queue_key, ready_score(s.priority, eta), id)
       if tonumber(s.expires_at) then rcall('ZADD', index_key, s.expires_at, id) end
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
+      if s.state == 'retry' then retrying = retrying - 1 end
       promoted = promoted + 1
     else
       rcall('HDEL', message_key, id)
@@ -187,6 +210,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if #due == 2 * batch then more = 1 end
 
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
+  local retry = #entries > 0 and retry_policy(meta_key, 'failed') -- a timeout is a failed delivery
   for _, id in ipairs(entries) do
     local payload = rcall('HGET', message_key, id)
     local raw = rcall('HGET', state_key, id)
@@ -216,6 +240,11 @@ for q = 1, #KEYS / QUEUE_KEYS do
       if ttl_at and ttl_at <= now then
         drop(id, s, payload, 'expired', attempts) -- timed out, and its TTL passed meanwhile
         expired = expired + 1
+      elseif retry and (limit == 0 or attempts < limit) then
+        rcall('HSET', state_key, id, state_line('retry', attempts, s))
+        rcall('ZADD', delayed_key, string.format('%d', now + retry_delay(retry, attempts)), id)
+        index_ready(index_key, id, s) -- waiting, it is indexed only at its TTL, as when ready
+        requeued, retrying = requeued + 1, retrying + 1
       elseif limit == 0 or attempts < limit then
         rcall('HSET', state_key, id, state_line('ready', attempts, s))
         rcall('ZADD', queue_key, ready_score(s.priority, now), id)
@@ -235,6 +264,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
     drop_idle_wake(queue_key, delayed_key, wake_key) -- e.g. the last ones expired
   end
   count_in_meta(meta_key, 'redelivered', requeued - requeued_before)
+  if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
   count_in_meta(meta_key, 'dropped:expired', expired - expired_before)
   count_in_meta(meta_key, 'dropped:delivery-limit', limit_reached - limit_before)
   local expires = tonumber(rcall('HGET', meta_key, 'expires'))

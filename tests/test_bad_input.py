@@ -123,10 +123,16 @@ BASE: dict[str, Build] = {
 
 def arg(build: Build, position: int, value: Any) -> Build:
     """``build`` with ARGV[position] (1-based, as in the script headers) replaced."""
+    return args_at(build, {position: value})
+
+
+def args_at(build: Build, values: dict[int, Any]) -> Build:
+    """``build`` with ARGV[position] replaced by ``values[position]`` for each position."""
     def spoiled(k: Keyspace, s: Seeded) -> Call:
         call = build(k, s)
         args = list(call.args)
-        args[position - 1] = value
+        for position, value in values.items():
+            args[position - 1] = value
         return replace(call, args=args)
     return spoiled
 
@@ -212,6 +218,8 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "consume-second-untagged": (second_untagged(con, 8), ("has no {hash tag}", "untagged")),
     "reject-requeue-2": (arg(rej, 1, 2), ("requeue", "'2'")),
     "reject-requeue-word": (arg(rej, 1, "true"), ("requeue", "'true'")),
+    "reject-requeue-cause-unknown": (arg(rej, 1, "timeout"),
+                                     ("requeue must be failed, returned, drop", "'timeout'")),
     "reject-limit-negative": (arg(rej, 2, -1), ("delivery_limit", "'-1'")),
     "reject-limit-word": (arg(rej, 2, "x"), ("delivery_limit", "'x'")),
     "reject-maxlen-negative": (arg(rej, 3, -1), ("dead_letter_maxlen", "'-1'")),
@@ -242,9 +250,16 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "purge-batch-word": (arg(prg, 1, "all"), ("batch", "'all'")),
     "purge-7-keys": (keys(prg, 7), ("expected 8 keys", "got 7")),
     "delete-7-keys": (keys(dlt, 7), ("expected 8 keys", "got 7")),
-    "declare-2-args": (argv(dcl, 2), ("expected 3 or 4 arguments", "got 2")),
-    "declare-5-args": (lambda k, s: replace(dcl(k, s), args=[*dcl(k, s).args, "x"]),
-                       ("expected 3 or 4 arguments", "got 5")),
+    "declare-2-args": (argv(dcl, 2), ("expected 3, 4 or 7 arguments", "got 2")),
+    "declare-5-args": (argv(dcl, 5), ("expected 3, 4 or 7 arguments", "got 5")),
+    "declare-8-args": (lambda k, s: replace(dcl(k, s), args=[*dcl(k, s).args, "x"]),
+                       ("expected 3, 4 or 7 arguments", "got 8")),
+    "declare-retry-type-unknown": (arg(dcl, 5, "sometimes"), ("retry_type", "'sometimes'")),
+    "declare-retry-type-without-min": (arg(dcl, 5, "failed"), ("x-delayed-retry-type 'failed' needs",)),
+    "declare-retry-min-zero": (args_at(dcl, {5: "failed", 6: 0}), ("retry_min_ms", "'0'")),
+    "declare-retry-min-word": (args_at(dcl, {5: "all", 6: "1s"}), ("retry_min_ms", "'1s'")),
+    "declare-retry-max-below-min": (args_at(dcl, {5: "all", 6: 1000, 7: 10}),
+                                    ("x-delayed-retry-max 10 is below x-delayed-retry-min 1000",)),
     "declare-expires-word": (arg(dcl, 1, "soon"), ("expires_ms", "'soon'")),
     "declare-priority-256": (arg(dcl, 3, 256), ("max_priority", "0..255", "'256'")),
     # Refused arguments record no fanout binding either.

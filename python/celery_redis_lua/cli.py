@@ -422,7 +422,8 @@ def task_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @main.command("where")
 @task_options
 def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
-    """Where a task is: ready, delayed, in flight, dead-lettered, or not in the broker."""
+    """Where a task is: ready, delayed, waiting to retry, in flight, dead-lettered, or not in
+    the broker."""
     lib = connect(url, prefix)
     found = locate_task(lib, task_id, queues)
     if as_json:
@@ -433,6 +434,8 @@ def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str
     lines = {
         "ready": f"ready in {found.queue!r}: priority {found.priority}, about {found.ahead} message(s) ahead",
         "delayed": f"delayed in {found.queue!r}: due {_when(found.eta_ms, now)}",
+        "retry": f"waiting to retry in {found.queue!r} until {_when(found.eta_ms, now)}: delivery "
+                 f"{found.delivery_count} failed or was returned (x-delayed-retry-type)",
         "in_flight": f"in flight from {found.queue!r}: delivery {found.delivery_count}, taken back "
                      f"{_when(found.deadline_ms, now)} unless acked",
         "dead": f"dead-lettered in {found.queue!r}: reason {found.reason}, entry {found.dead_entry} "

@@ -82,6 +82,8 @@ def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
     per_queue = [
         ("ready", "Messages ready to be delivered.", lambda m: m.ready),
         ("delayed", "Messages waiting for their ETA or countdown.", lambda m: m.delayed),
+        ("retrying", "Of the delayed, messages waiting for a delayed retry (x-delayed-retry-type) "
+         "after a failed or returned delivery.", lambda m: m.retrying),
         ("in_flight", "Messages delivered and not yet acked.", lambda m: m.in_flight),
         ("dead_letters", "Entries in the queue's dead-letter stream.", lambda m: m.dead),
         ("oldest_ready_age_seconds", "Since the oldest ready message became ready (0: none).",

@@ -25,9 +25,9 @@ DEAD_PAGE = 1000  # dead letters read per call while searching a queue's stream
 
 @dataclass(frozen=True)
 class Whereabouts:
-    """``state``: 'ready', 'delayed', 'in_flight', 'dead' or 'absent' (acked, expired,
-    purged, never published, or published without its task id). Times are the server's
-    unix ms."""
+    """``state``: 'ready', 'delayed', 'retry' (waiting for a delayed retry), 'in_flight',
+    'dead' or 'absent' (acked, expired, purged, never published, or published without its
+    task id). Times are the server's unix ms."""
 
     task_id: str
     state: str
@@ -36,7 +36,7 @@ class Whereabouts:
     priority: int | None = None
     delivery_count: int | None = None
     ahead: int | None = None  # ready: messages before it (an estimate while others publish)
-    eta_ms: int | None = None  # delayed
+    eta_ms: int | None = None  # delayed, retry: when it is ready
     deadline_ms: int | None = None  # in flight: when the sweep takes it back unless acked
     expires_at_ms: int | None = None  # its message TTL deadline, if any
     reason: str | None = None  # dead
@@ -66,8 +66,8 @@ def locate_task(lib: ScriptLibrary, task_id: str, queues: Sequence[str] | None =
                   "delivery_count": found.delivery_count, "expires_at_ms": found.expires_at}
         if found.state == "ready":
             return Whereabouts(task_id, "ready", ahead=found.detail, **common)
-        if found.state == "delayed":
-            return Whereabouts(task_id, "delayed", eta_ms=found.detail, **common)
+        if found.state in ("delayed", "retry"):
+            return Whereabouts(task_id, found.state, eta_ms=found.detail, **common)
         return Whereabouts(task_id, "in_flight", deadline_ms=found.detail, **common)
     for queue in names:
         letter = _newest_dead_letter(lib, queue, task_id)

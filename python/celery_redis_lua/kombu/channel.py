@@ -22,6 +22,7 @@ from redis.cluster import RedisCluster
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import StaleRoute
+from ..protocol.retry import DelayedRetry
 from .consuming import ConsumingMixin
 from .fanout import FanoutMixin
 from .keeper import KEEPER
@@ -176,9 +177,13 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         expires = _ms_argument(queue, arguments, "x-expires")
         if expires is None:
             expires = self.options.queue_expires_ms
+        try:
+            retry = DelayedRetry.from_arguments(arguments) or self.options.delayed_retry
+        except ValueError as error:
+            raise ValueError(f"queue {queue!r}: {error}") from None
         self.connection.declared[queue] = self.lib.declare(
             queue, expires_ms=expires, message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
-            max_priority=_ms_argument(queue, arguments, "x-max-priority"))
+            max_priority=_ms_argument(queue, arguments, "x-max-priority"), retry=retry)
 
     def _expires_ms(self, queue: str) -> int | None:
         declared = self.connection.declared.get(queue)

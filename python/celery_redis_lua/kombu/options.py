@@ -21,6 +21,7 @@ from ..protocol.keys import (
     fanout_prefix_for,
 )
 from ..protocol.policy import Policy
+from ..protocol.retry import DelayedRetry
 
 
 class OptionError(ValueError):
@@ -80,6 +81,11 @@ class TransportOptions:
     # implied by redislua+cluster:// URLs; more seed nodes as 'host:port' strings.
     cluster: bool = False
     cluster_nodes: tuple[str, ...] = ()
+    # Delayed retry for queues declared without x-delayed-retry-* (protocol/retry.py):
+    # 'disabled', 'all', 'failed' or 'returned'; the first delay and the cap in seconds.
+    delayed_retry_type: str = "disabled"
+    delayed_retry_min: float | None = None
+    delayed_retry_max: float | None = None
 
     @property
     def policy(self) -> Policy:
@@ -98,6 +104,16 @@ class TransportOptions:
         fanout_prefix says otherwise (a string replaces ``/<db>.``, False removes it)."""
         return Keyspace(self.global_keyprefix, self.message_key_prefix,
                         fanout_prefix_for(self.fanout_prefix, db), self.sep)
+
+    @property
+    def delayed_retry(self) -> DelayedRetry | None:
+        """The default a queue without its own x-delayed-retry-* is declared with (None:
+        disabled, so a queue declared with arguments elsewhere keeps them)."""
+        if self.delayed_retry_type == "disabled":
+            return None
+        def ms(seconds: float | None) -> int | None:
+            return None if seconds is None else max(1, round(seconds * 1000))
+        return DelayedRetry(self.delayed_retry_type, ms(self.delayed_retry_min), ms(self.delayed_retry_max))
 
     @property
     def message_ttl_ms(self) -> int | None:
@@ -194,6 +210,9 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "publish_flush_delay": _number(0, high=1),  # longer would stretch what a crash can lose
     "cluster": _typed(bool, allow_none=False),
     "cluster_nodes": _node_list,
+    "delayed_retry_type": _typed(str, allow_none=False),
+    "delayed_retry_min": _number(0, inclusive=False, allow_none=True),
+    "delayed_retry_max": _number(0, inclusive=False, allow_none=True),
 }
 
 
@@ -222,6 +241,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         options.durability_setting  # noqa: B018  (its rules, reported as this option's error)
     except ValueError as error:
         raise OptionError(f"transport option 'durability': {error}") from None
+    try:
+        options.delayed_retry  # noqa: B018  (its rules, reported as these options' error)
+    except ValueError as error:
+        raise OptionError(f"transport options 'delayed_retry_*': {error}") from None
     try:
         options.keyspace(0)  # the keyspace's rules, reported as this option's error
     except KeyspaceError as error:

@@ -13,10 +13,11 @@ logger = logging.getLogger(__name__)
 
 
 def reject(lib: ScriptLibrary, queue: str, ids: Sequence[str], *, requeue: bool,
-           counts: Sequence[int | None] | None = None) -> Rejected:
+           counts: Sequence[int | None] | None = None, returned: bool = False) -> Rejected:
     """Reject through the script; with ``counts`` (the x-delivery-count each was delivered
-    with) a message delivered again since is left alone (counted stale)."""
-    result = lib.reject(queue, list(ids), requeue=requeue, counts=counts)
+    with) a message delivered again since is left alone (counted stale). ``returned``: handed
+    back unstarted, which x-delayed-retry-type tells from a failed delivery."""
+    result = lib.reject(queue, list(ids), requeue=requeue, counts=counts, returned=returned)
     report(lib, queue, ids, result, requeue=requeue)
     return result
 
@@ -30,5 +31,6 @@ def report(lib: ScriptLibrary, queue: str, ids: Sequence[str], result: Rejected,
 
 def hand_back(lib: ScriptLibrary, queue: str, ids: Sequence[str],
               counts: Sequence[int | None]) -> Rejected:
-    """Give deliveries nobody will finish back to their queue, counted as a delivery."""
-    return reject(lib, queue, ids, requeue=True, counts=counts)
+    """Give deliveries nobody will finish back to their queue, counted as a delivery (a
+    returned one: its retry delay is x-delayed-retry-type 'returned' or 'all')."""
+    return reject(lib, queue, ids, requeue=True, counts=counts, returned=True)

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from .keys import Binding, Keyspace
 from .policy import Policy
+from .retry import DISABLED, DelayedRetry
 from .runner import Call
 
 Payload = str | bytes
@@ -141,6 +142,7 @@ class Declared:
     expires_ms: int | None
     message_ttl_ms: int | None
     max_priority: int | None
+    retry: DelayedRetry = DISABLED
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class QueueMetrics:
     redelivered: int
     dropped: dict[str, int]
     paused: str | None = None  # the reason given to pause ('' for none); None: running
+    retrying: int = 0  # of the delayed, how many wait for a delayed retry (x-delayed-retry-type)
 
     @property
     def oldest_ready_age_ms(self) -> int | None:
@@ -181,8 +184,9 @@ class QueueMetrics:
 @dataclass(frozen=True)
 class Located:
     """Where a task's message is in one queue (locate.lua). ``state`` is 'ready', 'delayed',
-    'in_flight' or 'missing'; ``detail`` is the messages ahead (ready), the ETA (delayed) or
-    the deadline (in flight), in the server's unix ms."""
+    'retry' (waiting for a delayed retry), 'in_flight' or 'missing'; ``detail`` is the messages
+    ahead (ready), the time it is ready (delayed, retry) or the deadline (in flight), in the
+    server's unix ms."""
 
     queue: str
     state: str
@@ -195,7 +199,7 @@ class Located:
 
 @dataclass(frozen=True)
 class Cancelled:
-    """What cancel.lua did: 'cancelled' (``was`` 'ready' or 'delayed'), 'in_flight' (left
+    """What cancel.lua did: 'cancelled' (``was`` 'ready', 'delayed' or 'retry'), 'in_flight' (left
     alone) or 'missing'."""
 
     queue: str
@@ -322,9 +326,12 @@ def fenced(ids: Sequence[str], counts: Sequence[int | None] | None) -> list[str]
 
 @operation
 def reject(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, requeue: bool,
-           counts: Sequence[int | None] | None = None) -> Call[Rejected]:
+           counts: Sequence[int | None] | None = None, returned: bool = False) -> Call[Rejected]:
+    """``returned``: the deliveries are handed back unstarted (RabbitMQ's returned, not
+    failed: the two kinds x-delayed-retry-type tells apart)."""
+    cause = ("returned" if returned else "failed") if requeue else "drop"
     return Call("reject", k.queue_keys(queue),
-                [int(requeue), p.delivery_limit or 0, p.dead_letter_maxlen, p.visibility_ms,
+                [cause, p.delivery_limit or 0, p.dead_letter_maxlen, p.visibility_ms,
                  *fenced(ids, counts)],
                 lambda reply: Rejected(*(int(n) for n in reply)))
 
@@ -365,12 +372,17 @@ def _argument(value: Any) -> int | None:
 @operation
 def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None,
             message_ttl_ms: int | None = None, max_priority: int | None = None,
-            fanout_exchange: str | None = None) -> Call[Declared]:
-    """``fanout_exchange``: record that the queue is bound to it, so that delete names it."""
-    return Call("declare", k.queue_keys(queue),
-                [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority),
-                 fanout_exchange or ""],
-                lambda reply: Declared(*(int(n) for n in reply[:3]), *(_argument(n) for n in reply[3:6])))
+            fanout_exchange: str | None = None, retry: DelayedRetry | None = None) -> Call[Declared]:
+    """``fanout_exchange``: record that the queue is bound to it, so that delete names it.
+    ``retry``: the queue's delayed retry (None: not declared, the stored one stays)."""
+    args = [_optional(expires_ms), _optional(message_ttl_ms), _optional(max_priority), fanout_exchange or "",
+            *(retry.arguments() if retry is not None else ["", "", ""])]
+
+    def decode(reply: Sequence[Any]) -> Declared:
+        retry = DelayedRetry(_text(reply[6]), _argument(reply[7]), _argument(reply[8]))
+        return Declared(*(int(n) for n in reply[:3]), *(_argument(n) for n in reply[3:6]), retry)
+
+    return Call("declare", k.queue_keys(queue), args, decode)
 
 
 @operation
@@ -405,13 +417,14 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
     def decode(reply: Sequence[Any]) -> list[QueueMetrics]:
         now, rows = int(reply[0]), reply[1:]
         found = []
-        for i in range(0, len(rows), 9):
-            ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused = rows[i:i + 9]
+        for i in range(0, len(rows), 10):
+            (ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused,
+             retrying) = rows[i:i + 10]
             found.append(QueueMetrics(
-                names[i // 9], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
+                names[i // 10], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
                 optional(eta), int(redelivered),
                 {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)},
-                _paused_reason(paused)))
+                _paused_reason(paused), int(retrying)))
         return found
 
     return Call("metrics", _keys_of(k, names), [], decode)
