@@ -8,7 +8,6 @@ round is in consuming.py, fanout streams in fanout.py, acks and prefetch account
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -368,14 +367,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             return
         refused = self._close_unconfirmed()
         self.connection.poller.channels.discard(self)
-        for wait in list(self.queue_waits.values()):
-            if wait.batch is not None:  # an in-flight consume: what it took goes back, counted
-                with contextlib.suppress(redis.RedisError, OSError):  # lost: see _consume_lost
-                    self._consume_arrived(wait, closing=True)
-                continue
-            self._give_back_wake(wait.cancel())
-        for wait in list(self.stream_waits.values()):
-            wait.cancel()
+        self._restart_waits(closing=True)
         self._leave_fanout(list(self._fanout_read))
         KEEPER.withdraw(self)
         self.outbox.send(timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does

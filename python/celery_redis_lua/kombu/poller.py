@@ -68,13 +68,9 @@ class BlockingRead:
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
 
-    @property
-    def pool(self) -> redis.ConnectionPool:
-        return self._pool_of()
-
     def _connect(self) -> Any:
         if self.connection is None or self.connection._sock is None:
-            self.connection = dedicated_connection(self.pool)
+            self.connection = dedicated_connection(self._pool_of())
             self.connection.connect()
             self._client_id = None
         return self.connection
@@ -161,7 +157,7 @@ class BlockingRead:
             self.disconnect()
             return None
         try:
-            unblocked = redis.Redis(connection_pool=self.pool).execute_command(
+            unblocked = redis.Redis(connection_pool=self._pool_of()).execute_command(
                 "CLIENT", "UNBLOCK", self._client_id)
         except redis.ResponseError:  # NOPERM, or a service without it: close from now on
             self.can_unblock = False
@@ -330,9 +326,6 @@ class HubRegistration:
         reader = self.loop.readers.get(fd)
         return reader is not None and reader[1][1:] == (wait,)
 
-    def on_readable(self, channel: Consuming, wait: BlockingRead) -> None:
-        self.poller.on_readable(channel, wait)
-
     def on_tick(self) -> None:
         for channel in list(self.poller.channels):
             if self.poller.poll_round(channel):
@@ -341,7 +334,7 @@ class HubRegistration:
                 fd = wait.fileno()
                 if wait.pending is not None and fd is not None and not (
                         self.registered.get(fd) is wait and self.owned(fd, wait)):
-                    self.loop.add_reader(fd, self.on_readable, channel, wait)
+                    self.loop.add_reader(fd, self.poller.on_readable, channel, wait)
                     self.registered[fd] = wait
         for fd, wait in list(self.registered.items()):
             if wait.fileno() != fd:
