@@ -29,6 +29,7 @@ from ..cluster import (
     remember_nodes,
     startup_nodes,
 )
+from ..options import OptionError, TransportOptions, parse_options
 from ..protocol.ops import Declared
 from ..sentinel import (
     SentinelConfigError,
@@ -39,7 +40,6 @@ from ..sentinel import (
     parse_sentinel_urls,
 )
 from .channel import Channel
-from .options import OptionError, TransportOptions, parse_options
 from .poller import OVERDUE_GRACE_SECONDS, Poller
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,8 @@
 """Transport options: names, defaults and validation (the reference API's, plus dead letters).
 
+Plain configuration, no kombu: the Keyspace and Policy the scripts are called with
+(protocol/), and the connection settings, beside cluster.py and sentinel.py.
+
 Every option is checked when the transport is created; a wrong type or value raises
 :class:`OptionError` naming it. Unknown options are left alone: kombu and Celery pass their
 own keys (``max_retries``, ...) through the same dictionary.
@@ -12,15 +15,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..protocol.durability import Durability
-from ..protocol.keys import (
+from .protocol.durability import Durability
+from .protocol.keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
     DEFAULT_SEPARATOR,
     Keyspace,
     KeyspaceError,
     fanout_prefix_for,
 )
-from ..protocol.policy import Policy
+from .protocol.policy import Policy
 
 
 class OptionError(ValueError):
