@@ -1,14 +1,13 @@
 """The consuming round, and the blocking waits it is made of.
 
-Per channel, a round delivers what is ready now, then, while QoS allows, starts one BLPOP
-across the wake lists of its queues (a token, never a message) and one XREAD across its
-fanout streams (consuming.py, fanout.py); a readable wait means consume again. In Celery's
-hub the waits are sockets registered with it, and where it can the round's consume goes out
-on the wait's connection as a batch read when the socket is readable (:meth:`BlockingRead.
-send_batch`); without it (plain kombu, gevent, eventlet) :meth:`Poller.drain_events`
-select()s on them. Either way the sweep runs from here.
+Per channel, a round delivers what is ready now, then waits: one BLPOP across its queues'
+wake lists, one XREAD across its fanout streams (consuming.py, fanout.py); a readable wait
+means consume again. In Celery's hub the waits are sockets registered with it (and a
+consume can go out on a wait's connection, :meth:`BlockingRead.send_batch`); without it
+(plain kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way
+the sweep runs from here.
 
-The waits and those batches are the only commands sent outside redis-py's client (Lua cannot
+The waits and those consumes are the only commands sent outside redis-py's client (Lua cannot
 block), without waiting for the reply so the loop can watch the socket. ``cancel()`` ends a
 wait at once with CLIENT UNBLOCK from another connection, so shutting down never waits out
 ``blocking_timeout``; where that is refused (it is in ``@admin``; some managed services lack

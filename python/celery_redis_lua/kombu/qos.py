@@ -7,7 +7,6 @@ reconnecting.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Any
 
@@ -16,8 +15,6 @@ from kombu.transport import virtual
 from ..protocol.envelope import DeliveryTag
 from .keeper import KEEPER
 from .settle import hand_back
-
-logger = logging.getLogger(__name__)
 
 
 class QoS(virtual.QoS):
