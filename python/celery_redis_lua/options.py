@@ -74,7 +74,7 @@ class TransportOptions:
     # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
     # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
     ack_flush_delay: float = 0.005
-    # False pipelines publishes (kombu/unconfirmed.py): publish_pipeline per write at most,
+    # False pipelines publishes (protocol/unconfirmed.py): publish_pipeline per write at most,
     # none waiting longer than publish_flush_delay seconds.
     confirm_publish: bool = True
     publish_pipeline: int = 100

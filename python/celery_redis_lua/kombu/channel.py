@@ -21,13 +21,13 @@ from redis.cluster import RedisCluster
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import StaleRoute
+from ..protocol.unconfirmed import Send, UnconfirmedPublishError
 from .consuming import ConsumingMixin
 from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
-from .unconfirmed import Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     def settle_unconfirmed(self, *, flush: bool = True) -> None:
         """Unconfirmed publishes: send what is pending (``flush``), publish again those a stale
         route refused (synchronously, skipping queues that stored them), raise what the server
-        refused (unconfirmed.py)."""
+        refused (protocol/unconfirmed.py)."""
         if self.unconfirmed is None:
             return
         if flush:
@@ -267,11 +267,11 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         return super().typeof(exchange, default)
 
     def _size(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
+        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
         return self.lib.size(queue)
 
     def _purge(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
+        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
         return self.lib.purge(queue)
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
