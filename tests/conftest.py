@@ -176,10 +176,36 @@ def conn(broker: Broker) -> Iterator[Connection]:
         yield connection
 
 
+# CI's 30-minute budget (`make test`): these run on Valkey there and on Redis too in `make
+# test-all`. Each waits out expiries, lifetimes, shutdowns or failovers (10-30 s a run), and
+# what it checks is the scripts' and the transport's, the same on both servers; the script
+# level suites (test_ttl_expiry's others, test_visibility, ...) run on both in `make test`.
+SLOW_ON_REDIS = (
+    "tests/test_lifecycle.py::test_a_consumed_expiring_queue_keeps_its_bindings_and_its_route",
+    "tests/test_lifecycle.py::test_a_queue_with_a_consumer_never_expires_and_late_acks_touch_only",
+    "tests/test_lifecycle.py::test_the_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive",
+    "tests/test_lifecycle.py::test_an_expiring_fanout_queue_keeps_its_record_under_its_consumer",
+    "tests/test_lifecycle.py::test_a_consumer_back_after_its_queue_expired_gets_no_stale_broadcast",
+    "tests/celery_e2e/test_lifetimes.py::", "tests/celery_e2e/test_shutdown.py::",
+    "tests/celery_e2e/test_sentinel_e2e.py::", "tests/test_sentinel.py::test_the_cli_follows_the_sentinels",
+    "tests/celery_e2e/test_acks_late.py::test_the_heartbeat_keeps_a_task_longer_than_the_visibility",
+    "tests/celery_e2e/test_prefetch_refill.py::test_an_idle_child_beside_long_tasks",
+    "tests/test_ttl_expiry.py::test_an_expired_queue_takes_its_messages_and_a_new_one_starts_clean",
+)
+
+
+def on_redis_standalone(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.id.split("-")[0] == "redis" and "cluster" not in callspec.id
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: a subset is not held to it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Count the cluster tests of the suites whose queue placement is checked (helpers.Placement)."""
+    """Count the cluster tests of the suites whose queue placement is checked (helpers.Placement);
+    mark the Redis runs of SLOW_ON_REDIS slow."""
     for item in items:
+        if item.nodeid.startswith(SLOW_ON_REDIS) and on_redis_standalone(item):
+            item.add_marker(pytest.mark.slow)
         params = getattr(item, "callspec", None)
         params = params.params if params is not None else {}
         kind = params.get("broker_kind")

@@ -15,7 +15,7 @@ import redis
 from kombu import Connection, Consumer, Producer, Queue
 
 import celery_redis_lua
-from celery_redis_lua.kombu.options import OptionError
+from celery_redis_lua.options import OptionError
 from celery_redis_lua.sentinel import SentinelConfigError
 from conftest import require_kind
 from helpers import wait_until

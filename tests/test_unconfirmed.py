@@ -1,4 +1,4 @@
-"""Unconfirmed publishes (confirm_publish=False, kombu/unconfirmed.py), through plain kombu on
+"""Unconfirmed publishes (confirm_publish=False, protocol/unconfirmed.py), through plain kombu on
 real servers: many publishes per write, in order, none left behind at close or after the
 flush delay; NOSCRIPT recovered without a duplicate; a publish the server refuses (out of
 memory, a key of the wrong type) raised at the first publish after its reply was read or at
@@ -22,7 +22,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.kombu.unconfirmed import UnconfirmedPublishError
+from celery_redis_lua.protocol.unconfirmed import UnconfirmedPublishError
 from conftest import require_kind
 from helpers import ScriptCalls, wait_until
 from tools.servers import Server

@@ -8,7 +8,6 @@ round is in consuming.py, fanout streams in fanout.py, acks and prefetch account
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -23,13 +22,13 @@ from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import StaleRoute
 from ..protocol.retry import DelayedRetry
+from ..protocol.unconfirmed import Send, UnconfirmedPublishError
 from .consuming import ConsumingMixin
 from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
-from .unconfirmed import Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     def settle_unconfirmed(self, *, flush: bool = True) -> None:
         """Unconfirmed publishes: send what is pending (``flush``), publish again those a stale
         route refused (synchronously, skipping queues that stored them), raise what the server
-        refused (unconfirmed.py)."""
+        refused (protocol/unconfirmed.py)."""
         if self.unconfirmed is None:
             return
         if flush:
@@ -273,11 +272,11 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         return super().typeof(exchange, default)
 
     def _size(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
+        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
         return self.lib.size(queue)
 
     def _purge(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (unconfirmed.py)
+        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
         return self.lib.purge(queue)
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
@@ -373,14 +372,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             return
         refused = self._close_unconfirmed()
         self.connection.poller.channels.discard(self)
-        for wait in list(self.queue_waits.values()):
-            if wait.batch is not None:  # an in-flight consume: what it took goes back, counted
-                with contextlib.suppress(redis.RedisError, OSError):  # lost: see _consume_lost
-                    self._consume_arrived(wait, closing=True)
-                continue
-            self._give_back_wake(wait.cancel())
-        for wait in list(self.stream_waits.values()):
-            wait.cancel()
+        self._restart_waits(closing=True)
         self._leave_fanout(list(self._fanout_read))
         KEEPER.withdraw(self)
         self.outbox.send(timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does

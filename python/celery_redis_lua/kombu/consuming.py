@@ -68,9 +68,6 @@ class ConsumingMixin:
 
     # -- the round ----------------------------------------------------------------------------
 
-    def can_consume(self) -> bool:
-        return bool(self.qos.can_consume())
-
     @property
     def queues_polled(self) -> list[str]:
         """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
@@ -85,7 +82,7 @@ class ConsumingMixin:
     def poll_queues(self) -> int:
         """Deliver what is ready in the consumed queues whose wait is not pending, then start
         their waits (one per slot group on a cluster)."""
-        if not self.queues_polled or not self.can_consume():
+        if not self.queues_polled or not self.qos.can_consume():
             return 0
         idle = [group for group in self.lib.slot_groups(self.queues_polled)
                 if self._wait(self.queue_waits, self.keys.queue(group[0])).pending is None]
@@ -98,7 +95,7 @@ class ConsumingMixin:
             self._send_consume(idle[0])
             return 0
         delivered, wake_in_ms = self.consume_now([queue for group in idle for queue in group])
-        if self.can_consume():
+        if self.qos.can_consume():
             for group in idle:
                 self.start_queue_wait(group, wake_in_ms)
         return delivered
@@ -212,7 +209,7 @@ class ConsumingMixin:
             back = [d for d in unwanted if d.queue == queue]
             hand_back(self.lib, queue, [d.id for d in back], [d.delivery_count for d in back])
         delivered = self._deliver_all([d for d in consumed.deliveries if d.queue in polled], False)
-        if then_wait and not closing and len(consumed.deliveries) < sent.room and self.can_consume():
+        if then_wait and not closing and len(consumed.deliveries) < sent.room and self.qos.can_consume():
             self.start_queue_wait([q for q in sent.group if q in polled], consumed.wake_in_ms)
         return delivered
 
@@ -240,18 +237,15 @@ class ConsumingMixin:
                                                                       timeout=timeout)
         return True
 
-    def on_queue_wait_readable(self, wait: BlockingRead) -> int:
+    def on_wait_readable(self, wait: BlockingRead) -> int:
         """An in-flight consume's replies, or a woken (or timed-out) wait: consume now, wait
         again; returns how many were delivered."""
+        if not any(wait is w for w in self.queue_waits.values()):
+            return self.on_stream_wait_readable(wait)
         if wait.batch is not None:
             return self._consume_arrived(wait)
         wait.read()  # the token (or None: the block timed out); consume decides what is there
         return self.poll_queues()
-
-    def on_wait_readable(self, wait: BlockingRead) -> int:
-        if any(wait is w for w in self.queue_waits.values()):
-            return self.on_queue_wait_readable(wait)
-        return self.on_stream_wait_readable(wait)
 
     def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
         """The wait for ``key``'s slot (on a cluster, to the node that owns it); else the one."""
@@ -277,25 +271,25 @@ class ConsumingMixin:
     def waits(self) -> list[BlockingRead]:
         return [*self.queue_waits.values(), *self.stream_waits.values()]
 
-    def _restart_waits(self) -> None:
-        """The consumed queues changed: end pending waits (they name the old keys), so the
-        next round blocks on the new set at once instead of after blocking_timeout."""
+    def _restart_waits(self, *, closing: bool = False) -> None:
+        """End the pending waits: the consumed queues changed (the waits name the old keys, so
+        the next round blocks on the new set at once instead of after blocking_timeout), or the
+        channel closes. An in-flight consume's replies come within ms: they are read now."""
         if self.closed:
             return
         for wait in list(self.queue_waits.values()):
-            if wait.batch is not None:  # an in-flight consume: its replies come within ms
+            if wait.batch is not None and closing:  # what it took goes back, counted
+                with contextlib.suppress(redis.RedisError, OSError):  # lost: see _consume_lost
+                    self._consume_arrived(wait, closing=True)
+            elif wait.batch is not None:
                 self._consume_arrived(wait, then_wait=False)
-                continue
-            self._give_back_wake(wait.cancel())
+            elif woken := wait.cancel():
+                # It had just taken a wake token: give it back (lost, it would cost the other
+                # consumers one blocking_timeout).
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self.lib.unpop(self.keys.queue_of(woken[0]))
         for wait in list(self.stream_waits.values()):
             wait.cancel()
-
-    def _give_back_wake(self, woken: Any) -> None:
-        """A wait cancelled just as it took a wake token gives it back (lost, it would cost the
-        other consumers one blocking_timeout)."""
-        if woken:
-            with contextlib.suppress(redis.RedisError, OSError):
-                self.lib.unpop(self.keys.queue_of(woken[0]))
 
 
 def _log_expired(expired: int, queues: list[str]) -> None:

@@ -82,10 +82,8 @@ class FanoutMixin:
                 logger.info("celery-redis-lua: %d broadcast(s) to queue %r were older than its "
                             "x-message-ttl and were not delivered", batch.skipped, queue)
             for entry_id, routing_key, payload in batch.entries:
-                if not self._fanout_matches(pattern, routing_key):
-                    continue
-                delivery = Delivery(queue, entry_id, 0, payload)
-                delivered += self._deliver_fanout(delivery)
+                if self._fanout_matches(pattern, routing_key):
+                    delivered += self._deliver_fanout(Delivery(queue, entry_id, 0, payload))
         return delivered
 
     def poll_streams(self) -> int:

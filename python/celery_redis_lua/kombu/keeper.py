@@ -232,14 +232,11 @@ class Keeper:
             self._thread.start()
         self._wake.notify()
 
-    def _next_due(self) -> float:
-        return min(self._extend_due, self._orphans_due, *(o.due for o in self._sending),
-                   *(alive.due for alive in self._alive.values()))
-
     def _run(self) -> None:
         while True:
             with self._wake:
-                due = self._next_due()
+                due = min(self._extend_due, self._orphans_due, *(o.due for o in self._sending),
+                          *(alive.due for alive in self._alive.values()))
                 if due == math.inf:  # nothing to keep: the thread ends, _start makes another
                     self._thread = None
                     return

@@ -1,5 +1,5 @@
 """The outbox: one per channel, what has not landed yet: acks, rejects that failed, and the
-unconfirmed publishes' pipeline (unconfirmed.py); the keeper sends it when due.
+unconfirmed publishes' pipeline (protocol/unconfirmed.py); the keeper sends it when due.
 
 ``message.ack()`` puts its delivery here and returns. The channel's next consume carries
 what has gathered in front of it, in the same write (a prefork worker refills its window
@@ -31,8 +31,8 @@ from typing import Any
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.runner import Call
+from ..protocol.unconfirmed import Pipeline
 from .settle import report
-from .unconfirmed import Pipeline
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
 """The consuming round, and the blocking waits it is made of.
 
-Per channel, a round delivers what is ready now, then, while QoS allows, starts one BLPOP
-across the wake lists of its queues (a token, never a message) and one XREAD across its
-fanout streams (consuming.py, fanout.py); a readable wait means consume again. In Celery's
-hub the waits are sockets registered with it, and where it can the round's consume goes out
-on the wait's connection as a batch read when the socket is readable (:meth:`BlockingRead.
-send_batch`); without it (plain kombu, gevent, eventlet) :meth:`Poller.drain_events`
-select()s on them. Either way the sweep runs from here.
+Per channel, a round delivers what is ready now, then waits: one BLPOP across its queues'
+wake lists, one XREAD across its fanout streams (consuming.py, fanout.py); a readable wait
+means consume again. In Celery's hub the waits are sockets registered with it (and a
+consume can go out on a wait's connection, :meth:`BlockingRead.send_batch`); without it
+(plain kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way
+the sweep runs from here.
 
-The waits and those batches are the only commands sent outside redis-py's client (Lua cannot
+The waits and those consumes are the only commands sent outside redis-py's client (Lua cannot
 block), without waiting for the reply so the loop can watch the socket. ``cancel()`` ends a
 wait at once with CLIENT UNBLOCK from another connection, so shutting down never waits out
 ``blocking_timeout``; where that is refused (it is in ``@admin``; some managed services lack
@@ -68,13 +67,9 @@ class BlockingRead:
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
 
-    @property
-    def pool(self) -> redis.ConnectionPool:
-        return self._pool_of()
-
     def _connect(self) -> Any:
         if self.connection is None or self.connection._sock is None:
-            self.connection = dedicated_connection(self.pool)
+            self.connection = dedicated_connection(self._pool_of())
             self.connection.connect()
             self._client_id = None
         return self.connection
@@ -161,7 +156,7 @@ class BlockingRead:
             self.disconnect()
             return None
         try:
-            unblocked = redis.Redis(connection_pool=self.pool).execute_command(
+            unblocked = redis.Redis(connection_pool=self._pool_of()).execute_command(
                 "CLIENT", "UNBLOCK", self._client_id)
         except redis.ResponseError:  # NOPERM, or a service without it: close from now on
             self.can_unblock = False
@@ -330,9 +325,6 @@ class HubRegistration:
         reader = self.loop.readers.get(fd)
         return reader is not None and reader[1][1:] == (wait,)
 
-    def on_readable(self, channel: Consuming, wait: BlockingRead) -> None:
-        self.poller.on_readable(channel, wait)
-
     def on_tick(self) -> None:
         for channel in list(self.poller.channels):
             if self.poller.poll_round(channel):
@@ -341,7 +333,7 @@ class HubRegistration:
                 fd = wait.fileno()
                 if wait.pending is not None and fd is not None and not (
                         self.registered.get(fd) is wait and self.owned(fd, wait)):
-                    self.loop.add_reader(fd, self.on_readable, channel, wait)
+                    self.loop.add_reader(fd, self.poller.on_readable, channel, wait)
                     self.registered[fd] = wait
         for fd, wait in list(self.registered.items()):
             if wait.fileno() != fd:

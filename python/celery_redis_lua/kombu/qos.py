@@ -7,28 +7,20 @@ reconnecting.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Any
 
 from kombu.transport import virtual
 
 from ..protocol.envelope import DeliveryTag
-from ..protocol.library import ScriptLibrary
 from .keeper import KEEPER
 from .settle import hand_back
-
-logger = logging.getLogger(__name__)
 
 
 class QoS(virtual.QoS):
     """Prefetch accounting plus ack/reject through the scripts."""
 
     channel: Any  # the Channel (typed loosely: the channel module imports this one)
-
-    @property
-    def lib(self) -> ScriptLibrary:
-        return self.channel.lib
 
     def ack(self, delivery_tag: str) -> None:
         """Ack through the channel's outbox, batched: one that fails is kept and sent again
@@ -37,7 +29,7 @@ class QoS(virtual.QoS):
         if not tag.fanout:
             # Settling from now: the caller may drop its Message before the batch is sent, and
             # a keeper tick would take it for dropped unacked and hand it back.
-            KEEPER.settling(self.lib, tag.queue, tag.id)
+            KEEPER.settling(self.channel.lib, tag.queue, tag.id)
             self.channel.outbox.add_ack(tag.queue, tag.id)
         super().ack(delivery_tag)
 
@@ -47,15 +39,10 @@ class QoS(virtual.QoS):
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
             # Fenced by the count this delivery carried.
-            held = KEEPER.settling(self.lib, tag.queue, tag.id)
-            count = held.count if held is not None else self.delivery_count(delivery_tag)
+            held = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
+            count = held.count if held is not None else _count_of(self._delivered.get(delivery_tag))
             self.channel.outbox.reject(tag.queue, tag.id, requeue=requeue, count=count)
         super().ack(delivery_tag)  # forget it locally: the script requeued or dropped it (or will)
-
-    def delivery_count(self, delivery_tag: str) -> int | None:
-        """The x-delivery-count this channel's delivery carried (its fencing token)."""
-        message = self._delivered.get(delivery_tag)
-        return None if message is None else _count_of(message)
 
     def _take_unacked(self) -> list[tuple[str, str, Any]]:
         """(queue, id, Message) of every unacked delivery; forgets them here."""
@@ -68,22 +55,23 @@ class QoS(virtual.QoS):
         """basic_recover(requeue=True): every unacked delivery goes back now, counted."""
         by_queue: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
         for queue, message_id, message in self._take_unacked():
-            held = KEEPER.settling(self.lib, queue, message_id)
+            held = KEEPER.settling(self.channel.lib, queue, message_id)
             by_queue[queue].append((message_id, held.count if held else _count_of(message)))
         for queue, entries in by_queue.items():
             ids, counts = zip(*entries, strict=True)
             try:
-                hand_back(self.lib, queue, list(ids), list(counts))
+                hand_back(self.channel.lib, queue, list(ids), list(counts))
             finally:  # landed, or back after the visibility timeout: no longer extended
-                KEEPER.release(self.lib, queue, ids)
+                KEEPER.release(self.channel.lib, queue, ids)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """The channel closes: its unacked deliveries stay held by their Messages (orphans);
         those nobody holds are handed back now, counted, the others when dropped or at exit."""
-        KEEPER.orphan(self.lib, self._take_unacked())
+        KEEPER.orphan(self.channel.lib, self._take_unacked())
         return []
 
 
 def _count_of(message: Any) -> int | None:
+    """The x-delivery-count the delivery carried (its fencing token), if it says."""
     count = (getattr(message, "headers", None) or {}).get("x-delivery-count")
     return count if isinstance(count, int) and not isinstance(count, bool) else None

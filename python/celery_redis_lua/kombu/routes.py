@@ -34,12 +34,6 @@ MAX_TABLES = 1024  # exchanges a channel keeps tables of (beyond it, it starts o
 
 
 @dataclass
-class _Cached:
-    routes: Routes
-    until: float  # monotonic
-
-
-@dataclass
 class Publishing:
     """One basic_publish to a named exchange: the table its route came from, and the queues
     that already stored the message (a refused route is retried only for the others)."""
@@ -52,7 +46,7 @@ class Publishing:
 class RouteCache:
     def __init__(self, lib: ScriptLibrary) -> None:
         self.lib = lib
-        self._tables: dict[str, _Cached] = {}
+        self._tables: dict[str, tuple[Routes, float]] = {}  # exchange -> (table, until: monotonic)
         # exchange -> the time this channel recorded a change at (rerouted): a table looked up
         # in that very millisecond would be refused at its next publish, so it is not kept.
         self._recorded: dict[str, int] = {}
@@ -60,11 +54,11 @@ class RouteCache:
     def get(self, exchange: str, publishing: Publishing | None = None) -> Routes:
         """The table of ``exchange``: cached unless expired or ``publishing`` asks for a fresh
         one. ``publishing`` learns which (a cached one's publishes carry its lookup time)."""
-        cached = self._tables.get(exchange)
-        if cached is not None and time.monotonic() < cached.until and not (publishing and publishing.fresh):
+        cached, until = self._tables.get(exchange, (None, 0.0))
+        if cached is not None and time.monotonic() < until and not (publishing and publishing.fresh):
             if publishing is not None:
-                publishing.looked_up_ms = cached.routes.looked_up_ms
-            return cached.routes
+                publishing.looked_up_ms = cached.looked_up_ms
+            return cached
         routes = self.refresh(exchange)
         if publishing is not None:
             publishing.looked_up_ms = None
@@ -82,7 +76,7 @@ class RouteCache:
         if len(self._tables) >= MAX_TABLES:
             self._tables.clear()
             self._recorded.clear()
-        self._tables[exchange] = _Cached(routes, time.monotonic() + life)
+        self._tables[exchange] = (routes, time.monotonic() + life)
         return routes
 
     def changed(self, exchange: str, queues: Iterable[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from ..cluster import (
     remember_nodes,
     startup_nodes,
 )
+from ..options import OptionError, TransportOptions, parse_options
 from ..protocol.ops import Declared
 from ..sentinel import (
     SentinelConfigError,
@@ -39,7 +40,6 @@ from ..sentinel import (
     parse_sentinel_urls,
 )
 from .channel import Channel
-from .options import OptionError, TransportOptions, parse_options
 from .poller import OVERDUE_GRACE_SECONDS, Poller
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,16 @@ POOL_WAIT_SECONDS = 20.0
 SECURE_SCHEMES = frozenset({"rediss", *(s for s, target in SCHEMES.items() if target == "rediss")})
 
 
-def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+class Transport(virtual.Transport):
+    """kombu transport for Redis 7+ and Valkey on the celery-redis-lua scripts."""
+
+    Channel = Channel
+    polling_interval = None  # never sleep between polls: the waits block on the server
+    default_port = 6379
+    driver_type = "redis"
+    driver_name = "celery-redis-lua"
     connection_errors = (
+        *virtual.Transport.connection_errors,
         redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
         redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
         IOError, OSError, InterruptedError,
@@ -62,20 +70,8 @@ def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
         # No seed or remembered node answers (yet): the same, at connect time.
         redis.exceptions.RedisClusterException,
     )
-    channel_errors = (redis.DataError, redis.exceptions.InvalidResponse, redis.ResponseError)
-    return virtual.Transport.connection_errors + connection_errors, (
-        virtual.Transport.channel_errors + channel_errors)
-
-
-class Transport(virtual.Transport):
-    """kombu transport for Redis 7+ and Valkey on the celery-redis-lua scripts."""
-
-    Channel = Channel
-    polling_interval = None  # never sleep between polls: the waits block on the server
-    default_port = 6379
-    driver_type = "redis"
-    driver_name = "celery-redis-lua"
-    connection_errors, channel_errors = _redis_errors()
+    channel_errors = (*virtual.Transport.channel_errors, redis.DataError, redis.exceptions.InvalidResponse,
+                      redis.ResponseError)
     # Only a lost connection is worth a reconnect and retry; a script refusing its input
     # (ScriptError, a channel error) must reach the caller once, as it is.
     recoverable_connection_errors = connection_errors

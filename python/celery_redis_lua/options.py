@@ -1,5 +1,8 @@
 """Transport options: names, defaults and validation (the reference API's, plus dead letters).
 
+Plain configuration, no kombu: the Keyspace and Policy the scripts are called with
+(protocol/), and the connection settings, beside cluster.py and sentinel.py.
+
 Every option is checked when the transport is created; a wrong type or value raises
 :class:`OptionError` naming it. Unknown options are left alone: kombu and Celery pass their
 own keys (``max_retries``, ...) through the same dictionary.
@@ -12,16 +15,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..protocol.durability import Durability
-from ..protocol.keys import (
+from .protocol.durability import Durability
+from .protocol.keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
     DEFAULT_SEPARATOR,
     Keyspace,
     KeyspaceError,
     fanout_prefix_for,
 )
-from ..protocol.policy import Policy
-from ..protocol.retry import DelayedRetry
+from .protocol.policy import Policy
+from .protocol.retry import DelayedRetry
 
 
 class OptionError(ValueError):
@@ -72,7 +75,7 @@ class TransportOptions:
     # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
     # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
     ack_flush_delay: float = 0.005
-    # False pipelines publishes (kombu/unconfirmed.py): publish_pipeline per write at most,
+    # False pipelines publishes (protocol/unconfirmed.py): publish_pipeline per write at most,
     # none waiting longer than publish_flush_delay seconds.
     confirm_publish: bool = True
     publish_pipeline: int = 100

@@ -1,36 +1,35 @@
-"""Unconfirmed publishes (``confirm_publish=False``): many per round trip.
+"""Unconfirmed publishes (the transport's ``confirm_publish=False``): many per round trip.
 
-A publish then returns once the message is in the channel's pipeline (part of its outbox,
-outbox.py), which goes in one write when it holds ``publish_pipeline`` publishes, when its
-oldest has waited ``publish_flush_delay`` (the keeper sends it), before the channel reads
-queue state or consumes, at close and at exit. On a standalone server or a Sentinel primary
-without durability a batch's replies are read when the next batch goes (the server stores
-one while the caller fills the next) or ``publish_flush_delay`` after it went; elsewhere
-at once. NOSCRIPT is recovered there (only the calls that met it are sent again).
+Plain script calls on the runner, no kombu: a publish returns once its call is in the
+pipeline, which goes in one write when it holds ``size`` calls or when its owner says (the
+kombu channel's outbox, kombu/outbox.py: when the oldest has waited ``delay``, before the
+channel reads queue state or consumes, at close and at exit). With a batch writer
+(runner.BatchWriter: a standalone server or a Sentinel primary without durability) a
+batch's replies are read when the next batch goes (the server stores one while the caller
+fills the next) or ``delay`` after it went; elsewhere at once. NOSCRIPT is recovered there
+(only the calls that met it are sent again).
 
 A publish the server refused (out of memory, a wrong type, a script refusing its input) is
-raised as :class:`UnconfirmedPublishError` by the channel's next publish after its reply
-was read, a call that reads queue state, or the close; one still unraised at exit is
-logged at ERROR with its queue, count and task ids: never dropped silently. One refused
-for a stale cached route stored nothing and goes again, with a fresh lookup, at the next
-publish or the close (in the caller's thread). A crash loses what is still in the pipeline
-(``publish_pipeline`` or ``publish_flush_delay``'s worth); a lost connection also the
-batches on the wire whose replies were unread (stored or not: kombu does not retry them).
+kept and raised as :class:`UnconfirmedPublishError` by :meth:`Pipeline.check` (the kombu
+channel's next publish after its reply was read, a call that reads queue state, or the
+close); one still unraised at exit is logged at ERROR with its queue, count and task ids
+(:meth:`Pipeline.unsent`): never dropped silently. One refused for a stale cached route
+stored nothing and goes again, with a fresh lookup (:meth:`Pipeline.take_stale`). A crash
+loses what is still in the pipeline (``size`` calls or ``delay``'s worth); a lost
+connection also the batches on the wire whose replies were unread (stored or not: kombu
+does not retry them).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.ops import StaleRoute
-from ..protocol.runner import Call
-
-logger = logging.getLogger(__name__)
+from .ops import StaleRoute
+from .runner import Call
 
 
 class UnconfirmedPublishError(Exception):
@@ -56,12 +55,8 @@ class Send:
 
 
 class Pipeline:
-    """A channel's unconfirmed publishes, gathered and sent in one write.
-
-    With a batch writer (runner.BatchWriter, a connection of the pipeline's own) a batch's
-    replies are read when the next is written, the last one's by the keeper ``delay`` after
-    it went; elsewhere (a cluster routes each call by slot, durability ends each batch with
-    a wait) each batch is one pipeline whose replies are read at once."""
+    """A channel's unconfirmed publishes, gathered and sent in one write (the module's
+    docstring says when; a batch writer, runner.BatchWriter, is a connection of its own)."""
 
     def __init__(self, lib: Any, size: int, delay: float, on_due: Callable[[], None]) -> None:
         self.lib, self.size, self.delay = lib, size, delay
