@@ -114,3 +114,33 @@ def record_command(state: object, label: str) -> dict[str, str]:
     """A remote-control command that records that it ran (and on which worker)."""
     record("control", label=label, hostname=getattr(state, "hostname", None), at=time.time())
     return {"ok": label}
+
+
+# -- added for test_disable_prefetch.py (append-only) -----------------------------------------
+# CRL_DISABLE_PREFETCH=1: Celery 5.6's worker_disable_prefetch (a worker takes a task only when
+# a pool slot is free; Celery allows it on Redis transports only, by driver_type).
+if os.environ.get("CRL_DISABLE_PREFETCH") == "1":
+    app.conf.worker_disable_prefetch = True
+
+
+# -- added for test_credential_rotation.py (append-only) --------------------------------------
+# CRL_CREDENTIALS_FILE=path: the broker's credentials come from a redis-py credential provider
+# that reads "username\npassword" from that file at every connection (as a rotating IAM token
+# provider would), so a test can rotate the password under a running worker.
+if os.environ.get("CRL_CREDENTIALS_FILE"):
+    from redis.credentials import CredentialProvider
+
+    class FileCredentials(CredentialProvider):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def get_credentials(self) -> tuple[str, str]:
+            with open(self.path) as file:
+                username, password = file.read().split("\n")[:2]
+            record("credentials", username=username, at=time.time())
+            return username, password
+
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "credential_provider": FileCredentials(os.environ["CRL_CREDENTIALS_FILE"]),
+    }

@@ -75,8 +75,12 @@ class ConsumingMixin:
         return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
 
     def headroom(self) -> int:
-        """How many messages QoS lets this channel take now."""
+        """How many messages QoS lets this channel take now. A QoS whose can_consume was
+        replaced on the instance (Celery's worker_disable_prefetch wraps it with its free-slot
+        check) is asked before each message: one per consume, or a batch would outrun it."""
         room = self.qos.can_consume_max_estimate()
+        if "can_consume" in vars(self.qos):
+            return 1 if room is None else min(room, 1)
         return self.options.consume_batch if room is None else min(room, self.options.consume_batch)
 
     def poll_queues(self) -> int:
