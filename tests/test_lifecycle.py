@@ -22,7 +22,7 @@ from kombu.message import Message
 from celery_redis_lua import ScriptError
 from celery_redis_lua.kombu.keeper import KEEPER
 from conftest import TARGETS, require_kind
-from helpers import server_now_ms, wait_for_server_time, wait_until
+from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 from kombu_support import Broker, consume, drain
 
 EXPIRES_S = 10  # the x-expires floor
@@ -404,6 +404,24 @@ def test_an_eta_past_the_year_2286_is_refused_by_name(kind_broker: Broker) -> No
             Producer(conn, exchange=queue.exchange, routing_key="etaq").publish(
                 "far", declare=[queue], headers={"eta": "9999-12-31T00:00:00+00:00"})
         assert kind_broker.lib.stats(["etaq"])[0].delayed == 0
+
+
+def test_a_countdown_s_expires_is_its_deadline_and_a_bad_one_is_refused_by_name(kind_broker: Broker) -> None:
+    """Celery sends `expires` as ms from now ('expiration') and as a time (the header); a
+    countdown's TTL counts from its ETA, so it is what is left of the header's time then."""
+    queue = Queue("expq", Exchange("expx"), routing_key="expq")
+    lib = kind_broker.lib
+    with kind_broker.connection() as conn:
+        producer = Producer(conn, exchange=queue.exchange, routing_key="expq")
+        with pytest.raises(ValueError, match=r"header 'expires' is not an ISO 8601 time: 'soon'"):
+            producer.publish("bad", declare=[queue], headers={"eta": "2030-01-01T00:00:00+00:00",
+                                                               "expires": "soon"})
+        assert lib.stats(["expq"])[0].delayed == 0
+        producer.publish("countdown", declare=[queue], expiration=60,  # kombu: seconds
+                         headers={"eta": "2030-01-01T00:00:00+00:00", "expires": "2030-01-01T00:00:02+00:00"})
+    [message_id] = lib.client.zrange(lib.keys.delayed("expq"), 0, -1)
+    state = message_state(lib.client, lib.keys, "expq", message_id.decode())
+    assert state is not None and int(state[3]) == 1_893_456_002_000  # the header's time, not ETA + 60 s
 
 
 def test_retry_on_timeout_is_not_passed_on_so_no_script_is_ever_sent_twice(kind_broker: Broker) -> None:

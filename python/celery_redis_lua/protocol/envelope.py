@@ -65,19 +65,26 @@ MAX_TASK_ID_BYTES = 256  # publish.lua's limit
 
 def eta_ms(message: dict[str, Any]) -> int | None:
     """Celery's ``eta`` header (ISO 8601) as unix ms; a naive time is taken as UTC."""
-    eta = (message.get("headers") or {}).get("eta")
-    if not eta:
+    return _header_time_ms(message, "eta")
+
+
+def _header_time_ms(message: dict[str, Any], name: str) -> int | None:
+    """A Celery header holding an ISO 8601 time (``eta``, ``expires``) as unix ms; a naive
+    time is taken as UTC."""
+    value = (message.get("headers") or {}).get(name)
+    if not value:
         return None
     try:
-        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        when = datetime.fromisoformat(value) if isinstance(value, str) else value
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
         at = max(0, int(when.timestamp() * 1000))
     except (TypeError, ValueError, AttributeError, OverflowError) as error:
-        raise BadEnvelope(f"{_describe(message)}: header 'eta' is not an ISO 8601 time: {eta!r}") from error
+        raise BadEnvelope(f"{_describe(message)}: header {name!r} is not an ISO 8601 time: "
+                          f"{value!r}") from error
     if at > MAX_ETA_MS:
-        raise BadEnvelope(f"{_describe(message)}: header 'eta' {eta!r} is later than the year 2286, "
-                          "the latest ETA the broker holds")
+        raise BadEnvelope(f"{_describe(message)}: header {name!r} {value!r} is later than the year "
+                          "2286, the latest time the broker holds")
     return at
 
 
@@ -96,7 +103,14 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
             raise BadEnvelope(f"{_describe(message)}: property 'expiration' must be ms, "
                               f"got {expiration!r}") from error
         ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
-    return PublishArguments(priority, eta_ms(message), ttl_ms, task_id(message))
+    eta = eta_ms(message)
+    expires = _header_time_ms(message, "expires")
+    if eta is not None and expires is not None:
+        # Celery's expires is a time, sent as 'expiration' ms from now; a message's TTL counts
+        # from its ETA, so a countdown's is what is left after it: dead-lettered at expires.
+        own = max(1, expires - eta)
+        ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
+    return PublishArguments(priority, eta, ttl_ms, task_id(message))
 
 
 def task_id(message: dict[str, Any]) -> str | None:
