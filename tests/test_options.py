@@ -194,8 +194,10 @@ def test_no_sleep_between_polls() -> None:
 
 def test_unknown_options_are_ignored(server: Server) -> None:
     unknown = {"max_retries": 3, "interval_start": 0, "interval_step": 0.2, "no_such_option": object()}
-    assert parse_options(unknown) == TransportOptions()
-    with Connection(url(server), transport_options=unknown) as connection:
+    with pytest.warns(RuntimeWarning, match="'no_such_option'"):
+        assert parse_options(unknown) == TransportOptions()
+    with pytest.warns(RuntimeWarning, match="'no_such_option'"), \
+            Connection(url(server), transport_options=unknown) as connection:
         simple = connection.SimpleQueue("opts")
         simple.put("ok")
         message = simple.get(timeout=5)
@@ -210,3 +212,23 @@ def test_the_readme_documents_every_option() -> None:
     section = readme[readme.index("## Options"):readme.index("## What is promised")]
     documented = set(re.findall(r"`([a-z_]+)`", section))
     assert [f.name for f in fields(TransportOptions) if f.name not in documented] == []
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("visiblity_timeout", "did you mean 'visibility_timeout'?"),
+    ("blocking_timout", "did you mean 'blocking_timeout'?"),
+    ("priority_steps",
+     "it is an option of kombu's stock Redis transport (priorities 0-255 are each their own band)"),
+    ("frobnicate", "no option of that name exists"),
+])
+def test_an_unknown_option_is_ignored_with_a_warning_that_names_the_closest(name: str, said: str) -> None:
+    with pytest.warns(RuntimeWarning, match=re.escape(f"ignores transport option {name!r}: {said}")):
+        options = parse_options({name: 1})
+    assert options == parse_options({})
+
+
+def test_kombu_s_and_celery_s_own_keys_pass_in_silence() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_options({"max_retries": 3, "interval_start": 0, "interval_step": 1, "interval_max": 2,
+                       "result_chord_ordered": True, "visibility_timeout": 60})

@@ -4,12 +4,14 @@ Plain configuration, no kombu: the Keyspace and Policy the scripts are called wi
 (protocol/), and the connection settings, beside cluster.py and sentinel.py.
 
 Every option is checked when the transport is created; a wrong type or value raises
-:class:`OptionError` naming it. Unknown options are left alone: kombu and Celery pass their
-own keys (``max_retries``, ...) through the same dictionary.
+:class:`OptionError` naming it. An unknown one is ignored with a warning that names the
+closest known one (or says it is kombu's stock Redis option); kombu's and Celery's own keys
+(``max_retries``, ...), which pass through the same dictionary, are left alone in silence.
 """
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -219,6 +221,41 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
+# Keys kombu and Celery read from the same dictionary themselves (kombu's reconnect policy,
+# its virtual channel, Celery's result backend on this broker): passed through in silence.
+PASSED_THROUGH = frozenset({
+    "max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout",
+    "body_encoding", "deadletter_queue", "result_chord_ordered", "polling_interval",
+})
+# kombu's stock Redis transport's own options: they mean nothing here, for the reason given.
+STOCK_ONLY = {
+    "priority_steps": "priorities 0-255 are each their own band",
+    "queue_order_strategy": "consume takes the highest priority first across its queues",
+    "ack_emulation": "acks are always real",
+    "unacked_key": "in-flight messages are indexed per queue",
+    "unacked_index_key": "in-flight messages are indexed per queue",
+    "unacked_mutex_key": "the sweep is a script, atomic without a mutex",
+    "unacked_mutex_expire": "the sweep is a script, atomic without a mutex",
+    "unacked_restore_limit": "the sweep restores a bounded batch per call",
+    "unacked_restore_interval": "see 'sweep_interval'",
+    "unacked_restore_throttle": "see 'sweep_interval'",
+}
+
+
+def warn_unknown(raw: Mapping[str, Any], known: set[str]) -> None:
+    """A misspelt option would be ignored in silence: warn, naming the closest known one."""
+    for name in raw:
+        if name in known or name in PASSED_THROUGH:
+            continue
+        if name in STOCK_ONLY:
+            why = f"it is an option of kombu's stock Redis transport ({STOCK_ONLY[name]})"
+        else:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            why = f"did you mean {close[0]!r}?" if close else "no option of that name exists"
+        warnings.warn(f"celery-redis-lua ignores transport option {name!r}: {why}", RuntimeWarning,
+                      stacklevel=4)
+
+
 def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     """Validate the options this transport knows; ``polling_interval`` is read as
     ``blocking_timeout`` with a deprecation warning (there is no sleep between polls)."""
@@ -231,6 +268,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         _CHECKS["blocking_timeout"]("polling_interval", raw["polling_interval"])
         raw.setdefault("blocking_timeout", raw["polling_interval"])
     known = {f.name for f in fields(TransportOptions)}
+    warn_unknown(raw, known)
     values = {name: _CHECKS[name](name, raw[name]) for name in known if name in raw}
     if values.get("retry_on_timeout"):
         warnings.warn(
