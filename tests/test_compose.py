@@ -1,8 +1,8 @@
-"""examples/compose/ (Valkey, a worker, a producer, the exporter, Prometheus) is valid and
+"""examples/compose/ (Valkey, a worker, a producer, the exporter, Prometheus, Grafana) is valid and
 follows the README, without a Docker engine: `docker-compose config` (Debian's
 docker-compose 1.29 parses and validates a file without one) and `promtool`.
 
-What is checked: the five services, the shared redislua:// broker URL, the worker's and
+What is checked: the six services, the shared redislua:// broker URL, the worker's and
 the producer's commands, an exporter command with the flags and the port the README
 documents (read off README.md, so a README change the compose file does not follow
 fails here) and every one of them in `celery-redis-lua exporter --help`, the image built
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "compose"
 COMPOSE_FILE = EXAMPLE / "docker-compose.yml"
 README = ROOT / "README.md"
-SERVICES = {"valkey", "worker", "producer", "exporter", "prometheus"}
+SERVICES = {"valkey", "worker", "producer", "exporter", "prometheus", "grafana"}
 BUILT = ("worker", "producer", "exporter")  # the services that run the project's image
 # celery-mixin's CeleryHighQueueLength (celery-exporter's mixin), with the job selector left out.
 HIGH_QUEUE_LENGTH = 'sum by (queue_name) (celery_queue_length{queue_name!~"None"}) > 100'
@@ -189,6 +189,21 @@ def test_one_redislua_broker_url_for_every_service_on_the_broker(config: dict[st
     for name in BUILT:
         assert "valkey" in services(config)[name]["depends_on"], name
     assert "exporter" in services(config)["prometheus"]["depends_on"]
+    assert "prometheus" in services(config)["grafana"]["depends_on"]
+
+
+def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(config: dict[str, Any]) -> None:
+    """The datasource the dashboard's panels name (uid 'prometheus') points at the prometheus
+    service, and the dashboards directory the provider reads is the one mounted."""
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in services(config)["grafana"]["volumes"]}
+    provisioning = EXAMPLE / mounts["/etc/grafana/provisioning"].removeprefix("./")
+    datasource = (provisioning / "datasources" / "prometheus.yml").read_text()
+    assert "uid: prometheus" in datasource and "url: http://prometheus:9090" in datasource
+    provider = (provisioning / "dashboards" / "celery-redis-lua.yml").read_text()
+    assert "path: /var/lib/grafana/dashboards" in provider
+    dashboards = EXAMPLE / mounts["/var/lib/grafana/dashboards"].removeprefix("./")
+    dashboard = json.loads((dashboards / "celery-redis-lua.json").read_text())
+    assert {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]} == {"prometheus"}
 
 
 def test_the_image_installs_the_project_from_the_build_context(config: dict[str, Any]) -> None:

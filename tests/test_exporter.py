@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from celery_redis_lua import Keyspace, Policy, ScriptLibrary
 from celery_redis_lua.exporter import serve
 from celery_redis_lua.protocol import ops
+from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import same_slot_names, server_now_ms, wait_for_server_time, wait_until
 from tools.servers import Server, free_port
 
@@ -294,6 +295,61 @@ def test_a_real_prometheus_scrapes_the_queue_lengths(prometheus_binary: str, tmp
         alert = 'sum by (queue_name) (celery_queue_length{queue_name!~"None"}) > 5'
         firing = wait_until(lambda: query(alert), timeout=30)
         assert firing[0]["metric"]["queue_name"] == "scraped"
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "compose" / "grafana" / "dashboards" / \
+    "celery-redis-lua.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expression) of every target of the dashboard, with the queue variable at
+    'All' (its allValue)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [variable] = dashboard["templating"]["list"]
+    return [(panel["title"], target["expr"].replace("$queue", variable["allValue"]))
+            for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_path: Path,
+                                                 exporter: tuple[ScriptLibrary, int]) -> None:
+    """The Grafana dashboard of examples/compose/, on a real exporter and a real Prometheus:
+    a query that names a metric or label the exporter does not serve returns no series."""
+    lib, exporter_port = exporter
+    lib.declare("board", retry=DelayedRetry("failed", 60_000))
+    for i in range(6):
+        lib.publish("board", f"m{i}", task_id=f"t{i}")
+    lib.publish("board", "later", eta_ms=server_now_ms(lib.client) + 60_000)
+    taken = lib.consume(["board"], 3).deliveries
+    lib.reject("board", [taken[0].id], requeue=True, counts=[0])  # waits to retry; redelivered
+    lib.reject("board", [taken[1].id], requeue=False, counts=[0])  # a dead letter
+    lib.pause("board", "maintenance")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "celery-exporter",
+                            "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]}]}))
+    process = subprocess.Popen([prometheus_binary, f"--config.file={config}",
+                                f"--web.listen-address=127.0.0.1:{port}",
+                                f"--storage.tsdb.path={tmp_path / 'data'}"],
+                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
+    try:
+        def query(expression: str) -> list[Any]:
+            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
+            with contextlib.suppress(OSError):
+                return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+            return []
+
+        queries = dashboard_queries()
+        assert len(queries) >= 10
+        for title, expression in queries:  # rate() needs two scrapes: polled, not slept
+            wait_until(lambda e=expression: query(e), timeout=60, interval=0.5,
+                       what=f"series for panel {title!r}: {expression}")
+        [retrying] = query('celery_redis_lua_queue_retrying{queue="board"}')
+        assert float(retrying["value"][1]) == 1
     finally:
         process.terminate()
         process.wait(20)
