@@ -177,19 +177,17 @@ def conn(broker: Broker) -> Iterator[Connection]:
 
 
 # CI's 30-minute budget (`make test`): these run on Valkey there and on Redis too in `make
-# test-all`. Each waits out expiries, lifetimes, shutdowns or failovers (10-30 s a run), and
-# what it checks is the scripts' and the transport's, the same on both servers; the script
-# level suites (test_ttl_expiry's others, test_visibility, ...) run on both in `make test`.
+# test-all` (the Celery end-to-end modules choose in tests/celery_e2e/conftest.py). Each waits
+# out expiries, lifetimes or failovers (10-30 s a run), and what it checks is the scripts'
+# and the transport's, the same on both servers; the script-level tests run on both in
+# `make test`.
 SLOW_ON_REDIS = (
     "tests/test_lifecycle.py::test_a_consumed_expiring_queue_keeps_its_bindings_and_its_route",
     "tests/test_lifecycle.py::test_a_queue_with_a_consumer_never_expires_and_late_acks_touch_only",
     "tests/test_lifecycle.py::test_the_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive",
     "tests/test_lifecycle.py::test_an_expiring_fanout_queue_keeps_its_record_under_its_consumer",
     "tests/test_lifecycle.py::test_a_consumer_back_after_its_queue_expired_gets_no_stale_broadcast",
-    "tests/celery_e2e/test_lifetimes.py::", "tests/celery_e2e/test_shutdown.py::",
     "tests/celery_e2e/test_sentinel_e2e.py::", "tests/test_sentinel.py::test_the_cli_follows_the_sentinels",
-    "tests/celery_e2e/test_acks_late.py::test_the_heartbeat_keeps_a_task_longer_than_the_visibility",
-    "tests/celery_e2e/test_prefetch_refill.py::test_an_idle_child_beside_long_tasks",
     "tests/test_ttl_expiry.py::test_an_expired_queue_takes_its_messages_and_a_new_one_starts_clean",
 )
 

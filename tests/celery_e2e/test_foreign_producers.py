@@ -29,6 +29,8 @@ from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_REDIS = True  # its Redis run is in `make test` too (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "examples" / "node"
 SHELL_PRODUCER = ROOT / "examples" / "shell" / "publish.sh"

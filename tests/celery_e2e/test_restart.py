@@ -26,6 +26,8 @@ from tools.servers import Server
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
 
+ON_REDIS = True  # its Redis run is in `make test` too (conftest.py)
+
 TASKS = 300
 RESTART_AFTER = 120  # published before the broker is restarted
 RETRY_POLICY = {"max_retries": 100, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.5}

@@ -15,6 +15,8 @@ from tools.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_REDIS = True  # its Redis run is in `make test` too (conftest.py)
+
 
 def test_a_stock_worker_and_ours_share_one_database(servers: tuple[Server, Server],
                                                     log_dir: Path) -> None:

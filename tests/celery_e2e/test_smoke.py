@@ -5,6 +5,7 @@ from __future__ import annotations
 from .harness import Broker, Worker, running
 
 ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+ON_REDIS = True  # and its Redis run is in `make test` too
 
 
 def test_a_worker_runs_tasks_and_stores_results(broker: Broker, producer, log_dir) -> None:
