@@ -12,6 +12,8 @@ from celery import Celery
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on a three-primary cluster (conftest.py)
+
 SECONDS = 6.0  # long enough for the second worker to start while the first is busy
 
 

@@ -14,6 +14,8 @@ from helpers import server_now_ms, wait_for_server_time
 
 from .harness import Broker, Worker, running, wait_for
 
+ON_CLUSTERS = True  # also on a three-primary cluster (conftest.py)
+
 
 def test_expired_tasks_are_dead_lettered_not_run(broker: Broker, producer: Celery, log_dir: Path) -> None:
     lib = broker.lib()
