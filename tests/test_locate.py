@@ -12,6 +12,7 @@ import pytest
 
 from celery_redis_lua import ScriptLibrary
 from celery_redis_lua.locate import cancel_task, locate_task
+from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import server_now_ms, wait_for_server_time
 from tools.servers import Server
 
@@ -217,6 +218,22 @@ def test_the_cli_where_and_cancel(valkey_server: Server) -> None:
     assert again.returncode == 3 and json.loads(again.stdout)["outcome"] == "missing"
     bad = cli("where", "", "--url", url)
     assert bad.returncode == 1 and "TASK_ID must be 1 to 256 bytes" in bad.stderr
+
+
+def test_the_cli_where_says_a_task_waits_to_retry(valkey_server: Server) -> None:
+    client = valkey_server.client()
+    client.flushall()
+    lib = ScriptLibrary(client)
+    lib.declare("retried", retry=DelayedRetry("failed", 600_000))
+    message_id = lib.publish("retried", "task", task_id="t-retry")
+    lib.consume(["retried"], 1)
+    lib.reject("retried", [message_id], requeue=True, counts=[0])
+    shown = cli("where", "t-retry", "--url", valkey_server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert "t-retry: waiting to retry in 'retried' until " in shown.stdout
+    assert "delivery 1 failed or was returned" in shown.stdout
+    as_json = json.loads(cli("where", "t-retry", "--json", "--url", valkey_server.url).stdout)
+    assert (as_json["state"], as_json["delivery_count"]) == ("retry", 1)
 
 
 @pytest.mark.parametrize("command", [["where", "t"], ["cancel", "t"], ["status"]])
