@@ -5,17 +5,19 @@ show a password. tests/test_cli_admin.py covers `scripts` and `dead`."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 import redis
 from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.cli import main, mask, redis_url
+from celery_redis_lua.cli import DEFAULT_URL, broker_of, main, mask, redis_url
 from celery_redis_lua.protocol.producer import decode_body
 from helpers import message_state, server_now_ms
 from tools.servers import Server, free_port
@@ -183,3 +185,48 @@ def test_installed_console_script_publishes_and_reports(url: str) -> None:
     bad = run("publish", "tasks.add", "--args", "nope")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("celery-redis-lua: error: --args is not valid JSON")
+
+
+# -- which server a command asked ---------------------------------------------------------
+
+def run_in(directory: Path, *args: str,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it, from ``directory``, without CELERY_BROKER_URL."""
+    environment = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"} | (env or {})
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], cwd=directory,
+                          env=environment, capture_output=True, text=True, timeout=60)
+
+
+def test_every_command_names_the_server_it_asked(valkey_server: Server, tmp_path: Path) -> None:
+    client = valkey_server.client()
+    client.flushall()
+    ScriptLibrary(client, Keyspace("proj:")).publish("orders", "m")
+    (tmp_path / "proj.py").write_text(
+        "from celery import Celery\n"
+        f"app = Celery('proj', broker='redislua://127.0.0.1:{valkey_server.port}/0')\n"
+        "app.conf.broker_transport_options = {'global_keyprefix': 'proj:'}\n")
+    from_app = run_in(tmp_path, "status", "-A", "proj")
+    assert from_app.returncode == 0, from_app.stderr
+    assert "orders" in from_app.stdout  # the app's broker, and its key prefix
+    assert (f"celery-redis-lua: asked the broker redislua://127.0.0.1:{valkey_server.port}/0, "
+            "key prefix 'proj:' (from the Celery app proj)") in from_app.stderr
+    from_env = run_in(tmp_path, "status", "--prefix", "proj:", env={"CELERY_BROKER_URL": valkey_server.url})
+    assert "orders" in from_env.stdout and "(from $CELERY_BROKER_URL)" in from_env.stderr
+    given = run_in(tmp_path, "status", "--url", valkey_server.url)
+    assert f"broker {valkey_server.url} (from --url)" in given.stderr
+
+
+def test_without_a_url_the_default_is_named() -> None:
+    """In process: the machine's own Redis listens on the default port, and tests never use it."""
+    with click.Context(main, info_name="celery-redis-lua"):
+        assert broker_of(None, "") == (DEFAULT_URL, "", "the default: no --url, $CELERY_BROKER_URL or "
+                                                        "-A APP given")
+
+
+def test_a_bad_app_is_one_line_naming_it(tmp_path: Path) -> None:
+    missing = run_in(tmp_path, "status", "-A", "nosuchmodule")
+    assert missing.returncode == 1 and "cannot load the Celery app -A 'nosuchmodule'" in missing.stderr
+    (tmp_path / "nobroker.py").write_text("from celery import Celery\napp = Celery('nobroker')\n"
+                                          "app.conf.broker_url = ''\n")
+    no_broker = run_in(tmp_path, "status", "-A", "nobroker")
+    assert no_broker.returncode == 1 and "names no broker_url" in no_broker.stderr, no_broker.stderr

@@ -38,7 +38,7 @@ def test_list_load_verify_follow_the_servers_script_cache(url: str, standalone: 
     assert rows(unloaded) == [[n, manifest[n]["sha1"], "not", "loaded"] for n in names]
     assert unloaded.stderr.strip().splitlines() == [
         f"celery-redis-lua: error: {len(names)} of {len(names)} scripts failed verification "
-        "(load them with: celery-redis-lua scripts load)"]
+        f"(load them with: celery-redis-lua scripts load) [asked the broker {url} (from --url)]"]
     listed = invoke("scripts", "list", "--url", url)
     assert rows(listed)[1:] == [[n, str(manifest[n]["version"]), manifest[n]["sha1"], "no"] for n in names]
 
@@ -116,4 +116,5 @@ def test_bad_dead_list_count_is_the_scripts_one_line_error(url: str) -> None:
     result = invoke("dead", "list", "dq", "--count", "0", "--url", url)
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "celery-redis-lua: error: dead_list: count must be an integer in 1..10000, got '0'"]
+        "celery-redis-lua: error: dead_list: count must be an integer in 1..10000, got '0' "
+        f"[asked the broker {url} (from --url)]"]

@@ -204,7 +204,8 @@ def test_the_cli_follows_the_sentinels(group: SentinelGroup, capsys: pytest.Capt
     assert "no sentinel monitors a master named 'nosuch' (monitored: mymaster)" in err
     code, out, err = cli(capsys, "status", "--url", url)
     assert code == 1
-    assert err.strip() == "celery-redis-lua: error: --master-name is required with a sentinel URL"
+    assert err.strip() == ("celery-redis-lua: error: --master-name is required with a sentinel URL "
+                           f"[asked the broker {url} (from --url)]")
 
 
 @pytest.mark.parametrize("kind", ["valkey", "redis"])

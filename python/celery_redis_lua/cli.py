@@ -1,15 +1,18 @@
 """``celery-redis-lua``: inspect and load the scripts, publish a task, show queues, handle dead letters.
 
-Every command takes ``--url`` (default: ``$CELERY_BROKER_URL``) and ``--prefix`` (the
-transport's ``global_keyprefix``); Sentinel URLs (``sentinel://h1:26379;sentinel://h2:26379/0``
-or ``redislua+sentinel://...``) take ``--master-name`` too. Failures end with one line on
-stderr and a non-zero exit; a password in a URL is never printed.
+Every command takes ``--url`` (default: ``$CELERY_BROKER_URL``, else the broker of the
+Celery app ``-A`` names, else redis://127.0.0.1:6379/0) and ``--prefix`` (the transport's
+``global_keyprefix``; ``-A``'s by default); Sentinel URLs (``sentinel://h1:26379;...``
+or ``redislua+sentinel://...``) take ``--master-name`` too. stderr names the server asked
+and where its URL came from. Failures end with one line on stderr and a non-zero exit; a
+password in a URL is never printed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -40,6 +43,9 @@ PROG = "celery-redis-lua"
 SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "redis+socket": "unix",
            "socket": "unix", **OUR_SCHEMES}
 _secrets: set[str] = set()  # passwords seen in URLs; scrubbed from every message we print
+# The servers a command asked, and where their URLs came from: told on stderr when it ends,
+# in its one error line when it fails (a newcomer's CLI asked a server they never meant).
+_asked: list[str] = []
 
 
 class CliError(click.ClickException):
@@ -135,8 +141,52 @@ def sentinel_client(url: str) -> redis.Redis:
     return client
 
 
-def connect(url: str, prefix: str) -> ScriptLibrary:
-    """A :class:`ScriptLibrary` on a server that answered PING."""
+def broker_of(url: str | None, prefix: str) -> tuple[str, str, str]:
+    """(url, prefix, where the url came from) for a command: ``--url`` or $CELERY_BROKER_URL,
+    else the Celery app's ``broker_url`` (``-A``, whose ``global_keyprefix`` and Sentinel
+    ``master_name`` are the defaults too), else the local default; a newcomer's CLI asked a
+    server they never meant without naming it."""
+    ctx = click.get_current_context(silent=True)
+    if url:
+        given = ctx is not None and ctx.get_parameter_source("url") == click.core.ParameterSource.ENVIRONMENT
+        return url, prefix, "$CELERY_BROKER_URL" if given else "--url"
+    app_name = ctx.meta.get("app") if ctx is not None else None
+    if not app_name:
+        return DEFAULT_URL, prefix, "the default: no --url, $CELERY_BROKER_URL or -A APP given"
+    app = celery_app(app_name)
+    found = app.conf.broker_url or app.conf.broker_write_url
+    if not found:
+        raise CliError(f"the Celery app {app_name!r} names no broker_url")
+    options = app.conf.broker_transport_options or {}
+    if ctx is not None and not ctx.meta.get("master_name") and options.get("master_name"):
+        ctx.meta["master_name"] = options["master_name"]
+    return str(found), prefix or str(options.get("global_keyprefix") or ""), f"the Celery app {app_name}"
+
+
+def celery_app(name: str) -> Any:
+    """The Celery app ``-A`` names (``proj``, ``proj.celery``, ``proj.celery:app``), found as
+    `celery -A` finds it, from the current directory."""
+    from celery.app.utils import find_app
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return find_app(name)
+    except Exception as error:  # an import error, or no app there: the user's module, not ours
+        raise CliError(f"cannot load the Celery app -A {name!r}: {type(error).__name__}: {error}") from None
+
+
+def connect(url: str | None, prefix: str, role: str = "broker") -> ScriptLibrary:
+    """A :class:`ScriptLibrary` on a server that answered PING; stderr names the server and
+    where its URL came from (stdout stays the command's answer)."""
+    url, prefix, source = broker_of(url, prefix) if role == "broker" else (url or DEFAULT_URL, prefix, role)
+    shown = (mask(url) if "://" in url else "at a URL without a scheme") + \
+        (f", key prefix {prefix!r}" if prefix else "")  # a URL without one may hold anything
+    _asked.append(f"{role} {shown} (from {source})")
+    return _connect(url, prefix)
+
+
+def _connect(url: str, prefix: str) -> ScriptLibrary:
     try:
         keyspace = Keyspace(prefix)
     except KeyspaceError as error:
@@ -172,6 +222,7 @@ class OneLineGroup(click.Group):
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
              **extra: Any) -> NoReturn:
+        _asked.clear()  # one command's (tests run several in one process)
         try:
             status = super().main(args, prog_name or PROG, complete_var, standalone_mode=False, **extra)
         except click.ClickException as error:
@@ -182,11 +233,14 @@ class OneLineGroup(click.Group):
             fail(str(error).removeprefix(ERROR_PREFIX).strip())
         except KeyspaceError as error:  # a --queue that cannot be a queue's name
             fail(f"bad --queue value: {error}")
+        for asked in _asked:
+            click.echo(f"{PROG}: asked the {asked}", err=True)
         sys.exit(status if isinstance(status, int) else 0)
 
 
 def fail(message: str, status: int = 1) -> NoReturn:
-    line = " ".join(scrub(message).split())
+    asked = f" [asked the {'; the '.join(_asked)}]" if _asked else ""
+    line = " ".join(scrub(message + asked).split())
     click.echo(f"{PROG}: error: {line}", err=True)
     sys.exit(status)
 
@@ -204,10 +258,14 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option("--sentinel-password", expose_value=False, callback=_remember,
                            envvar="CELERY_SENTINEL_PASSWORD", show_envvar=True,
                            help="With a sentinel URL: the sentinels' own password.")(command)
+    command = click.option("-A", "--app", expose_value=False, callback=_remember,
+                           help="A Celery app (proj, proj.celery:app): its broker_url and "
+                                "global_keyprefix, when --url is not given.")(command)
     return click.option(
-        "--url", envvar="CELERY_BROKER_URL", default=DEFAULT_URL, show_default=True, show_envvar=True,
+        "--url", envvar="CELERY_BROKER_URL", default=None, show_envvar=True,
         help="redis://, rediss://, redislua://, redisluas://, unix:///path, sentinel:// URLs "
-             "joined by ';', or redislua+cluster://host:port (one node of a cluster).")(command)
+             f"joined by ';', or redislua+cluster://host:port (one node of a cluster). Default: "
+             f"-A's broker_url, else {DEFAULT_URL}; stderr says which was asked.")(command)
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -490,7 +548,7 @@ def exporter(port: int, address: str, queues: tuple[str, ...], discover_interval
                                                 discover_interval=discover_interval)
     except OSError as error:
         raise CliError(f"cannot listen on {address}:{port}: {error.strerror or error}") from None
-    click.echo(f"serving metrics of {mask(url)} on http://{address}:{port}/metrics", err=True)
+    click.echo(f"serving metrics of the {_asked[-1]} on http://{address}:{port}/metrics", err=True)
     with contextlib.suppress(KeyboardInterrupt):
         while not stop.wait(3600):
             pass
@@ -514,7 +572,7 @@ def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run:
     lib = connect(url, prefix)
     for queue in queues:
         lib.keys.queue(queue)  # a name that cannot be a queue's fails here, before anything moves
-    source = connect(source_url, "").client
+    source = connect(source_url, "", role="stock kombu broker").client
     report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=dry_run)
     if dry_run:
         rows = sorted(report.planned.items())
