@@ -26,10 +26,12 @@ test: venv
 test-all: venv
 	$(BIN)/pytest -m ''
 
-## ruff on the Python, luacheck (Debian package lua-check) on the scripts.
+## ruff on the Python, luacheck (Debian package lua-check) on the scripts, mypy --strict on
+## the package (its configuration and per-module overrides: [tool.mypy] in pyproject.toml).
 lint: venv
 	$(BIN)/ruff check python tests tools
 	luacheck lua
+	$(BIN)/mypy
 
 ## Rewrite lua/manifest.json after changing a script (bump its version first).
 manifest: venv

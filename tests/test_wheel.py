@@ -32,7 +32,8 @@ PRODUCTION_FILES = {"celery_redis_lua/__init__.py", "celery_redis_lua/cli.py",
                     "celery_redis_lua/sentinel.py", "celery_redis_lua/cluster.py",
                     "celery_redis_lua/options.py", "celery_redis_lua/exporter.py",
                     "celery_redis_lua/locate.py", "celery_redis_lua/flow.py", "celery_redis_lua/migrate.py",
-                    "_celery_redis_lua_alias.py", "celery_redis_lua_alias.pth"}
+                    "_celery_redis_lua_alias.py", "celery_redis_lua_alias.pth",
+                    "celery_redis_lua/py.typed"}  # PEP 561: type checkers read the package's annotations
 PRODUCTION_DIRS = ("celery_redis_lua/protocol/", "celery_redis_lua/kombu/", "celery_redis_lua/lua/")
 DEVELOPMENT_ONLY = {"servers.py", "docgen.py"}
 
@@ -70,6 +71,7 @@ print(json.dumps({
     "published_between": [before, after],
     "deliveries": [[d.queue, d.id, d.delivery_count, d.payload.decode()] for d in consumed.deliveries],
     "installed": sorted(str(f) for f in importlib.metadata.files("celery-redis-lua")),
+    "typed": (Path(celery_redis_lua.__file__).parent / "py.typed").is_file(),
     "dev_modules": [name for name in ("celery_redis_lua.servers", "celery_redis_lua.docgen", "tools")
                     if importlib.util.find_spec(name) is not None],
 }))
@@ -120,6 +122,7 @@ def test_wheel_holds_only_what_runs_in_production(wheel: Path) -> None:
     assert len(dist_info) == 1 and next(iter(dist_info)).startswith("celery_redis_lua-"), dist_info
     shipped = [n for n in names if n.split("/")[0] not in dist_info]
     assert [n for n in shipped if not in_production(n)] == []
+    assert "celery_redis_lua/py.typed" in shipped, "no py.typed: checkers would ignore the annotations"
     assert set(shipped) >= PRODUCTION_FILES
     assert not [n for n in shipped if Path(n).name in DEVELOPMENT_ONLY]
     assert not [n for n in shipped if n.startswith("tools/") or "/tools/" in n]
@@ -161,3 +164,5 @@ def test_installed_wheel_runs_scripts_from_inside_the_package(wheel: Path, tmp_p
     assert installed and [f for f in installed if not in_production(f)] == []
     assert not [f for f in report["installed"] if Path(f).name in DEVELOPMENT_ONLY]
     assert report["dev_modules"] == []
+    # PEP 561: the installed package is typed, so checkers read its annotations.
+    assert report["typed"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -79,7 +79,7 @@ def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
     for m in found:
         length.add_metric([m.queue], m.ready)
     yield length
-    per_queue = [
+    per_queue: list[tuple[str, str, Callable[[QueueMetrics], float]]] = [
         ("ready", "Messages ready to be delivered.", lambda m: m.ready),
         ("delayed", "Messages waiting for their ETA or countdown.", lambda m: m.delayed),
         ("retrying", "Of the delayed, messages waiting for a delayed retry (x-delayed-retry-type) "

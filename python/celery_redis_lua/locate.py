@@ -62,7 +62,7 @@ def locate_task(lib: ScriptLibrary, task_id: str, queues: Sequence[str] | None =
         found = lib.locate(queue, task_id)
         if found.state == "missing":
             continue
-        common = {"queue": queue, "message_id": found.id, "priority": found.priority,
+        common: dict[str, Any] = {"queue": queue, "message_id": found.id, "priority": found.priority,
                   "delivery_count": found.delivery_count, "expires_at_ms": found.expires_at}
         if found.state == "ready":
             return Whereabouts(task_id, "ready", ahead=found.detail, **common)

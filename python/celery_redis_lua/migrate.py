@@ -84,7 +84,7 @@ class Migration:
             if self.source.type(key) != b"set":
                 continue
             for member in self.source.smembers(key):
-                parts = member.decode().split(STOCK_SEP)
+                parts = _text(member).split(STOCK_SEP)
                 if len(parts) == 3 and parts[2]:
                     names.add(parts[2])
         return sorted(names)
@@ -135,7 +135,7 @@ class Migration:
         if raw is None:
             return
         message = json.loads(raw)
-        payload = raw.decode()
+        payload = _text(raw)
         identity = _identity(message, payload)
         if self.lib.client.hget(self.lib.keys.migrated(queue), identity) is None:
             try:
@@ -173,12 +173,12 @@ class Migration:
             try:
                 payload, exchange, routing_key = json.loads(raw)
             except (ValueError, TypeError):
-                self.report.skipped.append(f"unacked {tag.decode(errors='replace')}: not kombu's "
+                self.report.skipped.append(f"unacked {_text(tag, 'replace')}: not kombu's "
                                            "[payload, exchange, routing_key]")
                 continue
             queue = self._route(exchange, routing_key)
             if queue is None:
-                self.report.skipped.append(f"unacked {tag.decode(errors='replace')}: no stock binding "
+                self.report.skipped.append(f"unacked {_text(tag, 'replace')}: no stock binding "
                                            f"of exchange {exchange!r} routes {routing_key!r}")
                 continue
             holding = self.holding(queue, _stock_priority(payload))
@@ -194,7 +194,7 @@ class Migration:
         if not exchange:
             return routing_key or None
         for member in self.source.smembers(self.prefix + f"_kombu.binding.{exchange}"):
-            rk, _, queue = member.decode().split(STOCK_SEP)
+            rk, _, queue = _text(member).split(STOCK_SEP)
             if rk == routing_key:
                 return queue
         return None
@@ -219,3 +219,8 @@ def _identity(message: dict[str, Any], payload: str) -> str:
 
 def _glob(text: str) -> str:
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def _text(value: bytes | str, errors: str = "strict") -> str:
+    """A reply of the source client (bytes: it does not decode responses) as text."""
+    return value.decode(errors=errors) if isinstance(value, bytes) else value

@@ -93,6 +93,11 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool)
     the waiting behaviour of the transport's standalone pool: a caller waits for a free
     connection instead of failing with 'Too many connections'."""
 
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        # redis-py leaves SentinelConnectionPool.__init__ unannotated (and mypy does not apply
+        # untyped_calls_exclude to super() calls).
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+
 
 def master_pool(urls: SentinelUrls, master_name: str, *, sentinel_kwargs: dict[str, Any] | None,
                 min_other_sentinels: int = 0, **connection_kwargs: Any) -> BlockingSentinelPool:

@@ -254,10 +254,10 @@ class Poller:
             if sum(self.poll_round(channel) for channel in list(self.channels)):
                 return
             waits = {
-                wait.fileno(): (channel, wait)
+                fd: (channel, wait)
                 for channel in list(self.channels)
                 for wait in channel.waits()
-                if wait.pending is not None and wait.fileno() is not None
+                if wait.pending is not None and (fd := wait.fileno()) is not None
             }
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
             if remaining is not None and remaining <= 0:

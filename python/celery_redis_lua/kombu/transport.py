@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 import redis
+from kombu.connection import Connection
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 from redis.backoff import NoBackoff
@@ -54,11 +55,14 @@ class Transport(virtual.Transport):
     """kombu transport for Redis 7+ and Valkey on the celery-redis-lua scripts."""
 
     Channel = Channel
-    polling_interval = None  # never sleep between polls: the waits block on the server
-    default_port = 6379
+    # kombu's base Transport is unannotated, so mypy takes the types of its defaults (a float
+    # polling interval, no default port) for the attributes' types.
+    polling_interval = None  # type: ignore[assignment]  # never sleep between polls: the waits block on the server
+    default_port = 6379  # type: ignore[assignment]  # kombu's base has None
+    client: Connection  # kombu's base has None; a transport is always made for a connection
     driver_type = "redis"
     driver_name = "celery-redis-lua"
-    connection_errors = (
+    connection_errors = (  # type: ignore[assignment]  # kombu's base infers a 1-tuple from its default
         *virtual.Transport.connection_errors,
         redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
         redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
@@ -70,8 +74,9 @@ class Transport(virtual.Transport):
         # No seed or remembered node answers (yet): the same, at connect time.
         redis.exceptions.RedisClusterException,
     )
-    channel_errors = (*virtual.Transport.channel_errors, redis.DataError, redis.exceptions.InvalidResponse,
-                      redis.ResponseError)
+    channel_errors = (  # type: ignore[assignment]  # kombu's base infers a 1-tuple from its default
+        *virtual.Transport.channel_errors, redis.DataError, redis.exceptions.InvalidResponse,
+        redis.ResponseError)
     # Only a lost connection is worth a reconnect and retry; a script refusing its input
     # (ScriptError, a channel error) must reach the caller once, as it is.
     recoverable_connection_errors = connection_errors
@@ -107,8 +112,9 @@ class Transport(virtual.Transport):
         joined by ';')."""
         client = self.client
         urls = [url for url in client.alt if isinstance(url, str) and is_sentinel_url(url)]
-        if not urls and is_sentinel_url(client.hostname or ""):
-            urls = [client.hostname]
+        hostname = client.hostname or ""
+        if not urls and is_sentinel_url(hostname):
+            urls = [hostname]
         if not urls:
             if self.options.master_name is not None:
                 warnings.warn("transport option 'master_name' is ignored: the broker URL is not a "
@@ -280,7 +286,8 @@ class Transport(virtual.Transport):
 
     # -- which loop consumes ----------------------------------------------------------------
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    # kombu's base Transport takes **kwargs; its virtual Transport, which we extend, takes timeout.
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
         """Without an event loop (plain kombu, gevent, eventlet)."""
         self.poller.drain_events(timeout)
 

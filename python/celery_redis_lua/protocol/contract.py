@@ -106,15 +106,15 @@ def parse_contract(source: str) -> Contract:
     if len(keys) != int(keys_match.group(1)):
         raise ContractError(f"'KEYS: {keys_match.group(1)}' but {len(keys)} keys are described")
 
-    argv = []
+    argv: list[ArgSpec] = []
     if sections.get("ARGV", [""])[0].strip() != "none":
         for text in sections.get("ARGV", [])[1:]:
             arg = _ARG.match(text)
             if arg:
                 argv.append(ArgSpec(int(arg["pos"]), arg["name"], bool(arg["variadic"]), arg["rest"]))
-    for expected, arg in enumerate(argv, start=1):
-        if arg.position != expected:
-            raise ContractError(f"ARGV positions must run 1, 2, ...; got {arg.position} for {arg.name}")
+    for expected, spec in enumerate(argv, start=1):
+        if spec.position != expected:
+            raise ContractError(f"ARGV positions must run 1, 2, ...; got {spec.position} for {spec.name}")
 
     return Contract(
         name=single("name"),
@@ -169,4 +169,6 @@ def load_scripts(directory: Path | None = None) -> dict[str, Script]:
 
 def read_manifest(directory: Path | None = None) -> dict[str, dict[str, Any]]:
     """``lua/manifest.json``: name -> {version, sha1}."""
-    return json.loads(((directory or lua_dir()) / "manifest.json").read_text())["scripts"]
+    manifest: dict[str, dict[str, dict[str, Any]]] = json.loads(
+        ((directory or lua_dir()) / "manifest.json").read_text())
+    return manifest["scripts"]

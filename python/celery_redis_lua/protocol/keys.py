@@ -42,7 +42,7 @@ class QueueKeys(NamedTuple):
 
     queue: str
     delayed: str
-    index: str
+    index: str  # type: ignore[assignment]  # shadows tuple.index; the field name is public API
     meta: str
     dead: str
     message: str

@@ -166,7 +166,9 @@ class ScriptLibrary:
         queues of one cluster slot; on a cluster, slot groups are asked in turn. ``run``
         runs each consume call (default :meth:`run`; a kombu channel's also carries the acks
         gathered meanwhile)."""
-        deliveries, wake, expired = [], [], 0
+        deliveries: list[ops.Delivery] = []
+        wake: list[int] = []
+        expired = 0
         run = run or self.run
         for group in self.slot_groups(queues):
             consumed = run(ops.consume(self.keys, self.policy, group, count - len(deliveries), no_ack=no_ack))

@@ -354,11 +354,13 @@ def sweep(k: Keyspace, p: Policy, queues: Sequence[str], *, batch: int = SWEEP_B
     names = list(queues)
 
     def decode(reply: Sequence[Any]) -> SweepReport:
-        counts = [int(n) for n in reply[:8]]
+        promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = (
+            int(n) for n in reply[:8])
         tail = reply[8:]
         dropped = [Dropped(names[int(tail[i]) - 1], _text(tail[i + 1]), int(tail[i + 2]),
                            _text(tail[i + 3]), _bytes(tail[i + 4])) for i in range(0, len(tail), 5)]
-        return SweepReport(*counts[:7], more=bool(counts[7]), dropped_messages=dropped)
+        return SweepReport(promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans,
+                           more=bool(more), dropped_messages=dropped)
 
     return Call("sweep", _keys_of(k, names),
                 [p.visibility_ms, p.delivery_limit or 0, p.dead_letter_maxlen, batch, report_limit], decode)
@@ -380,7 +382,9 @@ def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None
 
     def decode(reply: Sequence[Any]) -> Declared:
         retry = DelayedRetry(_text(reply[6]), _argument(reply[7]), _argument(reply[8]))
-        return Declared(*(int(n) for n in reply[:3]), *(_argument(n) for n in reply[3:6]), retry)
+        ready, delayed, in_flight = (int(n) for n in reply[:3])
+        expires, ttl, max_priority = (_argument(n) for n in reply[3:6])
+        return Declared(ready, delayed, in_flight, expires, ttl, max_priority, retry)
 
     return Call("declare", k.queue_keys(queue), args, decode)
 

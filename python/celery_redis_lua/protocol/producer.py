@@ -41,7 +41,8 @@ def decode_body(envelope: Mapping[str, Any]) -> list[Any]:
     body = envelope["body"]
     if (envelope.get("properties") or {}).get("body_encoding") == "base64":
         body = base64.b64decode(body)
-    return json.loads(body)
+    decoded: list[Any] = json.loads(body)
+    return decoded
 
 
 def eta_iso(eta_ms: int) -> str:
@@ -69,7 +70,7 @@ def build_envelope(
     """
     kwargs = dict(kwargs or {})
     task_id = task_id or str(uuid.uuid4())
-    headers = {
+    headers: dict[str, Any] = {
         "lang": "py", "task": task, "id": task_id, "shadow": None,
         "eta": None if eta_ms is None else eta_iso(eta_ms), "expires": None,
         "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],

@@ -76,6 +76,7 @@ def to_script_error(script: str, error: ResponseError) -> ResponseError:
     return error
 
 
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:  # the hiredis extra: its packer takes our arguments (str, bytes, int) as they are
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - without the extra, redis-py's own
@@ -287,7 +288,8 @@ class ScriptRunner:
 
     def run(self, call: Call[T]) -> T:
         if self.durability is not None and call.script in CONFIRMED_SCRIPTS:
-            return self.run_many([call])[0]  # the call and its wait share one connection
+            result: T = self.run_many([call])[0]  # the call and its wait share one connection
+            return result
         script = self.scripts[call.script]
         try:
             reply = self._execute_one(*self._evalsha_command(call))
