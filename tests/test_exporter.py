@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_redis_lua import Keyspace, Policy, ScriptLibrary
-from celery_redis_lua.exporter import serve
+from celery_redis_lua.exporter import QueueCollector, serve
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import same_slot_names, server_now_ms, wait_for_server_time, wait_until
@@ -353,3 +354,27 @@ def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_pat
     finally:
         process.terminate()
         process.wait(20)
+
+
+def test_no_queue_under_the_prefix_is_said_once(valkey_server: Server,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The compose example's --prefix app: on a broker whose queues have no prefix served no
+    queue metrics, and said nothing."""
+    client = valkey_server.client(socket_timeout=10)
+    client.flushall()
+    ScriptLibrary(client).publish("unprefixed", "m")
+    collector = QueueCollector(ScriptLibrary(client, Keyspace("app:")), discover_interval=0)
+    with caplog.at_level(logging.WARNING, logger="celery_redis_lua.exporter"):
+        assert collector.queues() == [] and collector.queues() == []
+    warnings = [r.getMessage() for r in caplog.records if "no queues found" in r.getMessage()]
+    assert warnings == ["celery-redis-lua exporter: no queues found under the key prefix 'app:'; "
+                        "queues of another prefix (the transport's global_keyprefix) are not seen: "
+                        "is --prefix right?"]
+    assert QueueCollector(ScriptLibrary(client), discover_interval=0).queues() == ["unprefixed"]
+
+
+def test_the_exporter_listens_on_loopback_unless_told() -> None:
+    from celery_redis_lua.cli import exporter as command
+
+    [address] = [p for p in command.params if p.name == "address"]
+    assert address.default == "127.0.0.1"

@@ -527,7 +527,8 @@ def cancel_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: st
 @main.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True,
               help="HTTP port of /metrics (celery-exporter's).")
-@click.option("--address", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface, e.g. in a container).")
 @click.option("--queue", "queues", multiple=True,
               help="Repeatable. Default: every queue (meta keys and binding tables, rediscovered).")
 @click.option("--discover-interval", type=click.FloatRange(min=1), default=30, show_default=True,

@@ -45,7 +45,14 @@ class QueueCollector(Collector):
         if self.fixed:
             return self.fixed
         if time.monotonic() - self._discovered_at >= self.discover_interval:
-            self._known = self.lib.queue_names()
+            found = self.lib.queue_names()
+            if not found and (self._known or self._discovered_at == float("-inf")):
+                # Said once per change: an exporter given the wrong --prefix serves no queue
+                # metrics, and nothing else would say why.
+                logger.warning("celery-redis-lua exporter: no queues found under the key prefix %r; "
+                               "queues of another prefix (the transport's global_keyprefix) are not "
+                               "seen: is --prefix right?", self.lib.keys.prefix)
+            self._known = found
             self._discovered_at = time.monotonic()
         return self._known
 
