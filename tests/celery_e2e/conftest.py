@@ -28,6 +28,11 @@ CLUSTER_KINDS: list[Any] = ["valkey-cluster", pytest.param("redis-cluster", mark
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "broker_kind" in metafunc.fixturenames:
         kinds = KINDS + (CLUSTER_KINDS if getattr(metafunc.module, "ON_CLUSTERS", False) else [])
+        # A module's SLOW_KINDS run only in `make test-all` (long tests on the kinds that add
+        # least: the same scripts on another server of the same family).
+        slow = getattr(metafunc.module, "SLOW_KINDS", ())
+        kinds = [pytest.param(k, marks=pytest.mark.slow) if isinstance(k, str) and k in slow else k
+                 for k in kinds]
         metafunc.parametrize("broker_kind", kinds, indirect=True)
 
 
