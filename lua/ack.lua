@@ -1,16 +1,16 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 5
+-- version: 6
 -- summary: Acknowledge messages of one queue: delete them and every trace of them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (not touched)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (not touched)
+--   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limit_in_flight' and 'paused' are read
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
---   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued)
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued; pushed when it frees a slot of a capped queue)
 -- ARGV:
 --   1.. id  string   message ids to acknowledge
 -- returns: integer, how many of the messages still existed
@@ -22,8 +22,29 @@
 --   restored copy, so a slow but successful task does not run again. Acking twice is
 --   harmless: ids are never reused, so a late or repeated ack cannot touch another message.
 --   Every queue script takes the same eight keys, so a caller builds them in one place.
+--   An ack frees a slot: in a queue with an in-flight cap (the limit script) with messages
+--   ready, it pushes the wake token, so a consumer the cap held back takes the slot at once.
 
 local rcall = redis.call
+
+-- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
+-- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
+local function arm_wake(wake_key)
+  if redis.call('LLEN', wake_key) > 0 then return false end
+  redis.call('RPUSH', wake_key, '1')
+  return true
+end
+
+-- A slot freed in a queue with an in-flight cap (the limit script) wakes a consumer the cap
+-- held back (consume dropped the token when it stopped at the cap), when something is
+-- ready or delayed (it learns the ETA) and the queue is not paused. A queue without a cap
+-- pays one HMGET.
+local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
+  local limits = redis.call('HMGET', meta_key, 'limit_in_flight', 'paused')
+  if limits[1] and not limits[2] and redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0 then
+    arm_wake(wake_key)
+  end
+end
 
 -- A token wakes a consumer for something that is there; with nothing ready or delayed it
 -- would wake one in vain, and outlive the queue's messages: it goes.
@@ -81,4 +102,6 @@ if variadic('ZREM', KEYS[1]) > 0 then -- a copy the sweep had put back: its wake
   drop_idle_wake(KEYS[1], KEYS[2], KEYS[8])
 end
 variadic('HDEL', KEYS[7])
-return variadic('HDEL', KEYS[6])
+local acked = variadic('HDEL', KEYS[6])
+if acked > 0 then wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) end
+return acked

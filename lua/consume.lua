@@ -1,24 +1,25 @@
 #!lua
 -- name: consume
--- version: 8
+-- version: 9
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limit_in_flight', 'limit_rate' (set by limit) and the rate's bucket 'limit_tat' (unix microseconds, written here); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed again when a call leaves ready messages behind
+--   wake     LIST    P wake:{Q}            the wake token: pushed again when a call leaves ready messages behind that its limits let go
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
 --   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
 --   3  no_ack              0 or 1             1: delete each message as it is delivered (nothing is left behind)
 --   4  dead_letter_maxlen  integer >= 0       approximate cap of the dead-letter stream; 0 deletes expired messages outright
 -- returns: array {wake_in_ms, expired, then 4 items per delivered message: queue_position, id, delivery_count, payload}
---   wake_in_ms is -1 when none of the queues holds a delayed message, else the ms until
---   the earliest ETA (0 when one is due); expired counts messages whose TTL had passed,
+--   wake_in_ms is -1 when none of the queues holds a delayed message or waits for its
+--   rate, else the ms until the earliest ETA (0 when one is due) or until the next token
+--   of a rate that holds back ready messages (at least 1); expired counts messages whose TTL had passed,
 --   dead-lettered (reason 'expired') instead of delivered; queue_position is 1-based in
 --   the order of KEYS.
 -- errors:
@@ -39,8 +40,18 @@
 --   nothing ready or delayed drops its token, so none outlives the messages. A paused
 --   queue is left as it is (its countdowns wait too) and drops its token, so its consumers
 --   sleep until resume wakes them; the pause is read in the call that would take, so no
---   delivery races it. Writes are variadic where they can be, which keeps the server's cost
---   per message low.
+--   delivery races it. Limits (the limit script) are read in the same HMGET, so a queue
+--   without one pays nothing more. A queue with an in-flight cap delivers at most the cap
+--   less what is in flight (stored - ready - delayed), per queue in a call over several,
+--   the merge by priority kept; a queue with a rate delivers the tokens of its bucket
+--   (GCRA: 'limit_tat' is when the bucket is full again; burst max(1, N / 10)), judged by
+--   the server's clock. What a limit holds back costs nothing: no delivery count, no
+--   index entry, no token spent. A queue its limit stops drops the wake token instead of
+--   pushing it: a freed slot (ack, reject, the sweep) pushes it again, and a rate answers
+--   with wake_in_ms = the time to its next token, so the refused consumer blocks until
+--   then. Several consumers waiting on one rate each wake at that time and all but one are
+--   refused again: C consumers cost about C consume calls per token, N * C per unit.
+--   Writes are variadic where they can be, which keeps the server's cost per message low.
 
 local rcall = redis.call
 
@@ -132,16 +143,18 @@ for q = 1, #KEYS / QUEUE_KEYS do
 end
 
 -- A paused queue (the pause script) delivers nothing and promotes nothing; the others are
--- consumed as if it were not in the call.
+-- consumed as if it were not in the call. The limits come in the same HMGET.
 local active = {}
 for _, q in ipairs(queues) do
-  local meta = rcall('HMGET', q.meta, 'expires', 'paused')
+  local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limit_in_flight', 'limit_rate', 'limit_tat')
   q.expires, q.paused = tonumber(meta[1]), meta[2] ~= false
+  q.cap, q.rate, q.tat = tonumber(meta[3]), meta[4], tonumber(meta[5])
   if not q.paused then active[#active + 1] = q end
 end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local deadline = now + visibility
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.
@@ -175,37 +188,77 @@ for _, q in ipairs(active) do
   end
 end
 
--- 2. Take up to `need` ids off the queues, lowest score (highest priority, then oldest)
---    first across queues. One queue: ZPOPMIN. Several: merge their heads, then ZREM.
+-- 2. Limits (the limit script): how many each queue may deliver now (q.room; nil: no
+--    limit). In flight is stored - ready - delayed, as stats counts it; a rate's bucket
+--    holds burst - (tat - now) / interval tokens, tat never below now. A call where no
+--    queue has a limit (limited = false) takes as if limits did not exist.
+local limited = false
+for _, q in ipairs(active) do
+  if q.cap then
+    local in_flight = rcall('HLEN', q.message) - rcall('ZCARD', q.queue) - rcall('ZCARD', q.delayed)
+    q.room = math.max(0, q.cap - in_flight)
+    limited = true
+  end
+  local n, unit
+  if q.rate then n, unit = string.match(q.rate, '^(%d+)/([smh])$') end
+  if n then
+    limited = true
+    q.interval = (unit == 's' and 1000000 or unit == 'm' and 60000000 or 3600000000) / tonumber(n) -- us
+    q.burst = math.max(1, math.floor(tonumber(n) / 10))
+    q.tat = math.max(q.tat or 0, now_us)
+    q.tokens = math.max(0, math.floor(q.burst - (q.tat - now_us) / q.interval + 1e-9))
+    q.room = math.min(q.room or q.tokens, q.tokens)
+  end
+end
+
+-- 3. Take up to `need` ids off the queues, lowest score (highest priority, then oldest)
+--    first across queues, none from a queue beyond its room. One queue: ZPOPMIN. Several:
+--    merge their heads, then ZREM. A queue found empty is marked so (q.empty). Returns
+--    the ids and whether every queue is now empty (without limits; with them, the caller
+--    asks again until nothing comes).
 local function take(need)
-  local taken = {}
-  if #active == 0 then return taken, true end
-  if #active == 1 then
-    local popped = rcall('ZPOPMIN', active[1].queue, need)
-    for i = 1, #popped, 2 do taken[#taken + 1] = {active[1].pos, popped[i]} end
+  local taken, open = {}, active
+  if limited then
+    open = {}
+    for _, q in ipairs(active) do
+      if not q.empty and q.room ~= 0 then open[#open + 1] = q end
+    end
+  end
+  if #open == 0 then return taken, not limited end
+  if #open == 1 then
+    local q = open[1]
+    local n = q.room and math.min(need, q.room) or need
+    local popped = rcall('ZPOPMIN', q.queue, n)
+    for i = 1, #popped, 2 do taken[#taken + 1] = {q.pos, popped[i]} end
+    if limited then q.empty = #popped < 2 * n return taken, false end
     return taken, #popped < 2 * need
   end
-  local heads, positions = {}, {}
-  for q = 1, #active do
-    heads[q] = rcall('ZRANGE', active[q].queue, 0, need - 1, 'WITHSCORES')
-    positions[q] = 1
+  local heads, positions, asked = {}, {}, {}
+  for i, q in ipairs(open) do
+    asked[i] = q.room and math.min(need, q.room) or need
+    heads[i] = rcall('ZRANGE', q.queue, 0, asked[i] - 1, 'WITHSCORES')
+    positions[i] = 1
   end
   local removed = {}
   while #taken < need do
     local best, best_score
-    for q = 1, #active do
-      local score = tonumber(heads[q][positions[q] + 1])
-      if score and (not best or score < best_score) then best, best_score = q, score end
+    for i = 1, #open do
+      local score = tonumber(heads[i][positions[i] + 1])
+      if score and (not best or score < best_score) then best, best_score = i, score end
     end
     if not best then break end
     local id = heads[best][positions[best]]
     positions[best] = positions[best] + 2
-    taken[#taken + 1] = {active[best].pos, id}
+    taken[#taken + 1] = {open[best].pos, id}
     removed[best] = removed[best] or {}
     table.insert(removed[best], id)
   end
-  for q, ids in pairs(removed) do variadic('ZREM', active[q].queue, ids) end
-  return taken, #taken < need
+  for i, ids in pairs(removed) do variadic('ZREM', open[i].queue, ids) end
+  if not limited then return taken, #taken < need end
+  for i, q in ipairs(open) do -- every head taken, and fewer than asked for: nothing is left
+    if #heads[i] < 2 * asked[i] and positions[i] > #heads[i] then q.empty = true end
+  end
+  return taken, false
 end
 
 local function dead_letter_expired(q, id, s, payload)
@@ -215,7 +268,7 @@ local function dead_letter_expired(q, id, s, payload)
   end
 end
 
--- 3. Deliver what was taken: stamp the deadline (or delete, without ack). An id whose TTL
+-- 4. Deliver what was taken: stamp the deadline (or delete, without ack). An id whose TTL
 --    passed is dead-lettered, one without a message is an orphan; both are replaced by
 --    more from the queues, a bounded number of times.
 local reply = {wake_in, 0}
@@ -223,6 +276,7 @@ local delivered, expired, drained = 0, 0, false
 local skips_left = 4 * count + 100
 while skips_left > 0 do
   local taken, exhausted = take(count - delivered)
+  if #taken == 0 then drained = exhausted break end -- every queue is empty, or at its limit
   local deadlines, gone = {}, {}
   for _, item in ipairs(taken) do
     local q, id = queues[item[1]], item[2]
@@ -260,6 +314,7 @@ while skips_left > 0 do
       reply[#reply + 1] = s.count
       reply[#reply + 1] = found
       delivered = delivered + 1
+      if q.room then q.room, q.delivered = q.room - 1, (q.delivered or 0) + 1 end
     end
   end
   for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
@@ -268,19 +323,37 @@ while skips_left > 0 do
   if delivered >= count then break end
 end
 reply[2] = expired
+-- A rate spends one token per delivery (refused and expired ones spend none).
+if limited then
+  for _, q in ipairs(active) do
+    if q.interval and q.delivered then
+      q.tat = q.tat + q.delivered * q.interval
+      rcall('HSET', q.meta, 'limit_tat', string.format('%d', math.ceil(q.tat)))
+    end
+  end
+end
 -- What is left wakes another consumer (a call that stopped at its count, or its skips);
--- a queue left with nothing to wake anyone for, or paused, drops its token.
+-- a queue left with nothing to wake anyone for, or paused, drops its token, and so does
+-- one its limit holds back: a freed slot pushes it again (ack, reject, sweep), and a rate
+-- out of tokens tells this consumer when its next one comes (wake_in_ms).
 for _, q in ipairs(queues) do
   if q.paused then
     rcall('DEL', q.wake)
-  elseif drained or rcall('ZCARD', q.queue) == 0 then
+  elseif drained or q.empty or rcall('ZCARD', q.queue) == 0 then
     if not q.delayed_left then rcall('DEL', q.wake) end
+  elseif q.room == 0 then
+    rcall('DEL', q.wake)
+    if q.interval and q.tokens <= (q.delivered or 0) then
+      local wait = math.max(1, math.ceil((q.tat - (q.burst - 1) * q.interval - now_us) / 1000))
+      if wake_in < 0 or wait < wake_in then wake_in = wait end
+    end
   else
     arm_wake(q.wake)
   end
 end
+reply[1] = wake_in
 
--- 4. Consuming keeps a queue with x-expires alive, all eight keys at once.
+-- 5. Consuming keeps a queue with x-expires alive, all eight keys at once.
 for _, q in ipairs(queues) do
   count_in_meta(q.meta, 'dropped:expired', q.expired or 0)
   if q.expires then

@@ -1,24 +1,25 @@
 #!lua flags=no-writes
 -- name: metrics
--- version: 4
+-- version: 5
 -- summary: What a dashboard shows per queue: counts, the oldest ready message, the next ETA, and the counters.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (score: ETA, unix ms)
 --   index    ZSET    P messages_index:{Q}  in-flight messages and ready ones with a TTL (not read)
---   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying' and 'dropped:<reason>'; 'paused' (set by pause)
+--   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying' and 'dropped:<reason>'; 'paused' (set by pause); 'limit_in_flight' and 'limit_rate' (set by limit)
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload (counted)
 --   state    HASH    P state:{Q}           id -> state (not read)
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV: none
--- returns: array: the server's time (unix ms), then 10 items per queue: ready, delayed,
+-- returns: array: the server's time (unix ms), then 12 items per queue: ready, delayed,
 --   in_flight, dead, oldest_ready_at (unix ms at which the oldest ready message became
 --   ready, -1 for none), next_eta (unix ms of the earliest delayed message, -1 for none),
 --   redelivered (counter), and an array of reason, count pairs of messages dropped
 --   (dead-lettered, or deleted when dead_letter_maxlen is 0) since the queue was created,
 --   the 'paused' field ('<unix ms> <reason>', or '' when the queue is not paused), and
---   retrying: how many of the delayed messages wait for a delayed retry (x-delayed-retry-type)
+--   retrying: how many of the delayed messages wait for a delayed retry (x-delayed-retry-type),
+--   limit_in_flight and limit_rate (as the limit script stored them, '' when unset)
 -- errors:
 --   ERR celery-redis-lua: metrics: expected 8 keys per queue, got N
 -- why: one call answers a scrape for a group of queues, from one consistent snapshot.
@@ -60,10 +61,14 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local eta = rcall('ZRANGE', KEYS[base + 2], 0, 0, 'WITHSCORES')
   local dropped = {}
   local fields = rcall('HGETALL', meta_key) -- a handful of arguments and counters
-  local redelivered, paused, retrying = 0, '', 0
+  local redelivered, paused, retrying, cap, rate = 0, '', 0, '', ''
   for i = 1, #fields, 2 do
     if fields[i] == 'paused' then
       paused = fields[i + 1]
+    elseif fields[i] == 'limit_in_flight' then
+      cap = fields[i + 1]
+    elseif fields[i] == 'limit_rate' then
+      rate = fields[i + 1]
     elseif fields[i] == 'redelivered' then
       redelivered = tonumber(fields[i + 1])
     elseif fields[i] == 'retrying' then
@@ -83,5 +88,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   reply[#reply + 1] = dropped
   reply[#reply + 1] = paused
   reply[#reply + 1] = retrying
+  reply[#reply + 1] = cap
+  reply[#reply + 1] = rate
 end
 return reply

@@ -1,12 +1,12 @@
 #!lua
 -- name: publish
--- version: 9
+-- version: 10
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, and 'paused' (no wake token then)
+--   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limit_in_flight' (set by limit: no wake token for a ready message at the cap)
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
@@ -141,16 +141,16 @@ local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused'}
-if exchange then fields[6] = 'route:' .. exchange end
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limit_in_flight'}
+if exchange then fields[7] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
-local paused = meta[5] ~= false
+local paused, cap = meta[5] ~= false, tonumber(meta[6])
 
 -- A cached route: refused when the bindings to this queue changed since (or the queue is
 -- gone: declare and the first publish set last_id, so no last_id means no queue).
 if routed then
-  local changed = tonumber(meta[6])
+  local changed = tonumber(meta[7])
   if not last_id or (changed and changed >= routed) then
     return {'stale-route', changed or -1}
   end
@@ -167,8 +167,14 @@ end
 
 -- The token first: its LLEN is this script's last check of a key's type, so a wake key
 -- someone overwrote refuses the publish before anything of the message is written. A
--- paused queue wakes nobody (resume does).
-if not paused then arm_wake(wake_key) end
+-- paused queue wakes nobody (resume does), nor does a ready message of a queue at its
+-- in-flight cap (the limit script): a consumer woken now would only be refused, and the
+-- ack, reject or sweep that frees a slot pushes the token then.
+local wake = not paused
+if wake and cap and eta <= now then
+  wake = rcall('HLEN', message_key) - rcall('ZCARD', queue_key) - rcall('ZCARD', delayed_key) < cap
+end
+if wake then arm_wake(wake_key) end
 local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 rcall('HSET', meta_key, 'last_id', id)
 

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 8
+-- version: 9
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready
+--   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready, or a drop frees a slot of a capped queue
 -- ARGV:
 --   1   requeue             failed, returned or drop (1 and 0 are failed and drop)   failed: a consumer rejected it with requeue; returned: handed back unstarted; both are counted redeliveries; drop: dead-letter it
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
@@ -41,7 +41,8 @@
 --   ('all' both) by min(retry_min * delivery_count, retry_max) ms: the message waits in the
 --   delayed set in state 'retry', priority and count kept, and is counted in 'retrying'
 --   until consume or the sweep makes it ready. The token is pushed then too, so a blocked
---   consumer learns the earlier ETA.
+--   consumer learns the earlier ETA. A dropped delivery frees a slot: in a queue with an
+--   in-flight cap (the limit script) with messages ready, it pushes the token too.
 
 local rcall = redis.call
 
@@ -51,6 +52,17 @@ local function arm_wake(wake_key)
   if redis.call('LLEN', wake_key) > 0 then return false end
   redis.call('RPUSH', wake_key, '1')
   return true
+end
+
+-- A slot freed in a queue with an in-flight cap (the limit script) wakes a consumer the cap
+-- held back (consume dropped the token when it stopped at the cap), when something is
+-- ready or delayed (it learns the ETA) and the queue is not paused. A queue without a cap
+-- pays one HMGET.
+local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
+  local limits = redis.call('HMGET', meta_key, 'limit_in_flight', 'paused')
+  if limits[1] and not limits[2] and redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0 then
+    arm_wake(wake_key)
+  end
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
@@ -201,7 +213,11 @@ for i, id in ipairs(ids) do
   end
 end
 
-if requeued > 0 then arm_wake(wake_key) end
+if requeued > 0 then
+  arm_wake(wake_key)
+elseif dead_lettered + deleted > 0 then
+  wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
+end
 count_in_meta(meta_key, 'redelivered', requeued)
 if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
 count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)

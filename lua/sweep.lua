@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 7
+-- version: 8
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready
+--   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready, or drops a delivery of a capped queue
 -- ARGV:
 --   1  visibility_ms       integer > 0       unused since version 6 (no ready message sits popped); still checked
 --   2  delivery_limit      integer >= 0      delivery attempts before a message is dead-lettered; 0 means no limit
@@ -42,7 +42,9 @@
 --   or delayed drops it. A timed-out delivery of a queue whose x-delayed-retry-type is
 --   'failed' or 'all' waits min(retry_min * delivery_count, retry_max) ms in the delayed set
 --   (state 'retry', counted in 'retrying') before it is ready again, as reject's requeue
---   does. allow-oom, because the sweep mostly frees memory.
+--   does. A timed-out delivery frees a slot: one dropped (expired, delivery limit) in a
+--   queue with an in-flight cap (the limit script) with messages ready pushes the token
+--   too. allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
 
@@ -60,6 +62,17 @@ local function arm_wake(wake_key)
   if redis.call('LLEN', wake_key) > 0 then return false end
   redis.call('RPUSH', wake_key, '1')
   return true
+end
+
+-- A slot freed in a queue with an in-flight cap (the limit script) wakes a consumer the cap
+-- held back (consume dropped the token when it stopped at the cap), when something is
+-- ready or delayed (it learns the ETA) and the queue is not paused. A queue without a cap
+-- pays one HMGET.
+local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
+  local limits = redis.call('HMGET', meta_key, 'limit_in_flight', 'paused')
+  if limits[1] and not limits[2] and redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0 then
+    arm_wake(wake_key)
+  end
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
@@ -172,6 +185,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local requeued_before, expired_before, limit_before = requeued, expired, limit_reached
   local retrying = 0 -- the change of the queue's 'retrying' counter
   local ready_before = promoted + requeued + unclaimed
+  local freed = false -- a delivery dropped: its slot of an in-flight cap is free
 
   local function drop(id, s, payload, reason, count)
     if dead_maxlen > 0 then
@@ -185,6 +199,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
     rcall('ZREM', index_key, id)
     if s.state == 'retry' or s.state == 'delayed' then rcall('ZREM', delayed_key, id) end
     if s.state == 'retry' then retrying = retrying - 1 end
+    if s.state == 'unacked' then freed = true end
     if #reported < 5 * report_limit then
       for _, item in ipairs({q, id, count, reason, payload}) do reported[#reported + 1] = item end
     end
@@ -261,6 +276,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if promoted + requeued + unclaimed > ready_before then
     arm_wake(wake_key)
   else
+    if freed then wake_freed_slot(meta_key, queue_key, delayed_key, wake_key) end
     drop_idle_wake(queue_key, delayed_key, wake_key) -- e.g. the last ones expired
   end
   count_in_meta(meta_key, 'redelivered', requeued - requeued_before)

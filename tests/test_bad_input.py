@@ -116,9 +116,10 @@ BASE: dict[str, Build] = {
     "mig": lambda k, s: ops.migrated(k, POLICY, QUEUE, "forget", MIGRATED),
     "rer": lambda k, s: ops.rerouted(k, POLICY, QUEUE, EXCHANGE, 1),
     "dcl": lambda k, s: ops.declare(k, POLICY, QUEUE, expires_ms=600_000, fanout_exchange=FANOUT),
+    "lim": lambda k, s: ops.limit(k, POLICY, QUEUE, in_flight=5, rate="20/s"),
 }
 (pub, con, rej, ext, ack, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
- unpop, mig, rer, dcl) = BASE.values()
+ unpop, mig, rer, dcl, lim) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -317,6 +318,21 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "rerouted-time-negative": (arg(rer, 2, -1), ("changed_ms", "'-1'")),
     "rerouted-1-arg": (argv(rer, 1), ("expected 2 arguments (exchange, changed_ms)", "got 1")),
     "rerouted-2-keys": (keys(rer, 2), ("expected 1 key (meta)", "got 2")),
+    "limit-in-flight-negative": (arg(lim, 1, -1), ("in_flight must be an integer in 1..1000000", "'-1'")),
+    "limit-in-flight-zero": (arg(lim, 1, 0), ("in_flight", "'0'")),
+    "limit-in-flight-word": (arg(lim, 1, "many"), ("in_flight", "'many'")),
+    "limit-in-flight-fraction": (arg(lim, 1, "2.5"), ("in_flight", "'2.5'")),
+    "limit-rate-zero": (arg(lim, 2, "0/s"), ("rate must be N/s, N/m or N/h", "'0/s'")),
+    "limit-rate-unit-unknown": (arg(lim, 2, "10/d"), ("rate", "'10/d'")),
+    "limit-rate-no-unit": (arg(lim, 2, "10"), ("rate", "'10'")),
+    "limit-rate-huge": (arg(lim, 2, "1000001/s"), ("rate", "'1000001/s'")),
+    # A good cap beside a bad rate: the cap must not be stored either.
+    "limit-good-cap-bad-rate": (args_at(lim, {1: 7, 2: "fast"}), ("rate", "'fast'")),
+    "limit-nothing": (args_at(lim, {1: "", 2: ""}), ("nothing to change",)),
+    "limit-1-arg": (argv(lim, 1), ("expected 2 arguments (in_flight, rate)", "got 1")),
+    "limit-7-keys": (keys(lim, 7), ("expected 8 keys", "got 7")),
+    "limit-no-queue": (lambda k, s: ops.limit(k, POLICY, "never-declared", in_flight=3),
+                       ("no queue", "meta:{never-declared}")),
 }
 
 

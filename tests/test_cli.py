@@ -49,7 +49,7 @@ def url(standalone: redis.Redis, valkey_server: Server) -> str:
 def status_rows(result: Result) -> dict[str, list[int]]:
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead", "paused"]
+    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"]
     assert all(row.split()[5] == "no" for row in rows)
     return {row.split()[0]: [int(n) for n in row.split()[1:5]] for row in rows}
 
@@ -181,7 +181,7 @@ def test_installed_console_script_publishes_and_reports(url: str) -> None:
     assert ready.returncode == 0 and ready.stdout.strip() != published.stdout.strip()
     status = run("status", "--queue", "subq")
     assert status.returncode == 0, status.stderr
-    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0", "no"]
+    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0", "no", "-"]
     bad = run("publish", "tasks.add", "--args", "nope")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("celery-redis-lua: error: --args is not valid JSON")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Call, Keyspace, Policy, ScriptLibrary
+from celery_redis_lua import Call, Keyspace, Limits, Policy, ScriptLibrary
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.contract import Contract, parse_contract
 from celery_redis_lua.protocol.library import LOOPED
@@ -36,7 +36,7 @@ READ_ONLY = {"size", "stats", "metrics", "dead_list", "exists", "locate"}
 # Every script that works on a queue's messages takes the same eight keys per queue.
 QUEUE_SCRIPTS = {"publish", "consume", "unpop", "ack", "reject", "extend", "sweep",
                  "declare", "purge", "delete", "stats", "metrics", "dead_replay", "locate", "cancel",
-                 "pause", "resume"}
+                 "pause", "resume", "limit"}
 QUEUE_KEY_NAMES = ["queue", "delayed", "index", "meta", "dead", "message", "state", "wake"]
 QUEUE_KEY_PATTERNS = ["P queue:{Q}", "P delayed:{Q}", "P messages_index:{Q}", "P meta:{Q}",
                       "P dead:{Q}", "P message:{Q}", "P state:{Q}", "P wake:{Q}"]
@@ -148,6 +148,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
         "unpop": (ops.unpop(k, p, "wq1"), 1),
         "pause": (ops.pause(k, p, "wq1", "sample"), 1),
         "resume": (ops.resume(k, p, "wq1"), 1),
+        "limit": (ops.limit(k, p, "wq1", in_flight=5, rate="20/s"), 1),
         "ack": (ops.ack(k, p, "wq1", IDS), 1),
         "reject": (ops.reject(k, p, "wq1", IDS, requeue=True), 1),
         "extend": (ops.extend(k, p, "wq1", IDS), 1),
@@ -251,6 +252,7 @@ def test_every_operation_call_is_accepted_by_the_server(standalone: redis.Redis)
     assert [d.payload for d in results["consume"].deliveries] == [b"payload"]
     assert results["unpop"] == 0  # consume took the message: no token to give back
     assert (results["pause"], results["resume"]) == (True, True)
+    assert results["limit"] == Limits(5, "20/s")
     assert results["lookup"] == [("rk", "", "wq1")]
     assert results["fanout_leave"] is True  # fanout_consume made the consumer 'worker-1'
     assert results["fanout_unbind"] is True

@@ -175,6 +175,20 @@ def test_the_endpoint_exports_celery_exporter_names_and_ours(exporter: tuple[Scr
     assert (stats.ready, stats.delayed, stats.in_flight) == (5, 1, 2)
 
 
+def test_the_endpoint_exports_each_queues_limits_and_0_for_none(exporter: tuple[ScriptLibrary, int]) -> None:
+    lib, port = exporter
+    lib.declare("capped")
+    lib.declare("free")
+    lib.limit("capped", in_flight=8, rate="30/m")
+    samples = wait_until(lambda: (s := scrape(port)) and ("celery_redis_lua_queue_limit_in_flight",
+                                                             (("queue", "free"),)) in s and s,
+                         timeout=10, what="both queues discovered")
+    assert samples[("celery_redis_lua_queue_limit_in_flight", (("queue", "capped"),))] == 8
+    assert samples[("celery_redis_lua_queue_limit_rate_per_second", (("queue", "capped"),))] == 0.5
+    assert samples[("celery_redis_lua_queue_limit_in_flight", (("queue", "free"),))] == 0
+    assert samples[("celery_redis_lua_queue_limit_rate_per_second", (("queue", "free"),))] == 0
+
+
 def test_the_exporter_runs_as_its_least_privilege_user(valkey_server: Server) -> None:
     from celery_redis_lua.protocol.acl import setuser
     admin = valkey_server.client()

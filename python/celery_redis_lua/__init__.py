@@ -4,7 +4,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from _celery_redis_lua_alias import ALIASES
 
-from .flow import pause, resume
+from .flow import clear_limits, limit, pause, resume
 from .kombu.transport import Transport
 from .locate import cancel, where
 from .protocol.contract import Script, load_scripts
@@ -17,6 +17,7 @@ from .protocol.ops import (
     Deleted,
     Delivery,
     Dropped,
+    Limits,
     QueueStats,
     Rejected,
     SweepReport,
@@ -35,6 +36,7 @@ for _scheme, _target in ALIASES.items():
 
 __all__ = [
     "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
-    "KeyspaceError", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
-    "ScriptRunner", "SweepReport", "Transport", "cancel", "load_scripts", "pause", "resume", "where",
+    "KeyspaceError", "Limits", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
+    "ScriptRunner", "SweepReport", "Transport", "cancel", "clear_limits", "limit", "load_scripts", "pause",
+    "resume", "where",
 ]

@@ -382,14 +382,16 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
 @click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
 @connection_options
 def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
-    """Ready, delayed, in-flight and dead-lettered messages per queue, and which are paused."""
+    """Ready, delayed, in-flight and dead-lettered messages per queue, which are paused, and
+    their limits (celery-redis-lua limit)."""
     lib = connect(url, prefix)
     names = list(queues) or lib.queue_names()
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
-    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused)) for m in lib.metrics(names)]
-    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead", "paused"], rows))
+    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused), m.limits)
+            for m in lib.metrics(names)]
+    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"], rows))
 
 
 def _paused(reason: str | None) -> str:
@@ -414,6 +416,35 @@ def resume_command(queue: str, url: str, prefix: str) -> None:
     """Resume a paused queue: its blocked consumers wake at once."""
     changed = connect(url, prefix).resume(queue)
     click.echo(f"{queue!r} resumed" if changed else f"{queue!r} was not paused")
+
+
+@main.command("limit")
+@click.argument("queue")
+@click.option("--in-flight", "in_flight", metavar="N",
+              help="At most N messages of the queue delivered and not yet acked, across all consumers.")
+@click.option("--rate", metavar="N/s|N/m|N/h",
+              help="At most N deliveries per second, minute or hour, across all consumers "
+                   "(a burst of max(1, N/10)).")
+@click.option("--clear", "clear_all", is_flag=True, help="Clear both limits.")
+@click.option("--clear-in-flight", is_flag=True, help="Clear the in-flight limit.")
+@click.option("--clear-rate", is_flag=True, help="Clear the rate.")
+@connection_options
+def limit_command(queue: str, in_flight: str | None, rate: str | None, clear_all: bool,
+                  clear_in_flight: bool, clear_rate: bool, url: str, prefix: str) -> None:
+    """Limit a queue for all its consumers together, held in the broker and enforced by the
+    consume script: changeable at any time, shown by status. The script judges the values."""
+    if clear_all and (in_flight is not None or rate is not None):
+        raise click.UsageError("--clear clears both limits: give it alone, or use --clear-in-flight "
+                               "or --clear-rate")
+    if in_flight is None and rate is None and not (clear_all or clear_in_flight or clear_rate):
+        raise click.UsageError("give --in-flight, --rate or a --clear option")
+    try:
+        limits = connect(url, prefix).limit(
+            queue, in_flight=in_flight, rate=rate,  # as typed: the script judges them, naming a bad one
+            clear_in_flight=clear_all or clear_in_flight, clear_rate=clear_all or clear_rate)
+    except ValueError as error:  # set and clear of one limit at once
+        raise click.UsageError(str(error).removeprefix("celery-redis-lua: limit: ")) from None
+    click.echo(f"{queue!r} limits: {limits}")
 
 
 @main.group()

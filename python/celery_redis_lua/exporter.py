@@ -103,6 +103,14 @@ def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
     for m in found:
         paused.add_metric([m.queue], 0 if m.paused is None else 1)
     yield paused
+    # A queue's limits (celery-redis-lua limit), on every queue: 0 means no limit, so a
+    # dashboard can plot in_flight against limit_in_flight without a missing series.
+    yield _gauge("queue_limit_in_flight", "Most messages of the queue in flight, across all consumers "
+                 "(celery-redis-lua limit --in-flight; 0: no limit).", ["queue"],
+                 (([m.queue], m.limits.in_flight or 0) for m in found))
+    yield _gauge("queue_limit_rate_per_second", "Most deliveries per second, across all consumers "
+                 "(celery-redis-lua limit --rate, as per second; 0: no limit).", ["queue"],
+                 (([m.queue], m.limits.rate_per_second or 0) for m in found))
     due = [([m.queue], m.next_eta_in_ms / 1000) for m in found if m.next_eta_in_ms is not None]
     yield _gauge("queue_next_eta_seconds", "Until the earliest delayed message is due (absent: none).",
                  ["queue"], due)

@@ -114,6 +114,7 @@ class ScriptLibrary:
     unpop = _Bound(ops.unpop)
     pause = _Bound(ops.pause)
     resume = _Bound(ops.resume)
+    limit = _Bound(ops.limit)
     ack = _Bound(ops.ack)
     reject = _Bound(ops.reject)
     extend = _Bound(ops.extend)

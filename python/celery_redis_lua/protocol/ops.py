@@ -82,7 +82,7 @@ class Delivery:
 @dataclass(frozen=True)
 class Consumed:
     deliveries: list[Delivery]
-    wake_in_ms: int | None  # ms until the earliest delayed message is due; None: none delayed
+    wake_in_ms: int | None  # ms until the earliest ETA or a rate's next token; None: neither
     expired: int = 0  # messages whose TTL had passed: dead-lettered (reason 'expired') instead
 
 
@@ -155,6 +155,36 @@ class QueueStats:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """A queue's limits for all its consumers together (lua/limit.lua): most messages in
+    flight, and a rate as the script stores it ('20/s', '100/m', '5/h'); None: unset."""
+
+    in_flight: int | None = None
+    rate: str | None = None
+
+    @property
+    def rate_per_second(self) -> float | None:
+        if self.rate is None:
+            return None
+        count, _, unit = self.rate.partition("/")
+        return int(count) / RATE_PERIOD_SECONDS[unit]
+
+    def __str__(self) -> str:
+        """'8 in flight, 20/s', '20/s', or '-' when there is none."""
+        parts = ([] if self.in_flight is None else [f"{self.in_flight} in flight"]) + \
+            ([] if self.rate is None else [self.rate])
+        return ", ".join(parts) or "-"
+
+
+RATE_PERIOD_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def _limits(in_flight: Any, rate: Any) -> Limits:
+    """The script's pair (in_flight, rate), '' for unset."""
+    return Limits(int(in_flight) if _text(in_flight) else None, _text(rate) or None)
+
+
+@dataclass(frozen=True)
 class QueueMetrics:
     """What a dashboard shows of one queue, from one snapshot (metrics.lua). Times are the
     server's unix ms; ``oldest_ready_at`` and ``next_eta`` are None when there is none."""
@@ -171,6 +201,7 @@ class QueueMetrics:
     dropped: dict[str, int]
     paused: str | None = None  # the reason given to pause ('' for none); None: running
     retrying: int = 0  # of the delayed, how many wait for a delayed retry (x-delayed-retry-type)
+    limits: Limits = Limits()  # the queue's limits (the limit script); Limits() when it has none
 
     @property
     def oldest_ready_age_ms(self) -> int | None:
@@ -304,6 +335,20 @@ def resume(k: Keyspace, p: Policy, queue: str) -> Call[bool]:
     return Call("resume", k.queue_keys(queue), [], bool)
 
 
+@operation
+def limit(k: Keyspace, p: Policy, queue: str, *, in_flight: int | str | None = None,
+          rate: str | None = None, clear_in_flight: bool = False, clear_rate: bool = False) -> Call[Limits]:
+    """Set (``in_flight``, ``rate`` as 'N/s', 'N/m' or 'N/h') or clear a limit of ``queue``
+    for all its consumers together; None leaves it as it is. Returns the limits in force.
+    The script judges the values (and refuses a queue that does not exist, naming it), so
+    ``in_flight`` may be the text an operator typed."""
+    if (in_flight is not None and clear_in_flight) or (rate is not None and clear_rate):
+        raise ValueError("celery-redis-lua: limit: set a limit or clear it, not both")
+    args = ["clear" if clear_in_flight else "" if in_flight is None else str(in_flight),
+            "clear" if clear_rate else "" if rate is None else str(rate)]
+    return Call("limit", k.queue_keys(queue), args, lambda reply: _limits(*reply))
+
+
 def _paused_reason(value: Any) -> str | None:
     """meta's 'paused' field ('<unix ms> <reason>') as the reason; None when not paused."""
     if not value:
@@ -421,14 +466,14 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
     def decode(reply: Sequence[Any]) -> list[QueueMetrics]:
         now, rows = int(reply[0]), reply[1:]
         found = []
-        for i in range(0, len(rows), 10):
+        for i in range(0, len(rows), 12):
             (ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused,
-             retrying) = rows[i:i + 10]
+             retrying, cap, rate) = rows[i:i + 12]
             found.append(QueueMetrics(
-                names[i // 10], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
+                names[i // 12], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
                 optional(eta), int(redelivered),
                 {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)},
-                _paused_reason(paused), int(retrying)))
+                _paused_reason(paused), int(retrying), _limits(cap, rate)))
         return found
 
     return Call("metrics", _keys_of(k, names), [], decode)
