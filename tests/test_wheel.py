@@ -32,6 +32,7 @@ PRODUCTION_FILES = {"celery_redis_lua/__init__.py", "celery_redis_lua/cli.py",
                     "celery_redis_lua/sentinel.py", "celery_redis_lua/cluster.py",
                     "celery_redis_lua/options.py", "celery_redis_lua/exporter.py",
                     "celery_redis_lua/locate.py", "celery_redis_lua/flow.py", "celery_redis_lua/migrate.py",
+                    "celery_redis_lua/watch.py",
                     "_celery_redis_lua_alias.py", "celery_redis_lua_alias.pth",
                     "celery_redis_lua/py.typed"}  # PEP 561: type checkers read the package's annotations
 PRODUCTION_DIRS = ("celery_redis_lua/protocol/", "celery_redis_lua/kombu/", "celery_redis_lua/lua/")

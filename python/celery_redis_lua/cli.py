@@ -35,6 +35,7 @@ from .protocol import acl, producer
 from .protocol.contract import load_scripts, read_manifest
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
+from .protocol.ops import QueueMetrics
 from .protocol.runner import ERROR_PREFIX
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -378,20 +379,49 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
     click.echo(envelope["headers"]["id"])
 
 
+STATUS_COLUMNS = ["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"]
+
+
 @main.command()
 @click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per run: {\"server_time_ms\", \"queues\": [...]} (see the README).")
+@click.option("--watch", is_flag=True,
+              help="A live table with rates, redrawn every --interval, until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=1.0, show_default=True,
+              help="Seconds between redraws of --watch.")
 @connection_options
-def status(queues: tuple[str, ...], url: str, prefix: str) -> None:
+def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float, url: str,
+           prefix: str) -> None:
     """Ready, delayed, in-flight and dead-lettered messages per queue, which are paused, and
     their limits (celery-redis-lua limit)."""
     lib = connect(url, prefix)
+    if watch:
+        from .watch import watch_status  # rich only when watching
+
+        watch_status(lib, list(queues), interval)
+        return
     names = list(queues) or lib.queue_names()
+    found = lib.metrics(names) if names else []
+    if as_json:
+        click.echo(json.dumps(status_json(found)))
+        return
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
-    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused), m.limits)
-            for m in lib.metrics(names)]
-    click.echo(table(["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"], rows))
+    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused), m.limits) for m in found]
+    click.echo(table(STATUS_COLUMNS, rows))
+
+
+def status_json(found: Sequence[QueueMetrics]) -> dict[str, Any]:
+    """The --json shape of status (stable: fields are only ever added)."""
+    return {"server_time_ms": found[0].now if found else None, "queues": [{
+        "queue": m.queue, "ready": m.ready, "delayed": m.delayed, "retrying": m.retrying,
+        "in_flight": m.in_flight, "dead": m.dead, "paused": m.paused,
+        "limits": {"in_flight": m.limits.in_flight, "rate": m.limits.rate},
+        "redelivered": m.redelivered, "dropped": m.dropped,
+        "oldest_ready_age_ms": m.oldest_ready_age_ms, "next_eta_in_ms": m.next_eta_in_ms,
+    } for m in found]}
 
 
 def _paused(reason: str | None) -> str:
