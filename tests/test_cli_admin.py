@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import pytest
 import redis
@@ -118,3 +123,43 @@ def test_bad_dead_list_count_is_the_scripts_one_line_error(url: str) -> None:
     assert result.stderr.strip().splitlines() == [
         "celery-redis-lua: error: dead_list: count must be an integer in 1..10000, got '0' "
         f"[asked the broker {url} (from --url)]"]
+
+
+def test_dead_replay_of_more_than_one_call_takes_goes_in_batches(url: str, standalone: redis.Redis) -> None:
+    """The script replays at most 10,000 a call; the command replays any count, a batch at a
+    time (a progress bar only on a terminal: none here, stderr is a pipe)."""
+    lib = ScriptLibrary(standalone)
+    lib.declare("many")
+    pipe = standalone.pipeline(transaction=False)
+    for i in range(10_050):
+        pipe.xadd(lib.keys.dead("many"), {"id": f"{i:014x}", "reason": "rejected", "delivery_count": 0,
+                                           "priority": 0, "payload": f"m{i}"})
+    pipe.execute()
+    done = invoke("dead", "replay", "many", "--count", "10050", "--url", url)
+    assert done.exit_code == 0, done.output
+    assert done.stdout.startswith("replayed 10050 dead letters into 'many'")
+    assert lib.stats(["many"])[0].ready == 10_050 and standalone.xlen(lib.keys.dead("many")) == 0
+    assert "replaying" not in done.stderr
+
+
+def test_a_long_replay_draws_a_progress_bar_on_a_terminal(url: str, standalone: redis.Redis) -> None:
+    """stderr a terminal (a pty): rich's bar is drawn there while the batches go."""
+    lib = ScriptLibrary(standalone)
+    lib.declare("barred")
+    pipe = standalone.pipeline(transaction=False)
+    for i in range(3000):
+        pipe.xadd(lib.keys.dead("barred"), {"id": f"{i:014x}", "reason": "rejected", "delivery_count": 0,
+                                             "priority": 0, "payload": f"m{i}"})
+    pipe.execute()
+    main_fd, terminal = pty.openpty()
+    command = [sys.executable, "-m", "celery_redis_lua.cli", "dead", "replay", "barred", "--count", "3000"]
+    done = subprocess.Popen([*command, "--url", url], stdout=subprocess.PIPE, stderr=terminal)
+    os.close(terminal)
+    drawn = b""
+    with contextlib.suppress(OSError):  # EIO once the command has exited and closed its end
+        while chunk := os.read(main_fd, 4096):
+            drawn += chunk
+    os.close(main_fd)
+    stdout, _ = done.communicate(timeout=60)
+    assert done.returncode == 0 and stdout.startswith(b"replayed 3000 dead letters")
+    assert b"replaying dead letters of 'barred'" in drawn

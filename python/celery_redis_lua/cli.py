@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -39,6 +39,7 @@ from .protocol.ops import QueueMetrics
 from .protocol.runner import ERROR_PREFIX
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+REPLAY_BATCH = 500  # dead letters per dead_replay call: a few ms of the server's time
 PROG = "celery-redis-lua"
 # URL schemes as redis-py knows them: redis-py's own, kombu's socket forms, and ours.
 SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "redis+socket": "unix",
@@ -500,13 +501,44 @@ def dead_list(queue: str, count: int, after: str | None, url: str, prefix: str) 
 @dead.command("replay")
 @click.argument("queue")
 @click.argument("entry_ids", nargs=-1)
-@click.option("--count", type=int, default=100, show_default=True,
-              help="Oldest entries replayed when no entry ids are given.")
+@click.option("--count", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Oldest entries replayed when no entry ids are given (in calls of "
+                   f"{REPLAY_BATCH}, with a progress bar on a terminal).")
 @connection_options
 def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, prefix: str) -> None:
     """Put dead letters back into their queue as fresh messages; print the new message ids."""
-    ids = connect(url, prefix).dead_replay(queue, count=count, entry_ids=entry_ids)
+    lib = connect(url, prefix)
+    if entry_ids:
+        ids = lib.dead_replay(queue, count=1, entry_ids=entry_ids)
+    else:
+        ids = []
+        with progress(min(count, lib.stats([queue])[0].dead), f"replaying dead letters of {queue!r}") as step:
+            while len(ids) < count:  # one call at a time: each holds the server for its batch only
+                batch = lib.dead_replay(queue, count=min(REPLAY_BATCH, count - len(ids)))
+                ids += batch
+                step(len(batch))
+                if not batch:
+                    break
     click.echo(f"replayed {len(ids)} dead letters into {queue!r}" + "".join(f"\n{i}" for i in ids))
+
+
+# A progress bar is drawn for work of at least this many messages, on a terminal only.
+PROGRESS_FROM = 1000
+
+
+@contextlib.contextmanager
+def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
+    """``step(n)`` advances a progress bar on stderr, when stderr is a terminal and the work
+    is long; otherwise it does nothing (a pipe or a log gets the result lines only)."""
+    if total < PROGRESS_FROM or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 @dead.command("purge")
@@ -635,7 +667,13 @@ def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run:
     for queue in queues:
         lib.keys.queue(queue)  # a name that cannot be a queue's fails here, before anything moves
     source = connect(source_url, "", role="stock kombu broker").client
-    report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=dry_run)
+    if dry_run:
+        report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=True)
+    else:
+        planned = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=True)
+        with progress(sum(planned.planned.values()), "migrating") as step:
+            report = Migration(source, lib, source_prefix=from_prefix, after_take=lambda: step(1)).run(
+                list(queues) or None)
     if dry_run:
         rows = sorted(report.planned.items())
         click.echo(table(["queue", "messages"], rows) if rows else "nothing to migrate")
