@@ -91,3 +91,25 @@ def test_status_watch_follows_the_broker_and_ctrl_c_leaves_the_terminal_usable(
     subprocess.run([binary, "send-keys", "-t", session, "echo usable", "Enter"], check=True)
     wait_until(lambda: screen(tmux).count("usable") >= 2, timeout=10, what="the shell answers again")
     assert shutil.which(binary)
+
+
+def test_every_table_has_its_json(valkey_server: Server, lib: ScriptLibrary) -> None:
+    """scripts list, dead list and migrate --dry-run print JSON with --json, in the README's shapes."""
+    lib.declare("deadq")
+    message_id = lib.publish("deadq", '{"headers": {"task": "tasks.add", "id": "t-9"}}')
+    lib.consume(["deadq"], 1)
+    lib.reject("deadq", [message_id], requeue=False)
+    scripts = json.loads(cli("scripts", "list", "--json", "--url", valkey_server.url).stdout)
+    assert {s["script"] for s in scripts} >= {"publish", "consume", "limit"}
+    assert set(scripts[0]) == {"script", "version", "sha1", "loaded"}
+    assert isinstance(scripts[0]["loaded"], bool)
+    [letter] = json.loads(cli("dead", "list", "deadq", "--json", "--url", valkey_server.url).stdout)
+    assert (letter["message"], letter["reason"], letter["task"], letter["task_id"]) == (
+        message_id, "rejected", "tasks.add", "t-9")
+    assert set(letter) == {"entry", "message", "reason", "delivery_count", "priority", "task", "task_id"}
+    stock = valkey_server.client()
+    stock.lpush("_stock_prefix_celery", json.dumps({"body": "", "headers": {}, "properties": {}}))
+    planned = cli("migrate", "--from", valkey_server.url, "--from-prefix", "_stock_prefix_", "--queue",
+                  "celery", "--dry-run", "--json", "--url", valkey_server.url)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout) == {"planned": {"celery": 1}}

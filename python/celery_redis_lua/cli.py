@@ -281,16 +281,24 @@ def scripts() -> None:
     """The Lua scripts: list, load, verify, show."""
 
 
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="The rows as JSON (see the README).")
+
+
 @scripts.command("list")
+@JSON_OPTION
 @connection_options
-def scripts_list(url: str, prefix: str) -> None:
+def scripts_list(as_json: bool, url: str, prefix: str) -> None:
     """Name, contract version, SHA1, and whether the server's script cache holds it."""
     lib = connect(url, prefix)
     files = load_scripts()
     loaded = lib.client.script_exists(*(s.sha1 for s in files.values()))
-    rows = [(name, s.contract.version, s.sha1, "yes" if here else "no")
+    rows = [(name, s.contract.version, s.sha1, bool(here))
             for (name, s), here in zip(files.items(), loaded, strict=True)]
-    click.echo(table(["script", "version", "sha1", "loaded"], rows))
+    if as_json:
+        click.echo(json.dumps([{"script": n, "version": v, "sha1": h, "loaded": i} for n, v, h, i in rows]))
+        return
+    click.echo(table(["script", "version", "sha1", "loaded"],
+                     [(*row[:3], "yes" if row[3] else "no") for row in rows]))
 
 
 @scripts.command("load")
@@ -487,10 +495,17 @@ def dead() -> None:
 @click.argument("queue")
 @click.option("--count", type=int, default=100, show_default=True)
 @click.option("--after", default=None, help="Entry id to continue after.")
+@JSON_OPTION
 @connection_options
-def dead_list(queue: str, count: int, after: str | None, url: str, prefix: str) -> None:
+def dead_list(queue: str, count: int, after: str | None, as_json: bool, url: str, prefix: str) -> None:
     """Dead letters, oldest first: entry id, message id, reason, delivery count, task."""
     letters = connect(url, prefix).dead_list(queue, count=count, after=after)
+    if as_json:
+        click.echo(json.dumps([{"entry": d.entry_id, "message": d.id, "reason": d.reason,
+                                "delivery_count": d.delivery_count, "priority": d.priority,
+                                "task": task_of(d.payload)[0], "task_id": task_of(d.payload)[1]}
+                               for d in letters]))
+        return
     if not letters:
         click.echo(f"no dead letters in {queue!r}")
         return
@@ -656,9 +671,10 @@ def exporter(port: int, address: str, queues: tuple[str, ...], discover_interval
 @click.option("--queue", "queues", multiple=True,
               help="Repeatable. Default: every queue in stock kombu's binding tables.")
 @click.option("--dry-run", is_flag=True, help="Count what would move; change nothing.")
+@JSON_OPTION
 @connection_options
-def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run: bool, url: str,
-            prefix: str) -> None:
+def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run: bool, as_json: bool,
+            url: str, prefix: str) -> None:
     """Move the messages waiting in kombu's stock Redis transport into ours, exactly once and
     in their order (rerun it after an interruption). Stop the stock workers first."""
     from .migrate import Migration
@@ -676,7 +692,14 @@ def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run:
                 list(queues) or None)
     if dry_run:
         rows = sorted(report.planned.items())
+        if as_json:
+            click.echo(json.dumps({"planned": dict(rows)}))
+            return
         click.echo(table(["queue", "messages"], rows) if rows else "nothing to migrate")
+        return
+    if as_json:
+        click.echo(json.dumps({"moved": dict(sorted(report.moved.items())), "finished": report.finished,
+                               "skipped": report.skipped, "total": report.total}))
         return
     for queue, count in sorted(report.moved.items()):
         click.echo(f"{queue}: {count} message(s) moved")
