@@ -165,7 +165,7 @@ def test_direct_and_topic_routing_follow_kombu_patterns(conn: Connection) -> Non
     route_topics_and_direct(conn)
 
 
-# kombu < 5.5's TopicExchange: '*' became '.*?[^\.]', which also matches several words.
+# kombu < 5.7's TopicExchange (5.4, 5.5, 5.6): '*' became '.*?[^\.]', which also matches several words.
 KOMBU_5_4_WILDCARDS = {"*": r".*?[^\.]", "#": r".*?"}
 
 

@@ -1,12 +1,12 @@
 """The topic exchange, the same on every kombu release the package supports.
 
-kombu's virtual TopicExchange turns a binding key into a regex; before kombu 5.5 its ``*``
+kombu's virtual TopicExchange turns a binding key into a regex; before kombu 5.7 its ``*``
 was ``.*?[^\\.]``, which matches several words (``a.*`` routed ``a.b.c``), where AMQP (and
 kombu since) says exactly one. This transport's channels use :class:`TopicExchange` instead
 of kombu's on every kombu version, so a message routes the same whichever kombu the producer
 runs:
 
-- ``*`` matches exactly one word and ``#`` any run of characters (kombu 5.5+'s regexes:
+- ``*`` matches exactly one word and ``#`` any run of characters (kombu 5.7's regexes:
   ``a.#`` routes ``a.b`` and ``a.b.c``, not ``a``);
 - the pattern stored in a binding is the one those regexes give, so the binding member of
   a queue (routing key, pattern, queue) is the same whichever kombu bound or unbinds it;
