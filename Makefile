@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test test-all lint manifest docs bench bench-all chaos dist clean
+.PHONY: venv demo test test-all compat compat-ci lint manifest docs bench bench-all chaos dist clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,16 @@ test: venv
 ## Also the slow tests (chaos smoke runs and the like).
 test-all: venv
 	$(BIN)/pytest -m ''
+
+## The version matrix (noxfile.py): kombu/Celery 5.4-5.7 x redis-py 5.0, 6, 7, 8, each with and
+## without hiredis, on Valkey and Redis; a compatibility subset of the suite per combination
+## (~2-3 min each, 32 of them). NOX_ARGS='-s "compat(5.4-redis5.0)"' runs one (nox -l lists them).
+compat: venv
+	$(BIN)/nox $(or $(NOX_ARGS),-t compat)
+
+## The oldest declared combination (kombu/Celery 5.4, redis-py 5.0, no hiredis): its smoke subset.
+compat-ci: venv
+	$(BIN)/nox -s compat-ci $(NOX_ARGS)
 
 ## ruff on the Python, luacheck (Debian package lua-check) on the scripts, mypy --strict on
 ## the package (its configuration and per-module overrides: [tool.mypy] in pyproject.toml).
@@ -64,4 +74,4 @@ dist: venv
 	$(BIN)/python -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis .nox

@@ -24,6 +24,7 @@ from ..protocol.ops import StaleRoute
 from ..protocol.retry import DelayedRetry
 from ..protocol.unconfirmed import Send, UnconfirmedPublishError
 from .consuming import ConsumingMixin
+from .exchange import EXCHANGE_TYPES
 from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .poller import BlockingRead
@@ -43,6 +44,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
 
     QoS = QoS
     supports_fanout = True
+    # kombu's exchange types, but a topic '*' matches one word on every kombu (exchange.py).
+    exchange_types = dict(EXCHANGE_TYPES)  # noqa: RUF012 (kombu instantiates it per channel)
     min_priority = 0
     max_priority = 255
     default_priority = 0
