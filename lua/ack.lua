@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (not touched)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limit_in_flight' and 'paused' are read
+--   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limits' (and 'paused' when it holds a cap) are read
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
@@ -35,13 +35,15 @@ local function arm_wake(wake_key)
   return true
 end
 
--- A slot freed in a queue with an in-flight cap (the limit script) wakes a consumer the cap
--- held back (consume dropped the token when it stopped at the cap), when something is
--- ready or delayed (it learns the ETA) and the queue is not paused. A queue without a cap
--- pays one HMGET.
+-- A slot freed in a queue with an in-flight cap (the limit script: meta's 'limits' is
+-- 'IN_FLIGHT RATE', '-' for unset) wakes a consumer the cap held back (consume dropped the
+-- token when it stopped at the cap), when something is ready or delayed (it learns the
+-- ETA) and the queue is not paused. A queue without a cap pays one HGET of one field.
 local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
-  local limits = redis.call('HMGET', meta_key, 'limit_in_flight', 'paused')
-  if limits[1] and not limits[2] and redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0 then
+  local limits = redis.call('HGET', meta_key, 'limits')
+  if not limits or not string.match(limits, '^%d') then return end
+  if redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
+      and redis.call('HEXISTS', meta_key, 'paused') == 0 then
     arm_wake(wake_key)
   end
 end

@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limit_in_flight', 'limit_rate' (set by limit) and the rate's bucket 'limit_tat' (unix microseconds, written here); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limits' = 'IN_FLIGHT RATE' ('-' for unset; set by limit) and the rate's bucket 'limit_tat' (unix microseconds, read and written here only for a queue with a rate); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -146,9 +146,8 @@ end
 -- consumed as if it were not in the call. The limits come in the same HMGET.
 local active = {}
 for _, q in ipairs(queues) do
-  local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limit_in_flight', 'limit_rate', 'limit_tat')
-  q.expires, q.paused = tonumber(meta[1]), meta[2] ~= false
-  q.cap, q.rate, q.tat = tonumber(meta[3]), meta[4], tonumber(meta[5])
+  local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limits')
+  q.expires, q.paused, q.limits = tonumber(meta[1]), meta[2] ~= false, meta[3]
   if not q.paused then active[#active + 1] = q end
 end
 
@@ -194,18 +193,22 @@ end
 --    queue has a limit (limited = false) takes as if limits did not exist.
 local limited = false
 for _, q in ipairs(active) do
+  local n, unit
+  if q.limits then
+    local cap, rate = string.match(q.limits, '^(%S+) (%S+)$')
+    q.cap = tonumber(cap)
+    if rate then n, unit = string.match(rate, '^(%d+)/([smh])$') end
+  end
   if q.cap then
     local in_flight = rcall('HLEN', q.message) - rcall('ZCARD', q.queue) - rcall('ZCARD', q.delayed)
     q.room = math.max(0, q.cap - in_flight)
     limited = true
   end
-  local n, unit
-  if q.rate then n, unit = string.match(q.rate, '^(%d+)/([smh])$') end
   if n then
     limited = true
     q.interval = (unit == 's' and 1000000 or unit == 'm' and 60000000 or 3600000000) / tonumber(n) -- us
     q.burst = math.max(1, math.floor(tonumber(n) / 10))
-    q.tat = math.max(q.tat or 0, now_us)
+    q.tat = math.max(tonumber(rcall('HGET', q.meta, 'limit_tat')) or 0, now_us)
     q.tokens = math.max(0, math.floor(q.burst - (q.tat - now_us) / q.interval + 1e-9))
     q.room = math.min(q.room or q.tokens, q.tokens)
   end

@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages (decides whether to wake a consumer)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (decides whether to wake a consumer)
 --   index    ZSET    P messages_index:{Q}  not read
---   meta     HASH    P meta:{Q}            the queue's record; 'limit_in_flight', 'limit_rate' ('N/s', 'N/m' or 'N/h') and the rate's bucket 'limit_tat' are set or removed here; 'paused' is read
+--   meta     HASH    P meta:{Q}            the queue's record; 'limits' = 'IN_FLIGHT RATE' ('-' for unset; RATE is N/s, N/m or N/h) is set or removed here, and the rate's bucket 'limit_tat' removed when the rate changes; 'paused' is read
 --   dead     STREAM  P dead:{Q}            not read
 --   message  HASH    P message:{Q}         not read
 --   state    HASH    P state:{Q}           not read
@@ -73,21 +73,22 @@ if rcall('EXISTS', meta_key) == 0 then
   return fail("no queue '" .. meta_key .. "' (no such meta hash: never declared, deleted or expired)")
 end
 
-local old = rcall('HMGET', meta_key, 'limit_in_flight', 'limit_rate', 'paused')
-local loosened = false
-if in_flight == 'clear' then
-  loosened = rcall('HDEL', meta_key, 'limit_in_flight') == 1
-elseif in_flight ~= '' then
-  loosened = not old[1] or tonumber(in_flight) > tonumber(old[1])
-  rcall('HSET', meta_key, 'limit_in_flight', in_flight)
+-- Both limits live in one field, 'limits' = 'IN_FLIGHT RATE' ('-' for unset), so that the
+-- scripts on every delivery and ack read one field, not two; the rate's bucket is its own.
+local old = rcall('HMGET', meta_key, 'limits', 'paused')
+local old_cap, old_rate = string.match(old[1] or '- -', '^(%S+) (%S+)$')
+old_cap, old_rate = old_cap or '-', old_rate or '-'
+local cap = in_flight == 'clear' and '-' or in_flight == '' and old_cap or in_flight
+local new_rate = rate == 'clear' and '-' or rate == '' and old_rate or rate
+-- Loosened: a cap gone or raised, or a new rate (it starts with a full bucket).
+local loosened = (old_cap ~= '-' and (cap == '-' or tonumber(cap) > tonumber(old_cap))) or new_rate ~= old_rate
+if cap == '-' and new_rate == '-' then
+  rcall('HDEL', meta_key, 'limits')
+else
+  rcall('HSET', meta_key, 'limits', cap .. ' ' .. new_rate)
 end
-if rate == 'clear' then
-  loosened = rcall('HDEL', meta_key, 'limit_rate', 'limit_tat') > 0 or loosened
-elseif rate ~= '' and rate ~= old[2] then
-  rcall('HSET', meta_key, 'limit_rate', rate)
+if new_rate ~= old_rate then
   rcall('HDEL', meta_key, 'limit_tat') -- a full bucket: an old slow rate's wait does not carry over
-  loosened = true
 end
-if loosened and not old[3] and rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 then arm_wake(KEYS[8]) end
-local now = rcall('HMGET', meta_key, 'limit_in_flight', 'limit_rate')
-return {now[1] or '', now[2] or ''}
+if loosened and not old[2] and rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 then arm_wake(KEYS[8]) end
+return {cap == '-' and '' or cap, new_rate == '-' and '' or new_rate}

@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (score: ETA, unix ms)
 --   index    ZSET    P messages_index:{Q}  in-flight messages and ready ones with a TTL (not read)
---   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying' and 'dropped:<reason>'; 'paused' (set by pause); 'limit_in_flight' and 'limit_rate' (set by limit)
+--   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying' and 'dropped:<reason>'; 'paused' (set by pause); 'limits' (set by limit: 'IN_FLIGHT RATE', '-' for unset)
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload (counted)
 --   state    HASH    P state:{Q}           id -> state (not read)
@@ -19,7 +19,7 @@
 --   (dead-lettered, or deleted when dead_letter_maxlen is 0) since the queue was created,
 --   the 'paused' field ('<unix ms> <reason>', or '' when the queue is not paused), and
 --   retrying: how many of the delayed messages wait for a delayed retry (x-delayed-retry-type),
---   limit_in_flight and limit_rate (as the limit script stored them, '' when unset)
+--   the in-flight limit and the rate (from 'limits', as the limit script stored them; '' when unset)
 -- errors:
 --   ERR celery-redis-lua: metrics: expected 8 keys per queue, got N
 -- why: one call answers a scrape for a group of queues, from one consistent snapshot.
@@ -65,10 +65,10 @@ for q = 1, #KEYS / QUEUE_KEYS do
   for i = 1, #fields, 2 do
     if fields[i] == 'paused' then
       paused = fields[i + 1]
-    elseif fields[i] == 'limit_in_flight' then
-      cap = fields[i + 1]
-    elseif fields[i] == 'limit_rate' then
-      rate = fields[i + 1]
+    elseif fields[i] == 'limits' then
+      cap, rate = string.match(fields[i + 1], '^(%S+) (%S+)$')
+      if cap == '-' or not cap then cap = '' end
+      if rate == '-' or not rate then rate = '' end
     elseif fields[i] == 'redelivered' then
       redelivered = tonumber(fields[i + 1])
     elseif fields[i] == 'retrying' then

@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limit_in_flight' (set by limit: no wake token for a ready message at the cap)
+--   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limits' (set by limit: no wake token for a ready message at the in-flight cap)
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
@@ -141,11 +141,11 @@ local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limit_in_flight'}
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits'}
 if exchange then fields[7] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
-local paused, cap = meta[5] ~= false, tonumber(meta[6])
+local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
 
 -- A cached route: refused when the bindings to this queue changed since (or the queue is
 -- gone: declare and the first publish set last_id, so no last_id means no queue).

@@ -6,7 +6,7 @@
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'limits' (and 'paused' when it holds a cap) are read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
@@ -64,13 +64,15 @@ local function arm_wake(wake_key)
   return true
 end
 
--- A slot freed in a queue with an in-flight cap (the limit script) wakes a consumer the cap
--- held back (consume dropped the token when it stopped at the cap), when something is
--- ready or delayed (it learns the ETA) and the queue is not paused. A queue without a cap
--- pays one HMGET.
+-- A slot freed in a queue with an in-flight cap (the limit script: meta's 'limits' is
+-- 'IN_FLIGHT RATE', '-' for unset) wakes a consumer the cap held back (consume dropped the
+-- token when it stopped at the cap), when something is ready or delayed (it learns the
+-- ETA) and the queue is not paused. A queue without a cap pays one HGET of one field.
 local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
-  local limits = redis.call('HMGET', meta_key, 'limit_in_flight', 'paused')
-  if limits[1] and not limits[2] and redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0 then
+  local limits = redis.call('HGET', meta_key, 'limits')
+  if not limits or not string.match(limits, '^%d') then return end
+  if redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
+      and redis.call('HEXISTS', meta_key, 'paused') == 0 then
     arm_wake(wake_key)
   end
 end

@@ -273,7 +273,7 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Operator's tool for celery-redis-lua: scripts, publishing, queue status, pause and resume,
-    dead letters."""
+    limits, dead letters."""
 
 
 @main.group()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from celery import Celery
 
 import celery_redis_lua
+from celery_redis_lua import ScriptError
 
 from .harness import Broker, Worker, running, wait_for
 
@@ -37,6 +39,16 @@ def test_two_workers_of_8_threads_never_exceed_an_in_flight_cap_of_3(
     workers = [Worker(broker, name=f"capped{i}", concurrency=8, env={"CRL_ACKS_LATE": "1"}, log_dir=log_dir)
                for i in (1, 2)]
     with running(*workers):
+        # Bad input through the app's API: refused by value, nothing set.
+        with pytest.raises(ScriptError, match=r"rate must be N/s, N/m or N/h .* got '0/s'"):
+            celery_redis_lua.limit(producer, "celery", rate="0/s")
+        with pytest.raises(ScriptError, match=r"in_flight must be an integer .* got '-3'"):
+            celery_redis_lua.limit(producer, "celery", in_flight=-3)
+        with pytest.raises(ScriptError, match=r"no queue '.*meta:\{nowhere\}'"):
+            celery_redis_lua.limit(producer, "nowhere", in_flight=3)
+        with pytest.raises(ValueError, match="nothing to clear"):
+            celery_redis_lua.clear_limits(producer, "celery", in_flight=False, rate=False)
+        assert broker.lib().metrics(["celery"])[0].limits == celery_redis_lua.Limits()
         assert celery_redis_lua.limit(producer, "celery", in_flight=CAP) == celery_redis_lua.Limits(CAP, None)
         for i in range(CAPPED_TASKS):
             producer.send_task("celery_e2e.app.slow", (f"t{i}", TASK_S))
