@@ -341,6 +341,7 @@ def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_pat
     lib.reject("board", [taken[0].id], requeue=True, counts=[0])  # waits to retry; redelivered
     lib.reject("board", [taken[1].id], requeue=False, counts=[0])  # a dead letter
     lib.pause("board", "maintenance")
+    lib.limit("board", in_flight=5, rate="10/s")  # the limit panels show a set limit
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({
