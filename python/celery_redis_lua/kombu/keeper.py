@@ -139,10 +139,12 @@ class Keeper:
         with self._lock:
             for d in deliveries:
                 self._held[(lib, d.queue, d.id)] = Held(lib, d.queue, d.id, d.delivery_count, holder)
-            due = time.monotonic() + lib.policy.heartbeat_seconds
-            if due < self._extend_due:  # else the running thread has an earlier deadline: no wake
-                self._extend_due = due
-                self._start()
+            self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
+            # Woken on every consume reply, not only when the deadline moves earlier: without
+            # the wake a Celery worker's hub refilled in smaller batches (0.70 consume calls
+            # per task against 0.60) and ran threads early ack 5 % slower (64ea431, reverted;
+            # docs/bench/flow-unused-ab-20261204.md). Why the wake helps is not pinned down.
+            self._start()
 
     def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
         """Its ack or reject is asked for: never handed back from now (the caller may drop
