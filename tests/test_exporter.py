@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -278,29 +278,41 @@ def prometheus_binary() -> str:
     return require_tool("prometheus", "prometheus", "scrape the exporter with a real Prometheus")
 
 
+@contextlib.contextmanager
+def prometheus(binary: str, tmp_path: Path, exporter_port: int,
+               job: str) -> Iterator[Callable[[str], list[Any]]]:
+    """A real Prometheus scraping the exporter every second; yields ``query(expression)``,
+    the instant query's series ([] until Prometheus answers)."""
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": job,
+                            "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]}]}))
+    process = subprocess.Popen([binary, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+                                f"--storage.tsdb.path={tmp_path / 'data'}"],
+                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
+
+    def query(expression: str) -> list[Any]:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
+        with contextlib.suppress(OSError):
+            return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+        return []
+
+    try:
+        yield query
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
 def test_a_real_prometheus_scrapes_the_queue_lengths(prometheus_binary: str, tmp_path: Path,
                                                      exporter: tuple[ScriptLibrary, int]) -> None:
     lib, exporter_port = exporter
     for i in range(12):
         lib.publish("scraped", f"m{i}")
     lib.consume(["scraped"], 3)
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "celery-redis-lua",
-                            "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]}]}))
-    process = subprocess.Popen([prometheus_binary, f"--config.file={config}",
-                                f"--web.listen-address=127.0.0.1:{port}",
-                                f"--storage.tsdb.path={tmp_path / 'data'}"],
-                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
-    try:
-        def query(expression: str) -> list[Any]:
-            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
-            with contextlib.suppress(OSError):
-                return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
-            return []
-
+    with prometheus(prometheus_binary, tmp_path, exporter_port, "celery-redis-lua") as query:
         found = wait_until(lambda: query('celery_queue_length{queue_name="scraped"}'), timeout=60,
                            interval=0.5, what="Prometheus has the series")
         assert float(found[0]["value"][1]) == 9
@@ -310,9 +322,6 @@ def test_a_real_prometheus_scrapes_the_queue_lengths(prometheus_binary: str, tmp
         alert = 'sum by (queue_name) (celery_queue_length{queue_name!~"None"}) > 5'
         firing = wait_until(lambda: query(alert), timeout=30)
         assert firing[0]["metric"]["queue_name"] == "scraped"
-    finally:
-        process.terminate()
-        process.wait(20)
 
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "compose" / "grafana" / "dashboards" / \
@@ -342,23 +351,7 @@ def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_pat
     lib.reject("board", [taken[1].id], requeue=False, counts=[0])  # a dead letter
     lib.pause("board", "maintenance")
     lib.limit("board", in_flight=5, rate="10/s")  # the limit panels show a set limit
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "celery-exporter",
-                            "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]}]}))
-    process = subprocess.Popen([prometheus_binary, f"--config.file={config}",
-                                f"--web.listen-address=127.0.0.1:{port}",
-                                f"--storage.tsdb.path={tmp_path / 'data'}"],
-                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
-    try:
-        def query(expression: str) -> list[Any]:
-            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
-            with contextlib.suppress(OSError):
-                return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
-            return []
-
+    with prometheus(prometheus_binary, tmp_path, exporter_port, "celery-exporter") as query:
         queries = dashboard_queries()
         assert len(queries) >= 10
         for title, expression in queries:  # rate() needs two scrapes: polled, not slept
@@ -366,9 +359,6 @@ def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_pat
                        what=f"series for panel {title!r}: {expression}")
         [retrying] = query('celery_redis_lua_queue_retrying{queue="board"}')
         assert float(retrying["value"][1]) == 1
-    finally:
-        process.terminate()
-        process.wait(20)
 
 
 def test_no_queue_under_the_prefix_is_said_once(valkey_server: Server,
