@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 ## A tour on an embedded Valkey (or BROKER_URL=redis://... make demo; CLUSTER=1 for a cluster).
 demo: venv
-	$(BIN)/python -m tools.demo $(BROKER_URL) $(if $(CLUSTER),--cluster)
+	$(BIN)/python -m scripts.demo $(BROKER_URL) $(if $(CLUSTER),--cluster)
 
 ## Run the whole test suite against throwaway Valkey and Redis servers.
 test: venv
@@ -39,33 +39,33 @@ compat-ci: venv
 ## ruff on the Python, luacheck (Debian package lua-check) on the scripts, mypy --strict on
 ## the package (its configuration and per-module overrides: [tool.mypy] in pyproject.toml).
 lint: venv
-	$(BIN)/ruff check python tests tools
+	$(BIN)/ruff check python tests scripts
 	luacheck lua
 	$(BIN)/mypy
 
 ## Rewrite lua/manifest.json after changing a script (bump its version first).
 manifest: venv
-	$(BIN)/python -m tools.gen_manifest
+	$(BIN)/python -m scripts.gen_manifest
 
 ## Regenerate docs/scripts.md from the script headers (a test fails when it is stale).
 docs: venv
-	$(BIN)/python -m tools.docgen
+	$(BIN)/python -m scripts.docgen
 
 ## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.
 bench: venv
-	$(BIN)/python -m tools.bench.lua_level
+	$(BIN)/python -m scripts.bench.lua_level
 
 ## Transport benchmark: ours vs stock kombu Redis, celery-redis-plus and RabbitMQ, kombu and
 ## Celery level (~10 min; ARGS=--quick for ~2 min). Writes bench-results/ and docs/bench/latest.*.
 bench-all: venv
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	$(BIN)/python -m tools.bench $(ARGS)
+	$(BIN)/python -m scripts.bench $(ARGS)
 
 ## Chaos harness: workers, a producer and seeded faults, then a verdict on the ledger.
 ## ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always
 ##       --transport ours|stock --seed N'. Writes bench-results/chaos-*.json and docs/RELIABILITY.md.
 chaos: venv
-	$(BIN)/python -m tools.chaos $(ARGS)
+	$(BIN)/python -m scripts.chaos $(ARGS)
 
 ## Build the sdist and the wheel into dist/ and check them (twine check).
 dist: venv

@@ -22,7 +22,7 @@ from kombu import Connection
 from celery_redis_lua import Keyspace, ScriptLibrary
 from helpers import PLACEMENT
 from kombu_support import Broker
-from tools.servers import Cluster, Server, ServerUnavailable, server_binary
+from scripts.servers import Cluster, Server, ServerUnavailable, server_binary
 
 TARGETS = ("valkey", "redis", "valkey-cluster", "redis-cluster")
 PREFIXES = ("", "app:")

@@ -14,7 +14,7 @@ from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from tools.servers import Cluster, Server
+from scripts.servers import Cluster, Server
 
 
 @dataclass

@@ -24,7 +24,7 @@ from kombu.message import Message
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import Cluster, Server, free_port
+from scripts.servers import Cluster, Server, free_port
 
 NAME = "settled"
 QUEUE = Queue(NAME, Exchange(NAME, "direct"), routing_key=NAME)

@@ -19,7 +19,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.kombu.keeper import KEEPER
 from conftest import require_kind
 from helpers import ScriptCalls, wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 EXCHANGE = Exchange("acked", "direct")
 QUEUES = [Queue(name, EXCHANGE, routing_key=name) for name in ("acked-a", "acked-b")]

@@ -18,7 +18,7 @@ from celery_redis_lua.protocol.acl import commands_for, script_commands, setuser
 from celery_redis_lua.protocol.contract import load_scripts
 from helpers import ROOT
 from kombu_support import drain
-from tools.servers import Server
+from scripts.servers import Server
 
 PREFIX = "app:"
 PASSWORD = "least-Pw1"

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import require_kind
 from helpers import Shell, matches, server_now_ms, wait_for_server_time
-from tools.servers import Server
+from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "auditing.md"

@@ -1,4 +1,4 @@
-"""The benchmark's cost-in-the-backlog job (tools/bench/backlog.py; ``make bench-all`` runs it
+"""The benchmark's cost-in-the-backlog job (scripts/bench/backlog.py; ``make bench-all`` runs it
 as its ``backlog`` job): it measures the queue that holds the backlog, leaves that queue as
 deep as it found it, and the report turns what it measured into issue 15's targets.
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from tools.bench import backlog, report
-from tools.bench.peers import Peer
-from tools.servers import Server
+from scripts.bench import backlog, report
+from scripts.bench.peers import Peer
+from scripts.servers import Server
 
 
 def test_the_backlog_job_measures_the_backlog_queue_and_leaves_it_as_deep(scratch_server: Server) -> None:

@@ -1,11 +1,11 @@
-"""The layout experiment (tools/bench/layouts.py, docs/decisions.md "Candidate layouts"): it
+"""The layout experiment (scripts/bench/layouts.py, docs/decisions.md "Candidate layouts"): it
 replays what the real publish stored, every message in every layout, so its figures compare
 layouts of the same messages. The experiment itself is not run by the suite."""
 
 from __future__ import annotations
 
-from tools.bench import layouts
-from tools.servers import Server
+from scripts.bench import layouts
+from scripts.servers import Server
 
 COUNT = 600
 

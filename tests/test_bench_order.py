@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
-from tools.bench.__main__ import jobs
+from scripts.bench.__main__ import jobs
 
 
 def test_each_peer_runs_first_in_turn() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.servers import ServerUnavailable, server_binary
+from scripts.servers import ServerUnavailable, server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,9 @@ def test_smoke_profile_passes_for_our_transport() -> None:
     except ServerUnavailable as error:
         pytest.skip(str(error))
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # tools/ beside the tests
-    chaos = importlib.import_module("tools.chaos.__main__")
-    kinds = importlib.import_module("tools.chaos.profiles").FAULT_KINDS
+        sys.path.insert(0, str(ROOT))  # scripts/ beside the tests
+    chaos = importlib.import_module("scripts.chaos.__main__")
+    kinds = importlib.import_module("scripts.chaos.profiles").FAULT_KINDS
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "1",
                                   "--no-doc"]))
     verdict = card["verdict"]
@@ -54,7 +54,7 @@ def test_smoke_profile_passes_through_sentinel_with_durability() -> None:
         pytest.skip(str(error))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    chaos = importlib.import_module("tools.chaos.__main__")
+    chaos = importlib.import_module("scripts.chaos.__main__")
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "redis-sentinel", "--seed", "6",
                                   "--durability", "replicas:1", "--no-doc"]))
     verdict = card["verdict"]

@@ -16,9 +16,9 @@ import pytest
 from celery import Celery
 
 from helpers import wait_until
-from tools.chaos import verdict
-from tools.chaos.workers import ChaosWorker
-from tools.servers import Server
+from scripts.chaos import verdict
+from scripts.chaos.workers import ChaosWorker
+from scripts.servers import Server
 
 WINDOW = 60.0
 # The Valkey cluster run of 2026-12-02 (seed 2): a primary_kill, then a task the threads

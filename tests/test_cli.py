@@ -20,7 +20,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.cli import DEFAULT_URL, broker_of, main, mask, redis_url
 from celery_redis_lua.protocol.producer import decode_body
 from helpers import message_state, server_now_ms
-from tools.servers import Server, free_port
+from scripts.servers import Server, free_port
 
 SECRET = "s3cret-Pw"
 

@@ -17,7 +17,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary, load_scripts
 from celery_redis_lua.cli import main
 from celery_redis_lua.protocol.contract import read_manifest
 from celery_redis_lua.protocol.producer import build_envelope, dumps
-from tools.servers import Server
+from scripts.servers import Server
 
 
 def invoke(*args: str) -> Result:

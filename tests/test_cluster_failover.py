@@ -24,7 +24,7 @@ from celery_redis_lua.protocol.contract import load_scripts
 from celery_redis_lua.protocol.durability import Durability, NotDurable
 from conftest import require_kind
 from helpers import names_on_each_node, wait_until
-from tools.servers import Cluster, Server
+from scripts.servers import Cluster, Server
 
 VISIBILITY_SECONDS = 5
 MESSAGES = 600

@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind
-from tools.servers import Cluster
+from scripts.servers import Cluster
 
 
 @pytest.fixture(params=["valkey", "redis"])

@@ -17,7 +17,7 @@ import pytest
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 TOKEN = [b"1"]  # what a wake list holds when a consumer is to wake
 DELAY_MS = 300

@@ -12,7 +12,7 @@ from helpers import ROOT
 
 
 def test_the_demo_runs_on_an_embedded_cluster() -> None:
-    done = subprocess.run([sys.executable, "-m", "tools.demo", "--cluster"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "scripts.demo", "--cluster"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout

@@ -19,7 +19,7 @@ from celery_redis_lua import Keyspace, Policy, ScriptLibrary
 from celery_redis_lua.protocol.durability import Durability, DurabilityUnavailable, NotDurable
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 
 class Pair:

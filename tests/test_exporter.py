@@ -28,7 +28,7 @@ from celery_redis_lua.exporter import QueueCollector, serve
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import same_slot_names, server_now_ms, wait_for_server_time, wait_until
-from tools.servers import Server, free_port
+from scripts.servers import Server, free_port
 
 
 def test_metrics_match_stats_and_say_more(lib: ScriptLibrary) -> None:

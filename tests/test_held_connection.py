@@ -21,7 +21,7 @@ from kombu import Connection
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol.runner import packed
 from helpers import wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 NAMES = itertools.count()
 

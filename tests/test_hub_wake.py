@@ -10,7 +10,7 @@ from kombu import Connection
 from kombu.asynchronous import Hub
 
 from helpers import hub_readable, hub_wake_fd
-from tools.servers import Server
+from scripts.servers import Server
 
 
 def test_worker_shutting_down_makes_the_hub_poll_return(valkey_server: Server) -> None:

@@ -21,7 +21,7 @@ from celery_redis_lua import Keyspace
 from celery_redis_lua.protocol.envelope import DeliveryTag
 from helpers import PLACEMENT, wait_for_server_time, wait_until
 from kombu_support import Broker, consume
-from tools.servers import Cluster
+from scripts.servers import Cluster
 
 EX = Exchange("ex", "direct")
 KINDS = [(kind, prefix) for prefix in ("", "app:")

@@ -14,7 +14,7 @@ from celery_redis_lua import ScriptLibrary
 from celery_redis_lua.locate import cancel_task, locate_task
 from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import server_now_ms, wait_for_server_time
-from tools.servers import Server
+from scripts.servers import Server
 
 
 def envelope(task_id: str, retries: int = 0) -> str:

@@ -60,22 +60,22 @@ def test_the_package_reads_the_same_manifest() -> None:
     assert read_manifest() == json.loads((LUA / "manifest.json").read_text())["scripts"]
 
 
-# --- tools/gen_manifest.py, run on a copy of the tree ------------------------------------------
+# --- scripts/gen_manifest.py, run on a copy of the tree ------------------------------------------
 
 
 def gen(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(tree / "tools" / "gen_manifest.py"), *args],
+    return subprocess.run([sys.executable, str(tree / "scripts" / "gen_manifest.py"), *args],
                           cwd=tree, capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of lua/ and tools/gen_manifest.py (the script finds lua/ next to its folder),
+    """A copy of lua/ and scripts/gen_manifest.py (the script finds lua/ next to its folder),
     its manifest brought in line with the copied files first, so that these tests do not
     depend on the state of the working tree."""
     shutil.copytree(LUA, tmp_path / "lua")
-    (tmp_path / "tools").mkdir()
-    shutil.copy(ROOT / "tools" / "gen_manifest.py", tmp_path / "tools")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "gen_manifest.py", tmp_path / "scripts")
     result = gen(tmp_path, "--force")
     assert result.returncode == 0, result.stderr
     return tmp_path

@@ -23,7 +23,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.migrate import Migration
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 DIES_HOLDING_TWO = """
 import os, signal, sys

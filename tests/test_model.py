@@ -30,7 +30,7 @@ from redis.cluster import RedisCluster
 
 from celery_redis_lua import Keyspace, Policy, Rejected, ScriptLibrary
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
-from tools.servers import Cluster, Server
+from scripts.servers import Cluster, Server
 
 F = 10**13  # score = (255 - priority) * F + ready_at_ms
 VIS = 60_000

@@ -21,7 +21,7 @@ from celery_redis_lua import Call, Keyspace, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.contract import load_scripts
 from conftest import require_kind as require
 from helpers import is_message_id, names_on_each_node
-from tools.servers import Server
+from scripts.servers import Server
 
 SHA = {name: script.sha1 for name, script in load_scripts().items()}
 

@@ -22,7 +22,7 @@ from redis.exceptions import OutOfMemoryError
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind as require
 from helpers import server_now_ms, wait_for_server_time
-from tools.servers import Server
+from scripts.servers import Server
 
 VISIBILITY_MS = 300
 PAYLOAD = "p" * 65_536

@@ -18,7 +18,7 @@ import celery_redis_lua  # noqa: F401  (registers redislua://)
 from celery_redis_lua import Keyspace, Policy
 from celery_redis_lua.kombu.transport import Transport
 from celery_redis_lua.options import OptionError, TransportOptions, parse_options
-from tools.servers import Server
+from scripts.servers import Server
 
 # The reference API's options and defaults, plus the dead-letter and sweep options.
 DOCUMENTED: dict[str, Any] = {

@@ -23,7 +23,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.kombu.keeper import KEEPER
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 VISIBILITY = 1.0
 QUEUE = Queue("work", Exchange("work", "direct"), routing_key="work")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from celery_redis_lua import Keyspace
 from helpers import id_microseconds, is_message_id, server_now_ms
-from tools.servers import Server
+from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = Keyspace("cli:")

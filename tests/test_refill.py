@@ -17,7 +17,7 @@ from kombu.message import Message
 
 from celery_redis_lua.kombu.consuming import REFILL_GATHER_SECONDS
 from helpers import hub_readable, hub_wake_fd, wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 QUEUE = Queue("refill", Exchange("refill", "direct"), routing_key="refill")
 

@@ -15,7 +15,7 @@ from kombu import Connection, Exchange, Queue
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind
 from helpers import ScriptCalls, wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 EXCHANGE = Exchange("routed", "direct")
 FIRST = Queue("routed-1", EXCHANGE, routing_key="rk")

@@ -15,8 +15,8 @@ from pathlib import Path
 from celery_redis_lua.protocol import producer
 from celery_redis_lua.protocol.contract import load_scripts, read_manifest
 from helpers import Shell, matches
-from tools import docgen
-from tools.servers import Server
+from scripts import docgen
+from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "scripts.md"

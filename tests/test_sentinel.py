@@ -19,7 +19,7 @@ from celery_redis_lua.options import OptionError
 from celery_redis_lua.sentinel import SentinelConfigError
 from conftest import require_kind
 from helpers import wait_until
-from tools.servers import SentinelGroup, Server, free_port
+from scripts.servers import SentinelGroup, Server, free_port
 
 MASTER = "mymaster"
 OPTIONS = {"master_name": MASTER}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.servers import server_version
+from scripts.servers import server_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def test_every_target_answers_and_runs_a_script(target, lib):
 # A process that starts a server, writes to it, prints the server's directory and exits
 # without stopping it (as a test run does with whatever a fixture left running).
 _LEAVES_A_SERVER = """
-from tools.servers import Server
+from scripts.servers import Server
 server = Server("valkey").start()
 server.client().set("k", "v")
 print(server.directory, flush=True)

@@ -16,7 +16,7 @@ import pytest
 from celery_redis_lua import ScriptLibrary
 from conftest import require_tool
 from helpers import wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 

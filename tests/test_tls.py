@@ -13,7 +13,7 @@ from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError
 
 from conftest import require_kind
-from tools.servers import Cluster, Server, Tls
+from scripts.servers import Cluster, Server, Tls
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from helpers import (
     wait_for_server_time,
     wait_until,
 )
-from tools.servers import Server
+from scripts.servers import Server
 
 MIN_EXPIRES_MS = 10_000
 

@@ -25,7 +25,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol.unconfirmed import UnconfirmedPublishError
 from conftest import require_kind
 from helpers import ScriptCalls, wait_until
-from tools.servers import Server
+from scripts.servers import Server
 
 EXCHANGE = Exchange("unconfirmed", "direct")
 QUEUE = Queue("unconfirmed", EXCHANGE, routing_key="u")

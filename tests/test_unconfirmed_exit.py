@@ -20,7 +20,7 @@ from kombu import Connection, Exchange, Queue
 from celery_redis_lua import Keyspace, ScriptLibrary
 from conftest import require_kind
 from helpers import ROOT
-from tools.servers import Server
+from scripts.servers import Server
 
 NAME = "outbox"
 QUEUE = Queue(NAME, Exchange(NAME, "direct"), routing_key=NAME)

@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from kombu.transport import TRANSPORT_ALIASES, resolve_transport
 
 import celery_redis_lua
-from tools.servers import Server, ServerUnavailable, free_port, server_binary
+from scripts.servers import Server, ServerUnavailable, free_port, server_binary
 
 SECRET = "s3cret-Pw"
 

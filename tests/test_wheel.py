@@ -4,7 +4,7 @@ the wheel holds only what runs in production.
 Builds the wheel, installs it into a fresh venv outside the source tree (no
 PYTHONPATH, no editable install, cwd elsewhere), and runs publish + consume
 through the installed package against a throwaway server. The development tools
-(tools/: the throwaway servers, the doc generator, the harnesses) stay out of it.
+(scripts/: the throwaway servers, the doc generator, the harnesses) stay out of it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import id_microseconds, is_message_id
-from tools.servers import Server
+from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "python" / "celery_redis_lua"
@@ -73,7 +73,7 @@ print(json.dumps({
     "deliveries": [[d.queue, d.id, d.delivery_count, d.payload.decode()] for d in consumed.deliveries],
     "installed": sorted(str(f) for f in importlib.metadata.files("celery-redis-lua")),
     "typed": (Path(celery_redis_lua.__file__).parent / "py.typed").is_file(),
-    "dev_modules": [name for name in ("celery_redis_lua.servers", "celery_redis_lua.docgen", "tools")
+    "dev_modules": [name for name in ("celery_redis_lua.servers", "celery_redis_lua.docgen", "scripts")
                     if importlib.util.find_spec(name) is not None],
 }))
 """
@@ -126,7 +126,7 @@ def test_wheel_holds_only_what_runs_in_production(wheel: Path) -> None:
     assert "celery_redis_lua/py.typed" in shipped, "no py.typed: checkers would ignore the annotations"
     assert set(shipped) >= PRODUCTION_FILES
     assert not [n for n in shipped if Path(n).name in DEVELOPMENT_ONLY]
-    assert not [n for n in shipped if n.startswith("tools/") or "/tools/" in n]
+    assert not [n for n in shipped if n.startswith("scripts/") or "/scripts/" in n]
     # protocol/ and kombu/ are exactly the modules of the source tree, nothing else.
     layers = {n for n in shipped if n.startswith(PRODUCTION_DIRS[:2])}
     sources = {f"celery_redis_lua/{p.relative_to(PACKAGE).as_posix()}"

@@ -14,7 +14,7 @@ from celery import Celery
 import celery_redis_lua  # noqa: F401  (registers redislua://)
 from conftest import require_kind
 from helpers import PLACEMENT
-from tools.servers import Cluster, Server
+from scripts.servers import Cluster, Server
 
 from .harness import Broker
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from celery_redis_lua.protocol.acl import setuser
-from tools.servers import Server
+from scripts.servers import Server
 
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.cli import main
-from tools.servers import Server
+from scripts.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 

@@ -15,7 +15,7 @@ from celery import Celery
 
 from celery_redis_lua import Keyspace
 from conftest import require_kind
-from tools.servers import Cluster, Server
+from scripts.servers import Cluster, Server
 
 from .conftest import make_producer, retire_producers
 from .harness import Broker, Worker, running, wait_for

@@ -19,7 +19,7 @@ import redis
 from celery import Celery
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from tools.servers import Server
+from scripts.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from tools.servers import free_port
+from scripts.servers import free_port
 
 from .harness import TESTS_DIR, Broker, Worker, running, wait_for
 

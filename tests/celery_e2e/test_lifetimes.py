@@ -18,7 +18,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from helpers import server_now_ms, wait_for_server_time
-from tools.servers import Server
+from scripts.servers import Server
 
 from .harness import Broker, Worker, running, wait_for
 

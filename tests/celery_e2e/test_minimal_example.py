@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.servers import Server
+from scripts.servers import Server
 
 from .harness import wait_for
 

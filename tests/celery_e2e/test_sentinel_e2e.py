@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_kind
-from tools.servers import SentinelGroup, Server
+from scripts.servers import SentinelGroup, Server
 
 from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for

@@ -387,7 +387,7 @@ def extend(k: Keyspace, p: Policy, queue: str, ids: Sequence[str] = ()) -> Call[
 
 
 # Overdue deliveries one sweep call hands back at most. The server runs a call alone: with
-# 100,000 overdue in a 1,000,000 backlog (tools/bench/backlog.py) a call of 1,000 held it
+# 100,000 overdue in a 1,000,000 backlog (scripts/bench/backlog.py) a call of 1,000 held it
 # 9-18 ms, one of 200 2.3-3.3 ms on one host and 5.8-7.4 ms on a slower one (2026-12-02);
 # 100 keeps a call to a few ms on both.
 SWEEP_BATCH = 100

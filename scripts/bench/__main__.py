@@ -1,9 +1,9 @@
-"""python -m tools.bench: every scenario for every peer, interleaved, repeated; medians and ratios.
+"""python -m scripts.bench: every scenario for every peer, interleaved, repeated; medians and ratios.
 
-    python -m tools.bench              # defaults: ~10 minutes on 2 cores
-    python -m tools.bench --quick      # ~1-2 minutes
-    python -m tools.bench --durability-only   # the durability option's cost (tools/bench/durability.py)
-    python -m tools.bench --peer mine=redis://host:6379/3,celery_redis_lua:Transport --peer stock=redis://host:6379/4
+    python -m scripts.bench              # defaults: ~10 minutes on 2 cores
+    python -m scripts.bench --quick      # ~1-2 minutes
+    python -m scripts.bench --durability-only   # the durability option's cost (scripts/bench/durability.py)
+    python -m scripts.bench --peer mine=redis://host:6379/3,celery_redis_lua:Transport --peer stock=redis://host:6379/4
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tools.servers import Cluster, Server, available_kinds
+from scripts.servers import Cluster, Server, available_kinds
 
 from . import backlog, broker_mechanics, celery_level, durability, kombu_level, report, shutdown
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
@@ -35,7 +35,7 @@ from .server_cost import version_of
 
 
 def options() -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.splitlines()[0])
     kinds = list(available_kinds())
     p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
                    help="throwaway server for the Redis-based peers (default: redis if on PATH)")
@@ -239,7 +239,7 @@ def run_in_checkout(scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
     workers inherit it), so two versions of the transport are measured in one run."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(peer.checkout or "") / "python"),
                                                        str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "tools.bench", "--one", scenario, "--peer", f"{peer.name}={peer.url}",
+    command = [sys.executable, "-m", "scripts.bench", "--one", scenario, "--peer", f"{peer.name}={peer.url}",
                *without_checkouts(sys.argv[1:])]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -263,7 +263,7 @@ def durability_report(o: argparse.Namespace, command: str, stamp: str, info: dic
             f"{info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}. Ratios are to `off` on the "
             f"same server kind; added µs/msg = 1e6/rate - 1e6/rate(off). `--durability` adds these jobs to "
             f"the full run; `--durability-only` runs them alone.\n\n{table}\n")
-    document = {"tool": "tools/bench --durability", "command": command, "timestamp": stamp,
+    document = {"tool": "scripts/bench --durability", "command": command, "timestamp": stamp,
                 "machine": info, "options": vars(o), "peers": [p.describe() for p in peers],
                 "skipped": skipped, "summary": summary, "table_markdown": table, "runs": runs}
     path = out_dir / f"durability-{stamp}.json"
@@ -333,7 +333,7 @@ def main() -> int:
                   f"({time.monotonic() - t0:4.1f} s, ~{eta / 60:.1f} min left)", flush=True)
     info["loadavg_end"] = os.getloadavg()
     info["seconds"] = round(time.monotonic() - began, 1)
-    command = "python -m tools.bench " + " ".join(sys.argv[1:])
+    command = "python -m scripts.bench " + " ".join(sys.argv[1:])
     failed = [r for r in runs if "error" in r]
     if dpeers:
         durability_report(o, command, stamp, info, dpeers, dmeta, skipped,
@@ -358,7 +358,7 @@ def main() -> int:
                                                          results)
         (out_dir / f"celery_bench_{peer.name}-{stamp}.json").write_text(
             json.dumps(mech_docs[peer.name], indent=1))
-    document = {"tool": "tools/bench", "command": command, "timestamp": stamp, "machine": info,
+    document = {"tool": "scripts/bench", "command": command, "timestamp": stamp, "machine": info,
                 "options": {k: v for k, v in vars(o).items()}, "peers": [p.describe() for p in peers],
                 "skipped": skipped, "baseline": BASELINE, "summary": summary,
                 "ratios": report.ratios(summary), "targets": verdicts, "table_markdown": table,

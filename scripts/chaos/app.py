@@ -1,4 +1,4 @@
-"""The Celery app the chaos workers run (``celery -A tools.chaos.app worker``).
+"""The Celery app the chaos workers run (``celery -A scripts.chaos.app worker``).
 
 Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
 CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
@@ -21,7 +21,7 @@ from celery.signals import task_received
 from kombu import Exchange, Queue
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
-from tools.chaos import ledger
+from scripts.chaos import ledger
 
 app = Celery("chaos", set_as_current=False)
 app.conf.update(

@@ -1,4 +1,4 @@
-"""Chaos worker processes: ``celery -A tools.chaos.app worker`` in their own process
+"""Chaos worker processes: ``celery -A scripts.chaos.app worker`` in their own process
 groups, started (waiting for 'ready.'), signalled, reaped and restarted by the harness."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ChaosWorker:
 
     def start(self, ready_timeout: float = 90) -> None:
         command = [
-            sys.executable, "-m", "celery", "-A", "tools.chaos.app", "worker",
+            sys.executable, "-m", "celery", "-A", "scripts.chaos.app", "worker",
             "--loglevel", "INFO", "--pool", self.pool, "--concurrency", str(self.concurrency),
             "--hostname", self.hostname, "--without-mingle", "--without-gossip",
             "--without-heartbeat", "-E", "-Q", "celery,expiring",

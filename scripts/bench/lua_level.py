@@ -22,9 +22,9 @@ the commands a script runs too, and EVALSHA's usec includes them).
 The table shows medians over the repetitions and ratios to the stock protocol;
 the raw runs go to bench-results/lua_level-<kind>-<timestamp>.json.
 
-    python tools/bench/lua_level.py                 # defaults, ~2-3 minutes on 2 cores
-    python tools/bench/lua_level.py --quick         # ~20 s smoke run
-    python tools/bench/lua_level.py --kinds valkey --messages 50000 --repeat 5
+    python scripts/bench/lua_level.py                 # defaults, ~2-3 minutes on 2 cores
+    python scripts/bench/lua_level.py --quick         # ~20 s smoke run
+    python scripts/bench/lua_level.py --kinds valkey --messages 50000 --repeat 5
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from celery_redis_lua.protocol import ops  # noqa: E402
 from celery_redis_lua.protocol.keys import Keyspace  # noqa: E402
 from celery_redis_lua.protocol.policy import Policy  # noqa: E402
 from celery_redis_lua.protocol.runner import ScriptRunner  # noqa: E402
-from tools.bench.server_cost import server_cost, snapshot  # noqa: E402
-from tools.servers import Server, available_kinds, server_version  # noqa: E402
+from scripts.bench.server_cost import server_cost, snapshot  # noqa: E402
+from scripts.servers import Server, available_kinds, server_version  # noqa: E402
 
 QUEUE = "bench"
 KEYS = Keyspace()
@@ -334,7 +334,7 @@ def main() -> int:
     for kind in kinds:
         result = bench_kind(kind, options, variants)
         result.update({
-            "tool": "tools/bench/lua_level.py", "argv": sys.argv[1:], "timestamp": stamp,
+            "tool": "scripts/bench/lua_level.py", "argv": sys.argv[1:], "timestamp": stamp,
             "config": {"messages": options.messages, "consumers": options.consumers,
                        "batch": options.batch, "repeat": options.repeat,
                        "payload_bytes": len(PAYLOAD), "stock_transaction": options.stock_transaction,

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Celery
 
-from tools.chaos import ledger
+from scripts.chaos import ledger
 
 
 class EventListener(threading.Thread):

@@ -3,7 +3,7 @@
 logged meanwhile (SLOWLOG, every call logged), a sweep over the whole backlog, and the memory
 per queued message against kombu's stock Redis transport.
 
-``python -m tools.bench.backlog [--sizes 1000,100000,1000000] [--kind redis]`` on a
+``python -m scripts.bench.backlog [--sizes 1000,100000,1000000] [--kind redis]`` on a
 throwaway server of its own; the backlog is filled with pipelined publish calls (1,000 per
 round trip), then each phase runs kombu_level on that queue (publish behind the backlog,
 consume+ack from its front); the smallest size comes again at the end. Prints a markdown
@@ -27,7 +27,7 @@ from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol.contract import load_scripts
-from tools.servers import Server
+from scripts.servers import Server
 
 from . import kombu_level
 from .peers import ROOT, Peer, bind_queue, body_of_size
@@ -280,7 +280,7 @@ def main() -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = ROOT / "bench-results" / f"backlog-{stamp}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m tools.bench.backlog", "options": vars(o), **results},
+    out.write_text(json.dumps({"command": "python -m scripts.bench.backlog", "options": vars(o), **results},
                               indent=1, default=str))
     print("\n" + markdown(results) + f"\n\n-> {out.relative_to(ROOT)}")
     return 0

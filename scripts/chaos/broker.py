@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from celery_redis_lua import Keyspace
-from tools.servers import Cluster, SentinelGroup, Server, server_version
+from scripts.servers import Cluster, SentinelGroup, Server, server_version
 
 MASTER_NAME = "mymaster"
 # name -> (server kind, appendfsync, topology: "one", "sentinel" or "cluster")

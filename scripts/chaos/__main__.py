@@ -1,4 +1,4 @@
-"""``python -m tools.chaos``: one chaos run, its verdict, its scorecard."""
+"""``python -m scripts.chaos``: one chaos run, its verdict, its scorecard."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from typing import Any
 
 import redis
 
-from tools.chaos import faults, ledger, report, verdict
-from tools.chaos.broker import BROKERS, Broker
-from tools.chaos.events import EventListener
-from tools.chaos.producer import Producer
-from tools.chaos.profiles import PROFILES, Profile
-from tools.chaos.workers import ChaosWorker
-from tools.servers import Server
+from scripts.chaos import faults, ledger, report, verdict
+from scripts.chaos.broker import BROKERS, Broker
+from scripts.chaos.events import EventListener
+from scripts.chaos.producer import Producer
+from scripts.chaos.profiles import PROFILES, Profile
+from scripts.chaos.workers import ChaosWorker
+from scripts.servers import Server
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tools.chaos", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--broker", choices=sorted(BROKERS), default="valkey")

@@ -13,9 +13,9 @@ from typing import Any
 
 from celery import Celery
 
-from tools.chaos import ledger
-from tools.chaos.app import app as chaos_app
-from tools.chaos.profiles import Profile
+from scripts.chaos import ledger
+from scripts.chaos.app import app as chaos_app
+from scripts.chaos.profiles import Profile
 
 RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
 

@@ -2,7 +2,7 @@
 transport on a primary with one replica attached, durability off against ``replicas:N``
 (WAIT after each confirmed call) and ``aof`` (WAITAOF), in the same run, interleaved.
 
-``python -m tools.bench --durability`` adds these peers to the run (kombu level only);
+``python -m scripts.bench --durability`` adds these peers to the run (kombu level only);
 ``--durability-only`` runs nothing else. Settings, one peer each (its own db):
 
 - Valkey, primary + replica without AOF: ``off``, ``replicas:1``
@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from tools.servers import Server, ServerUnavailable, server_binary
+from scripts.servers import Server, ServerUnavailable, server_binary
 
 from . import kombu_level
 from .peers import Peer

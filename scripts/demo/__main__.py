@@ -1,4 +1,4 @@
-"""`make demo` (``python -m tools.demo``): Celery on celery-redis-lua, on an embedded Valkey
+"""`make demo` (``python -m scripts.demo``): Celery on celery-redis-lua, on an embedded Valkey
 unless a broker URL is given.
 
 Starts real `celery worker` processes and shows: priority order, a countdown
@@ -21,13 +21,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT)]  # the package of this checkout, and tools/
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]  # the package of this checkout, and scripts/
 
 import redis  # noqa: E402
 from redis.cluster import RedisCluster  # noqa: E402
 
 from celery_redis_lua import Keyspace, ScriptLibrary  # noqa: E402
-from tools.servers import Cluster, Server, server_version  # noqa: E402
+from scripts.servers import Cluster, Server, server_version  # noqa: E402
 
 QUEUES = ["demo", "demo-broadcast"]
 
@@ -48,14 +48,14 @@ class Demo:
         self.env = dict(os.environ, DEMO_BROKER_URL=broker_url, DEMO_LEDGER_URL=ledger_url,
                         PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT)]))
         os.environ.update(DEMO_BROKER_URL=broker_url, DEMO_LEDGER_URL=ledger_url)
-        from tools.demo.app import app, broadcast_queue, job
+        from scripts.demo.app import app, broadcast_queue, job
         self.app, self.job, self.broadcast_queue = app, job, broadcast_queue
 
     @contextmanager
     def worker(self, name: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
         log = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tools.demo.app", "worker", "-n", f"{name}@demo",
+            [sys.executable, "-m", "celery", "-A", "scripts.demo.app", "worker", "-n", f"{name}@demo",
              "--pool", "threads", "-c", "1", "-l", "INFO", "--without-mingle", "--without-gossip",
              *args],
             env=self.env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,

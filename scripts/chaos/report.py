@@ -10,14 +10,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tools.chaos.workers import ROOT
+from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
 KEPT = ROOT / "docs" / "chaos"  # the scorecards docs/RELIABILITY.md cites are committed
 DOC = ROOT / "docs" / "RELIABILITY.md"
 INTRO = """# Reliability: the chaos harness
 
-`tools/chaos/` runs real Celery workers (prefork and threads, `acks_late` on) against one
+`scripts/chaos/` runs real Celery workers (prefork and threads, `acks_late` on) against one
 broker server (Redis with AOF `everysec` or `always`, or Valkey with AOF `everysec`) or a
 Sentinel group (a primary, a replica and three sentinels: `--broker redis-sentinel`), a
 producer at a fixed rate (fast, slow = longer than the visibility timeout, countdown and

@@ -1,7 +1,7 @@
 """What a run costs the server: Redis commands per message by name and CPU per message.
 
 For Redis-based peers this is the INFO commandstats and INFO cpu delta over a phase,
-shared with tools/bench/lua_level.py: commands the harness itself sends are left out;
+shared with scripts/bench/lua_level.py: commands the harness itself sends are left out;
 ``requests`` are the commands clients sent, ``calls`` every command the server ran, a
 script's inner ones included. Only redis-py and kombu are imported here, so a benchmark
 of another checkout (``--checkout``) runs it with that checkout's package.

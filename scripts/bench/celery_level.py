@@ -60,7 +60,7 @@ class Worker:
                    BENCH_QUEUE=self.queue, BENCH_ACKS_LATE="1" if self.acks_late else "0",
                    BENCH_LEDGER=str(self.ledger), BENCH_READY=str(self.ready), PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        command = [sys.executable, "-m", "celery", "-A", "tools.bench.app", "worker",
+        command = [sys.executable, "-m", "celery", "-A", "scripts.bench.app", "worker",
                    f"--pool={self.pool}", "-c", str(self.concurrency), "-Q", self.queue,
                    "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "-l", "warning"]
         if self.minimal:

@@ -14,7 +14,7 @@ layouts without writing their scripts:
    100 ids per call, at 1,000, 100,000 and 1,000,000 deep, in server µs per call
    (INFO commandstats).
 
-``python -m tools.bench.layouts [--count 30000] [--kind redis]`` on a throwaway server.
+``python -m scripts.bench.layouts [--count 30000] [--kind redis]`` on a throwaway server.
 It prints markdown tables and writes nothing else.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 from kombu import Connection
 
 from celery_redis_lua import Keyspace
-from tools.servers import Server, server_version
+from scripts.servers import Server, server_version
 
 from .peers import bind_queue, body_of_size
 

@@ -24,12 +24,18 @@ from typing import Any
 
 import redis
 
-from tools.chaos import ledger
-from tools.chaos.broker import Broker
-from tools.chaos.profiles import CLUSTER_FAULT_KINDS, FAULT_KINDS, SENTINEL_FAULT_KINDS, STOCK_SKIPS, Profile
-from tools.chaos.verdict import QUEUES
-from tools.chaos.workers import ChaosWorker
-from tools.servers import Server
+from scripts.chaos import ledger
+from scripts.chaos.broker import Broker
+from scripts.chaos.profiles import (
+    CLUSTER_FAULT_KINDS,
+    FAULT_KINDS,
+    SENTINEL_FAULT_KINDS,
+    STOCK_SKIPS,
+    Profile,
+)
+from scripts.chaos.verdict import QUEUES
+from scripts.chaos.workers import ChaosWorker
+from scripts.servers import Server
 
 WORKER_SIGNALS = {"worker_kill": signal.SIGKILL, "worker_term": signal.SIGTERM,
                   "worker_quit": signal.SIGQUIT}

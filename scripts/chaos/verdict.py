@@ -10,8 +10,8 @@ from typing import Any
 import redis
 
 from celery_redis_lua import ScriptLibrary
-from tools.chaos import ledger
-from tools.chaos.profiles import WORKER_FAULTS, Profile
+from scripts.chaos import ledger
+from scripts.chaos.profiles import WORKER_FAULTS, Profile
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
 QUEUES = ("celery", "expiring")

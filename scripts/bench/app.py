@@ -1,4 +1,4 @@
-"""The Celery app the benchmark's workers run (``celery -A tools.bench.app worker``).
+"""The Celery app the benchmark's workers run (``celery -A scripts.bench.app worker``).
 
 Configured from the environment (BENCH_BROKER_URL, BENCH_TRANSPORT, BENCH_TRANSPORT_OPTIONS
 as JSON, BENCH_QUEUE, BENCH_ACKS_LATE); the producer builds the same app in-process with ``make_app``.

@@ -1,4 +1,4 @@
-"""Every module of tools/ imports (the harnesses are not run by the default suite, so a
+"""Every module of scripts/ imports (the harnesses are not run by the default suite, so a
 rename or a moved API must break here, not at the next benchmark or chaos run)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-MODULES = sorted(".".join(p.relative_to(TOOLS.parent).with_suffix("").parts).removesuffix(".__init__")
-                 for p in TOOLS.rglob("*.py"))
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+MODULES = sorted(".".join(p.relative_to(SCRIPTS.parent).with_suffix("").parts).removesuffix(".__init__")
+                 for p in SCRIPTS.rglob("*.py"))
 OPTIONAL = {"hdrh", "matplotlib"}  # the bench extra (make bench-all installs it)
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_tool_module_imports(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_script_module_imports(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The demo's Celery app reads its broker from the environment the demo gives its workers
     # (nothing connects at import).
     monkeypatch.setenv("DEMO_BROKER_URL", "redislua://127.0.0.1:1/0")
