@@ -232,3 +232,18 @@ def test_kombu_s_and_celery_s_own_keys_pass_in_silence() -> None:
         warnings.simplefilter("error")
         parse_options({"max_retries": 3, "interval_start": 0, "interval_step": 1, "interval_max": 2,
                        "result_chord_ordered": True, "visibility_timeout": 60})
+
+
+def test_a_retry_policy_kombu_copies_into_the_options_passes_in_silence(server: Server) -> None:
+    """kombu's ``Producer.publish(retry=True, retry_policy=...)`` copies the policy into
+    ``transport_options`` (kombu/messaging.py), errback and all: every transport made from the
+    connection afterwards (a reconnect, a clone) must not warn about options the user never set."""
+    policy = {"max_retries": 3, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.2,
+              "errback": lambda exc, interval: None}
+    with Connection(url(server)) as connection:
+        connection.Producer().publish({"n": 1}, routing_key="opts-retry", retry=True, retry_policy=policy)
+        assert "errback" in connection.transport_options  # what kombu did
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with connection.clone() as again:
+                again.connect()

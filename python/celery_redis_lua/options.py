@@ -226,6 +226,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
 PASSED_THROUGH = frozenset({
     "max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout",
     "body_encoding", "deadletter_queue", "result_chord_ordered", "polling_interval",
+    # the rest of kombu's retry policy: Producer.publish(retry=True) copies it in here
+    "errback", "on_revive", "retry_errors",
 })
 # kombu's stock Redis transport's own options: they mean nothing here, for the reason given.
 STOCK_ONLY = {
