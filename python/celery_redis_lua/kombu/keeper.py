@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
@@ -63,18 +63,38 @@ def _gone() -> None:
     return None
 
 
-@dataclass(eq=False, slots=True)  # one per delivery: slots make it cheap
+@dataclass(eq=False, slots=True)
 class Held:
-    """A delivery taken by a consume whose ack, reject or hand-back has not landed."""
+    """A delivery of a closed or dropped channel whose ack, reject or hand-back has not landed
+    (an orphan: one object each; a live channel's are plain dict entries of :class:`Taken`)."""
 
     lib: ScriptLibrary  # the channel's (its client reconnects when used after a close)
     queue: str
     id: str
     count: int  # the x-delivery-count it was delivered with: a hand-back is fenced by it
-    holder: Callable[[], Any]  # a weak reference: the channel, then (orphaned) the Message
-    orphaned: bool = False
+    holder: Callable[[], Any]  # a weak reference to its kombu Message, or _gone
+    since: float  # orphaned (a failing hand-back is given up GIVE_UP_SECONDS after it)
     settling: bool = False
-    since: float = 0.0  # orphaned or found dropped (a failing hand-back is given up after it)
+
+
+@dataclass(eq=False, slots=True)
+class Taken:
+    """What one live channel's consumes took: queue -> {message id: delivery count}. The
+    per-message path (a take, an ack's settling, its release) is a few dict operations."""
+
+    holder: Callable[[], Any]  # a weak reference to the channel
+    live: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    settling: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+
+    def __len__(self) -> int:
+        return sum(map(len, self.live.values())) + sum(map(len, self.settling.values()))
+
+    def orphans(self, lib: ScriptLibrary, now: float) -> Iterable[Held]:
+        """Its deliveries as orphans nobody holds yet (settling ones stay settling)."""
+        for settling, table in ((False, self.live), (True, self.settling)):
+            for queue, ids in table.items():
+                for message_id, count in ids.items():
+                    yield Held(lib, queue, message_id, count, _gone, now, settling)
 
 
 @dataclass(eq=False)
@@ -102,8 +122,8 @@ class Keeper:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._ticking = threading.Lock()  # one tick at a time: two would hand back twice
-        self._held: dict[Key, Held] = {}
-        self._orphans: set[Key] = set()
+        self._taken: dict[ScriptLibrary, Taken] = {}  # live channels' (libraries hash by identity)
+        self._orphans: dict[Key, Held] = {}  # closed or dropped channels'
         self._alive: dict[tuple[int, str], KeepAlive] = {}
         self._outboxes: weakref.WeakSet[Outbox] = weakref.WeakSet()  # every channel's
         self._sending: set[Outbox] = set()  # those with something to send (held until empty)
@@ -115,7 +135,7 @@ class Keeper:
     def clear(self) -> None:
         """Forget everything (tests: what a failed test left must not be retried later)."""
         with self._lock:
-            self._held.clear()
+            self._taken.clear()
             self._orphans.clear()
             self._alive.clear()
             self._sending.clear()
@@ -124,21 +144,28 @@ class Keeper:
 
     def __len__(self) -> int:
         """Deliveries held: taken and not yet settled (their ack or reject not landed)."""
-        return len(self._held)
+        return sum(map(len, self._taken.values())) + len(self._orphans)
 
     def holds(self, lib: ScriptLibrary, queue: str, message_id: str) -> bool:
-        return (lib, queue, message_id) in self._held
+        taken = self._taken.get(lib)
+        if taken is not None and (message_id in taken.live[queue] or message_id in taken.settling[queue]):
+            return True
+        return (lib, queue, message_id) in self._orphans
 
     # -- the held table --------------------------------------------------------------------
 
     def take(self, owner: Any, lib: ScriptLibrary, deliveries: Sequence[Delivery]) -> None:
-        """A consume reply was read: ``owner`` (the channel) holds ``deliveries`` now."""
+        """A consume reply was read: ``owner`` (the channel whose library ``lib`` is) holds
+        ``deliveries`` now."""
         if not deliveries:
             return
-        holder = weakref.ref(owner)
         with self._lock:
+            taken = self._taken.get(lib)
+            if taken is None:
+                taken = self._taken[lib] = Taken(weakref.ref(owner))
+            live = taken.live
             for d in deliveries:
-                self._held[(lib, d.queue, d.id)] = Held(lib, d.queue, d.id, d.delivery_count, holder)
+                live[d.queue][d.id] = d.delivery_count
             self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
             # Woken on every consume reply, not only when the deadline moves earlier: without
             # the wake a Celery worker's hub refilled in smaller batches (0.70 consume calls
@@ -146,23 +173,37 @@ class Keeper:
             # docs/bench/flow-unused-ab-20261204.md). Why the wake helps is not pinned down.
             self._start()
 
-    def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> Held | None:
+    def settling(self, lib: ScriptLibrary, queue: str, message_id: str) -> int | None:
         """Its ack or reject is asked for: never handed back from now (the caller may drop
-        its Message at once), extended until :meth:`release`."""
+        its Message at once), extended until :meth:`release`. Returns the delivery count it
+        was taken with (None: not held)."""
         with self._lock:
-            held = self._held.get((lib, queue, message_id))
-            if held is not None:
-                held.settling = True
-                if held.orphaned:
-                    self._orphans.discard((lib, queue, message_id))
-            return held
+            taken = self._taken.get(lib)
+            if taken is not None:
+                count = taken.live[queue].pop(message_id, None)
+                if count is not None:
+                    taken.settling[queue][message_id] = count
+                    return count
+                if message_id in taken.settling[queue]:
+                    return taken.settling[queue][message_id]
+            held = self._orphans.get((lib, queue, message_id))
+            if held is None:
+                return None
+            held.settling = True
+            return held.count
 
     def release(self, lib: ScriptLibrary, queue: str, ids: Iterable[str]) -> None:
         """The deliveries' ack, reject or hand-back landed (or was given up)."""
         with self._lock:
-            for message_id in ids:
-                self._orphans.discard((lib, queue, message_id))
-                self._held.pop((lib, queue, message_id), None)
+            taken = self._taken.get(lib)
+            if taken is not None:
+                settling, live = taken.settling[queue], taken.live[queue]
+                for message_id in ids:
+                    if settling.pop(message_id, None) is None:
+                        live.pop(message_id, None)
+            if self._orphans:
+                for message_id in ids:
+                    self._orphans.pop((lib, queue, message_id), None)
 
     def orphan(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         """``lib``'s channel closes: its (queue, id, Message) deliveries stay held by their
@@ -173,19 +214,23 @@ class Keeper:
 
     def _adopt(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         now = time.monotonic()
+        messages = {(queue, message_id): message for queue, message_id, message in unacked}
         with self._lock:
-            for queue, message_id, message in unacked:
-                held = self._held.get((lib, queue, message_id))
-                if held is not None:
-                    held.holder, held.orphaned, held.since = weakref.ref(message), True, now
-            for key, held in self._held.items():
-                if held.lib is lib and not held.orphaned and not held.settling:
-                    held.holder, held.orphaned, held.since = _gone, True, now
-                if held.orphaned:
-                    self._orphans.add(key)
+            taken = self._taken.pop(lib, None)
+            for held in self._orphaned(lib, taken, now):
+                message = messages.get((held.queue, held.id))
+                if message is not None:
+                    held.holder = weakref.ref(message)
             self._gc_gap, self._next_gc = GC_FIRST_SECONDS, now
             self._orphans_due = now
             self._start()
+
+    def _orphaned(self, lib: ScriptLibrary, taken: Taken | None, now: float) -> list[Held]:
+        """A channel's deliveries become orphans (lock held)."""
+        held = list(taken.orphans(lib, now)) if taken is not None else []
+        for h in held:
+            self._orphans[(lib, h.queue, h.id)] = h
+        return held
 
     # -- keep-alive calls ------------------------------------------------------------------
 
@@ -273,19 +318,32 @@ class Keeper:
             self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
             gc.collect()
         with self._lock:
-            held = [self._held.get(key) for key in self._orphans]
+            dropped = [h for h in self._orphans.values() if not h.settling and h.holder() is None]
             self._orphans_due = math.inf  # _hand_back sets it again while orphans remain
-        self._hand_back([h for h in held if h is not None and h.holder() is None], now)
+        self._hand_back(dropped, now)
 
     def _extend(self, now: float) -> None:
         """Push every held deadline forward; hand back what a dropped channel held."""
+        dropped: list[Held] = []
+        ids: dict[tuple[ScriptLibrary, str], list[str]] = defaultdict(list)
         with self._lock:
-            held = list(self._held.values())
-            self._extend_due = (now + min(h.lib.policy.heartbeat_seconds for h in held)) if held else math.inf
-        dropped = [h for h in held if not h.orphaned and not h.settling and h.holder() is None]
+            for lib, taken in list(self._taken.items()):
+                if taken.holder() is None:  # dropped without a close: its deliveries are orphans
+                    del self._taken[lib]
+                    dropped += [h for h in self._orphaned(lib, taken, now) if not h.settling]
+                    continue
+                for table in (taken.live, taken.settling):
+                    for queue, held in table.items():
+                        ids[(lib, queue)] += held
+            for h in self._orphans.values():
+                if h.settling or h.holder() is not None:
+                    ids[(h.lib, h.queue)].append(h.id)
+            groups = {key: group for key, group in ids.items() if group}
+            self._extend_due = (now + min(lib.policy.heartbeat_seconds for lib, _ in groups)) if groups \
+                else math.inf
         by_lib: dict[ScriptLibrary, list[Call[Any]]] = defaultdict(list)
-        for (lib, queue), group in _grouped(h for h in held if h.settling or h.holder() is not None).items():
-            by_lib[lib].append(lib.calls.extend(queue, [h.id for h in group]))
+        for (lib, queue), group in groups.items():
+            by_lib[lib].append(lib.calls.extend(queue, group))
         for lib, calls in by_lib.items():
             try:
                 lib.run_many(calls)
@@ -319,15 +377,10 @@ class Keeper:
             self._sending = {o for o in self._sending if o.due != math.inf}
 
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
-        """Give ``dropped`` back, counted; what fails stays an orphan until GIVE_UP_SECONDS."""
+        """Give ``dropped`` orphans back, counted; what fails stays until GIVE_UP_SECONDS."""
         for (lib, queue), group in _grouped(dropped).items():
             if time.monotonic() > deadline:
                 return
-            with self._lock:
-                for h in group:
-                    if not h.orphaned or h.holder() is not None:  # a dropped channel's
-                        h.holder, h.orphaned, h.since = _gone, True, now
-                        self._orphans.add((lib, queue, h.id))
             ids = [h.id for h in group]
             try:
                 result = hand_back(lib, queue, ids, [h.count for h in group])
@@ -344,16 +397,15 @@ class Keeper:
                             len(ids), queue, result.stale)
             with self._lock:
                 for h in group:
-                    if self._held.get((lib, queue, h.id)) is h:
-                        del self._held[(lib, queue, h.id)]
-                    self._orphans.discard((lib, queue, h.id))
+                    if self._orphans.get((lib, queue, h.id)) is h:
+                        del self._orphans[(lib, queue, h.id)]
         with self._lock:
-            if self._orphans:
+            if any(not h.settling for h in self._orphans.values()):
                 self._orphans_due = min(self._orphans_due, now + ORPHAN_CHECK_SECONDS)
 
     def at_exit(self) -> None:
         """Send every outbox, hand back what is held (one budget); log what is left."""
-        if not (self._held or self._outboxes) or os.getpid() != self._pid:
+        if not (self._taken or self._orphans or self._outboxes) or os.getpid() != self._pid:
             return
         if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
             return
@@ -362,20 +414,24 @@ class Keeper:
             deadline = now + EXIT_BUDGET_SECONDS
             for outbox in {*self._sending, *self._outboxes}:  # with replies unread too
                 outbox.send(max(0.0, deadline - time.monotonic()), everything=True)
-            with self._lock:  # a settling one is finished: it is the outbox's to report
-                held = [h for h in self._held.values() if not h.settling]
-            self._hand_back(held, now, deadline)
-            self._report_at_exit()
+            self._hand_back(self._unsettled(now), now, deadline)
+            self._report_at_exit(now)
         finally:
             self._ticking.release()
 
-    def _report_at_exit(self) -> None:
+    def _unsettled(self, now: float) -> list[Held]:
+        """Everything held whose ack or reject was not asked for, all orphans now (the exit:
+        a settling one is finished, it is the outbox's to report)."""
+        with self._lock:
+            for lib in list(self._taken):
+                self._orphaned(lib, self._taken.pop(lib), now)
+            return [h for h in self._orphans.values() if not h.settling]
+
+    def _report_at_exit(self, now: float) -> None:
         for outbox in list(self._outboxes):
             for line in outbox.unsent():
                 logger.error("celery-redis-lua: exiting with %s", line)
-        with self._lock:
-            left = [h for h in self._held.values() if not h.settling]
-        for (_, queue), group in _grouped(left).items():
+        for (_, queue), group in _grouped(self._unsettled(now)).items():
             logger.error("celery-redis-lua: exiting with %d message(s) of queue %r not handed back: "
                          "%s; the sweep restores them after the visibility timeout", len(group), queue,
                          ", ".join(h.id for h in group))

@@ -39,8 +39,9 @@ class QoS(virtual.QoS):
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
             # Fenced by the count this delivery carried.
-            held = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
-            count = held.count if held is not None else _count_of(self._delivered.get(delivery_tag))
+            count = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
+            if count is None:
+                count = _count_of(self._delivered.get(delivery_tag))
             self.channel.outbox.reject(tag.queue, tag.id, requeue=requeue, count=count)
         super().ack(delivery_tag)  # forget it locally: the script requeued or dropped it (or will)
 
@@ -55,8 +56,8 @@ class QoS(virtual.QoS):
         """basic_recover(requeue=True): every unacked delivery goes back now, counted."""
         by_queue: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
         for queue, message_id, message in self._take_unacked():
-            held = KEEPER.settling(self.channel.lib, queue, message_id)
-            by_queue[queue].append((message_id, held.count if held else _count_of(message)))
+            count = KEEPER.settling(self.channel.lib, queue, message_id)
+            by_queue[queue].append((message_id, _count_of(message) if count is None else count))
         for queue, entries in by_queue.items():
             ids, counts = zip(*entries, strict=True)
             try:
