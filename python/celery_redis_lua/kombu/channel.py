@@ -23,11 +23,11 @@ from ..protocol.library import ScriptLibrary
 from ..protocol.ops import StaleRoute
 from ..protocol.retry import DelayedRetry
 from ..protocol.unconfirmed import Send, UnconfirmedPublishError
+from ..protocol.waits import BlockingRead
 from .consuming import ConsumingMixin
 from .exchange import EXCHANGE_TYPES
 from .fanout import FanoutMixin
 from .keeper import KEEPER
-from .poller import BlockingRead
 from .qos import QoS
 from .routes import Publishing, RouteCache
 

@@ -21,9 +21,9 @@ from redis.crc import key_slot
 from ..protocol.envelope import BadEnvelope, delivered_envelope
 from ..protocol.ops import Consumed, Delivery
 from ..protocol.runner import Call
+from ..protocol.waits import BlockingRead
 from .keeper import KEEPER
 from .outbox import Batch
-from .poller import BlockingRead
 from .settle import hand_back, reject
 
 logger = logging.getLogger(__name__)

@@ -7,12 +7,8 @@ consume can go out on a wait's connection, :meth:`BlockingRead.send_batch`); wit
 (plain kombu, gevent, eventlet) :meth:`Poller.drain_events` select()s on them. Either way
 the sweep runs from here.
 
-The waits and those consumes are the only commands sent outside redis-py's client (Lua cannot
-block), without waiting for the reply so the loop can watch the socket. ``cancel()`` ends a
-wait at once with CLIENT UNBLOCK from another connection, so shutting down never waits out
-``blocking_timeout``; where that is refused (it is in ``@admin``; some managed services lack
-it) the connection is closed instead: a BLPOP that had just popped loses a wake token, never
-a message (the other consumers then wait out one ``blocking_timeout`` at most).
+The waits themselves (and the consumes sent on their connections) are
+:class:`~celery_redis_lua.protocol.waits.BlockingRead`.
 """
 
 from __future__ import annotations
@@ -26,166 +22,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import redis
-
-from ..protocol.runner import dedicated_connection, read_replies
+from ..protocol.waits import BlockingRead
 
 logger = logging.getLogger(__name__)
 
 # A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
 OVERDUE_GRACE_SECONDS = 5.0
-# How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
-UNBLOCK_GRACE_SECONDS = 0.5
-# A cluster node's answers to a blocking wait that mean "not here, not now": nothing popped.
-REDIRECTED = (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
-              redis.exceptions.ClusterDownError)
 # drain_events wakes at least this often for the periodic work; in Celery's hub a timer does.
 TICK_SECONDS = 1.0
-
-
-class BlockingRead:
-    """One dedicated connection for blocking waits, made with ``pool``'s settings but kept
-    outside it: a wait holds its connection for up to ``blocking_timeout``, and counted in the
-    pool, a few channels' waits would leave too few connections for the acks of many
-    greenlets or threads."""
-
-    def __init__(self, pool: redis.ConnectionPool | Callable[[], redis.ConnectionPool], *,
-                 on_redirect: Callable[[], None] = lambda: None,
-                 on_lost: Callable[[Any], None] = lambda batch: None) -> None:
-        # On a cluster, the pool of the node that owns the wait's slot, asked again at every
-        # reconnect (a failover or a slot migration moves it).
-        self._pool_of = pool if callable(pool) else (lambda: pool)
-        self._on_redirect = on_redirect  # the slot moved (MOVED, ASK...): refresh the slot map
-        # A pending batch's replies will never be read: its owner settles what it carried.
-        self._on_lost = on_lost
-        self.connection: Any = None
-        self.pending: tuple[Any, ...] | None = None  # the command waiting for its reply
-        self.batch: Any = None  # what a pending batch (send_batch) stands for, its owner's
-        self._replies = 0  # how many replies the pending batch has
-        self.sent_at = 0.0
-        self.timeout = 0.0
-        self._client_id: int | None = None
-        self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
-
-    def _connect(self) -> Any:
-        if self.connection is None or self.connection._sock is None:
-            self.connection = dedicated_connection(self._pool_of())
-            self.connection.connect()
-            self._client_id = None
-        return self.connection
-
-    def fileno(self) -> int | None:
-        sock = getattr(self.connection, "_sock", None)
-        return sock.fileno() if sock is not None else None
-
-    def send(self, *command: Any, timeout: float) -> None:
-        """Send a blocking command whose server-side timeout is ``timeout`` seconds."""
-        connection = self._connect()
-        if self._client_id is None and self.can_unblock:
-            connection.send_command("CLIENT", "ID")
-            try:
-                self._client_id = int(connection.read_response())
-            except redis.ResponseError:  # not allowed (ACL): cancel() closes the connection
-                self.can_unblock = False
-        connection.send_command(*command)
-        self.pending = command
-        self.sent_at = time.monotonic()
-        self.timeout = timeout
-
-    def send_batch(self, wire: Callable[[Any], bytes], replies: int, batch: Any, *, timeout: float) -> None:
-        """Write the ``replies`` commands ``wire(connection)`` packs without waiting for their
-        replies (:meth:`read_batch` reads them). ``batch`` is the owner's record of what was
-        sent; a write that fails hands it to ``on_lost`` before the error is raised."""
-        try:
-            connection = self._connect()
-            connection.send_packed_command([wire(connection)], check_health=False)
-        except BaseException:
-            self.batch = batch
-            self.disconnect()
-            raise
-        self.pending, self.batch, self._replies = ("batch",), batch, replies
-        self.sent_at = time.monotonic()
-        self.timeout = timeout
-
-    def read_batch(self) -> tuple[list[Any], Any]:
-        """The pending batch's replies (an error reply in its place, :func:`read_replies`)
-        and its record. A read that fails disconnects, which hands the record to ``on_lost``."""
-        batch, replies = self.batch, self._replies
-        try:
-            return read_replies(self.connection, replies), batch
-        except BaseException:
-            self.disconnect()
-            raise
-        finally:
-            self.pending, self.batch = None, None
-
-    def overdue(self, grace: float) -> bool:
-        """The server should have answered by now (a half-open socket never says so); a block
-        without timeout (blocking_timeout 0) never is."""
-        return (self.pending is not None and self.timeout > 0
-                and time.monotonic() - self.sent_at > self.timeout + grace)
-
-    def read(self, timeout: float | None = None) -> Any:
-        """The reply of the pending command (None when it timed out on the server). A wait
-        the server ended with an UNBLOCKED error (its role changed: a primary demoted by a
-        failover) is a lost connection: kombu reconnects, and finds the new primary."""
-        try:
-            if timeout is not None:
-                return self.connection.read_response(timeout=timeout)
-            return self.connection.read_response()
-        except REDIRECTED:
-            # A node that no longer (or not yet) serves the slot: nothing was popped.
-            self.disconnect()
-            self._on_redirect()
-            return None
-        except redis.ResponseError as error:
-            if not str(error).startswith("UNBLOCKED"):
-                raise
-            self.disconnect()
-            raise redis.ConnectionError(f"the server ended a blocking wait: {error}") from None
-        finally:
-            self.pending = None
-
-    def cancel(self) -> Any:
-        """End a pending wait now; returns whatever the server had already popped (or None).
-        CLIENT UNBLOCK goes to the wait's own server (on a cluster, the node of its slot).
-        Without CLIENT UNBLOCK the connection is closed (see the module's docstring)."""
-        if self.pending is None or self.batch is not None:  # a batch: its owner reads it
-            return None
-        if self._client_id is None or not self.can_unblock:
-            self.disconnect()
-            return None
-        try:
-            unblocked = redis.Redis(connection_pool=self._pool_of()).execute_command(
-                "CLIENT", "UNBLOCK", self._client_id)
-        except redis.ResponseError:  # NOPERM, or a service without it: close from now on
-            self.can_unblock = False
-            self.disconnect()
-            return None
-        except (redis.RedisError, OSError):
-            self.disconnect()
-            return None
-        try:
-            # 0: the wait had just ended (its reply is on the way), or the server does not
-            # know the id (a proxy in front of several servers): do not wait out its block.
-            return self.read(None if unblocked else UNBLOCK_GRACE_SECONDS)
-        except (redis.RedisError, OSError):
-            self.disconnect()
-            return None
-
-    def disconnect(self) -> None:
-        self.pending = None
-        lost, self.batch = self.batch, None
-        if self.connection is not None:
-            with contextlib.suppress(Exception):
-                self.connection.disconnect()
-        if lost is not None:
-            self._on_lost(lost)
-
-    def close(self) -> None:
-        if self.connection is not None:
-            self.disconnect()
-            self.connection = None
 
 
 class Consuming(Protocol):
