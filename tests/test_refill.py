@@ -127,3 +127,24 @@ def test_the_event_loop_sets_a_timer_for_a_held_back_refill(conn: Connection, go
             conn.transport.poller.unregister()
     finally:
         hub.close()
+
+
+def test_a_full_take_consumes_again_without_a_wait_in_between(valkey_server: Server) -> None:
+    """A consume that took all the room it asked for leaves the wake token behind (more is
+    ready): the next round consumes at once instead of first popping that token with a
+    BLPOP on the wait's connection (one more round trip per batch: 7 % of kombu consume+ack)."""
+    queue = Queue("fulltake", Exchange("fulltake", "direct"), routing_key="fulltake")
+    client = valkey_server.client()
+    with Connection(f"redislua://127.0.0.1:{valkey_server.port}/0") as connection:
+        producer = Producer(connection, exchange=queue.exchange, routing_key="fulltake")
+        for i in range(1000):
+            producer.publish(i, declare=[queue])
+        blpops = int(client.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
+        acked: list[int] = []
+        with Consumer(connection, [queue], prefetch_count=100,
+                      callbacks=[lambda body, message: (message.ack(), acked.append(body))]):
+            while len(acked) < 1000:
+                connection.drain_events(timeout=5)
+        after = int(client.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
+    assert sorted(acked) == list(range(1000))
+    assert after - blpops <= 2  # the wait after the last batch; one per batch of 100 was 10

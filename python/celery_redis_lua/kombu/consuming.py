@@ -98,8 +98,8 @@ class ConsumingMixin:
         if self._consumes_in_flight(idle):
             self._send_consume(idle[0])
             return 0
-        delivered, wake_in_ms = self.consume_now([queue for group in idle for queue in group])
-        if self.qos.can_consume():
+        delivered, wake_in_ms, full = self.consume_now([queue for group in idle for queue in group])
+        if self.qos.can_consume() and not full:  # a full take: more may be ready, consume again first
             for group in idle:
                 self.start_queue_wait(group, wake_in_ms)
         return delivered
@@ -123,21 +123,23 @@ class ConsumingMixin:
         self._refill_due = None
         return False
 
-    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None]:
-        """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms)."""
+    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None, bool]:
+        """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms,
+        whether every call took all it asked for)."""
         queues = self.queues_polled if queues is None else queues
-        delivered, wake = 0, None
+        delivered, wake, calls, short = 0, None, 0, False
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
             room = self.headroom()
             if not group or room <= 0:
                 continue
             consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
+            calls, short = calls + 1, short or len(consumed.deliveries) < room
             _log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
                 wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
-        return delivered, wake
+        return delivered, wake, calls > 0 and not short
 
     def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
         """A consume carrying the gathered acks (outbox.py): no round trip of their own."""
