@@ -62,9 +62,12 @@ def test_no_option_row_outside_the_generated_table() -> None:
 
 
 def test_a_stale_page_is_caught() -> None:
-    stale = page().replace("| `visibility_timeout` |", "| `visibility_timeout_s` |")
-    assert optionsdoc.updated(stale) != stale
-    assert optionsdoc.updated(stale) == page()
+    """A renamed row, and a row of an option the code no longer has, are both rewritten."""
+    fresh = optionsdoc.updated(page())
+    renamed = fresh.replace("| `visibility_timeout` |", "| `visibility_timeout_s` |")
+    extra = fresh.replace(optionsdoc.END, "| `no_such_option` | `int` | `1` | gone |\n\n" + optionsdoc.END)
+    for stale in (renamed, extra):
+        assert stale != fresh and optionsdoc.updated(stale) == fresh
 
 
 def test_an_option_without_a_description_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
