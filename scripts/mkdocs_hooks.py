@@ -2,11 +2,11 @@
 
 A page may link to a file outside docs/ (``../lua/ack.lua``, ``../examples/compose/``) or to a
 directory (``bench/``): on GitHub such a relative link opens the file or the folder, but the
-site holds only docs/, so mkdocs would report each as a broken link. This hook checks that
-the target exists in the repository (a target that does not is a warning, so
-``mkdocs build --strict`` fails on it, as on any broken link) and then writes the link as
-its text and path, or, when mkdocs.yml sets ``repo_url``, as a link to the file there.
-Links to pages and files inside docs/ are left to mkdocs' own validation (anchors included).
+site holds only docs/, so mkdocs would report each as a broken link. This hook rewrites such
+a link only when its target exists in the repository: as its text and path, or, when
+mkdocs.yml sets ``repo_url``, as a link to the file there. Any other link is left as it is,
+so mkdocs' own validation reports a target that exists nowhere (``mkdocs build --strict``
+fails on it), and checks links to pages and files inside docs/, anchors included.
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mkdocs.plugins import get_plugin_logger
-
-log = get_plugin_logger(__name__)
-
 LINK = re.compile(r"(?<!!)\[([^\]\n]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def _outside_target(text: str, target: str, page: Path, docs: Path, repo_url: str | None,
-                    where: str) -> str | None:
+def outside_target(text: str, target: str, page: Path, docs: Path, repo_url: str | None) -> str | None:
     """The replacement for a link to something outside the site, or None to leave it."""
     if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
         return None  # a URL, an anchor on this page, or an absolute path (mkdocs checks those)
@@ -34,8 +29,7 @@ def _outside_target(text: str, target: str, page: Path, docs: Path, repo_url: st
         return None  # a page or a file of the site: mkdocs validates it
     root = docs.parent
     if not resolved.is_relative_to(root) or not resolved.exists():
-        log.warning(f"{where} links to '{target}', which is nowhere in the repository")
-        return None
+        return None  # nowhere in the repository: mkdocs reports it
     relative = resolved.relative_to(root).as_posix() + ("/" if resolved.is_dir() else "")
     if repo_url:
         kind = "tree" if resolved.is_dir() else "blob"
@@ -56,8 +50,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             fenced = not fenced
         if not fenced:
             def replace(match: re.Match[str]) -> str:
-                new = _outside_target(match.group(1), match.group(2), source, docs, repo_url,
-                                      page.file.src_path)
+                new = outside_target(match.group(1), match.group(2), source, docs, repo_url)
                 return match.group(0) if new is None else new
             line = LINK.sub(replace, line)
         out.append(line)
