@@ -47,9 +47,15 @@ lint: venv
 manifest: venv
 	$(BIN)/python -m scripts.gen_manifest
 
-## Regenerate docs/scripts.md from the script headers (a test fails when it is stale).
+## The documentation site (mkdocs.yml) into build/site: regenerates docs/scripts.md from the
+## script headers and the options table of docs/configuration.md from options.py (a test fails
+## when either is stale), then builds with --strict: any warning, a broken link or anchor
+## among them, fails it. NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner.
 docs: venv
+	$(BIN)/pip install --quiet -e '.[docs]'
 	$(BIN)/python -m scripts.docgen
+	$(BIN)/python -m scripts.optionsdoc
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 ## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.
 bench: venv

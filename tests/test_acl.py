@@ -1,4 +1,4 @@
-"""Least-privilege ACL users (README "Least privilege"): the transport works as them, the
+"""Least-privilege ACL users (docs/deployment.md, "Least privilege"): the transport works as them, the
 server refuses what they were not given, and without CLIENT UNBLOCK blocking waits still
 end at once when the consumed queues change."""
 
@@ -48,12 +48,12 @@ def as_user(server: Server, user: str) -> redis.Redis:
     return redis.Redis(port=server.port, username=user, password=PASSWORD)
 
 
-def test_the_readme_shows_what_the_acl_command_prints() -> None:
-    readme = (ROOT / "README.md").read_text()
-    shown = re.findall(r"^ACL SETUSER .+$", readme, flags=re.MULTILINE)
+def test_the_docs_show_what_the_acl_command_prints() -> None:
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    shown = re.findall(r"^ACL SETUSER .+$", page, flags=re.MULTILINE)
     roles = ("worker", "producer", "exporter")
     expected = {" ".join(setuser(f"celery-{role}", role, PREFIX)) for role in roles}
-    assert expected <= set(shown), "README's ACL SETUSER lines differ from `celery-redis-lua acl`"
+    assert expected <= set(shown), "docs/deployment.md's ACL SETUSER lines differ from `celery-redis-lua acl`"
 
 
 def test_the_acl_command_prints_the_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,10 @@
 """examples/compose/ (Valkey, a worker, a producer, the exporter, Prometheus, Grafana) is valid and
-follows the README, without a Docker engine: `docker-compose config` (Debian's
+follows docs/operations.md, without a Docker engine: `docker-compose config` (Debian's
 docker-compose 1.29 parses and validates a file without one) and `promtool`.
 
 What is checked: the six services, the shared redislua:// broker URL, the worker's and
-the producer's commands, an exporter command with the flags and the port the README
-documents (read off README.md, so a README change the compose file does not follow
+the producer's commands, an exporter command with the flags and the port the page
+documents (read off docs/operations.md, so a change there the compose file does not follow
 fails here) and every one of them in `celery-redis-lua exporter --help`, the image built
 from the repository, Prometheus scraping the exporter's service and port, and the
 celery-mixin alert CeleryHighQueueLength (its expression, and that it fires).
@@ -36,7 +36,7 @@ from conftest import require_tool
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "compose"
 COMPOSE_FILE = EXAMPLE / "docker-compose.yml"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "operations.md"  # its sections "Monitoring (Prometheus)" and the compose one
 SERVICES = {"valkey", "worker", "producer", "exporter", "prometheus", "grafana"}
 BUILT = ("worker", "producer", "exporter")  # the services that run the project's image
 # celery-mixin's CeleryHighQueueLength (celery-exporter's mixin), with the job selector left out.
@@ -137,17 +137,17 @@ def options(words: list[str]) -> dict[str, str]:
     return found
 
 
-def readme_section(title: str) -> str:
-    text = README.read_text()
-    match = re.search(rf"^### {re.escape(title)}\n(.*?)(?=^##)", text, re.S | re.M)
-    assert match, f"README.md has no section '### {title}'"
+def page_section(title: str) -> str:
+    text = PAGE.read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"docs/operations.md has no section '## {title}'"
     return match.group(1)
 
 
-def readme_exporter_command(title: str) -> list[str]:
-    """The first `celery-redis-lua exporter ...` command of a README section, split."""
-    match = EXPORTER.search(readme_section(title))
-    assert match, f"README.md's section '{title}' shows no `celery-redis-lua exporter ...` command"
+def page_exporter_command(title: str) -> list[str]:
+    """The first `celery-redis-lua exporter ...` command of a section of the page, split."""
+    match = EXPORTER.search(page_section(title))
+    assert match, f"docs/operations.md's section '{title}' shows no `celery-redis-lua exporter ...` command"
     return shlex.split(match.group(1))
 
 
@@ -242,24 +242,24 @@ def test_worker_and_producer_commands(config: dict[str, Any]) -> None:
     assert argv(services(config)["producer"]["command"]) == ["python", "producer.py"]
 
 
-def test_exporter_command_follows_the_readme(config: dict[str, Any]) -> None:
+def test_exporter_command_follows_the_docs(config: dict[str, Any]) -> None:
     used = options(exporter_args(config))
-    monitoring = options(readme_exporter_command("Monitoring (Prometheus)"))
-    # The README's own compose section shows the command exactly.
-    assert exporter_args(config) == readme_exporter_command("Running it with docker-compose")
+    monitoring = options(page_exporter_command("Monitoring (Prometheus)"))
+    # The page's own compose section shows the command exactly.
+    assert exporter_args(config) == page_exporter_command("Running it with docker-compose")
 
     assert used["--port"] == monitoring["--port"] == "9808", (used, monitoring)
     assert "--url" in monitoring
     assert used["--url"] in ("$CELERY_BROKER_URL", "${CELERY_BROKER_URL}"), used  # the container's variable
-    # Flags the README's command has and the example leaves out: only --prefix, as long as
+    # Flags the page's command has and the example leaves out: only --prefix, as long as
     # the example sets no global_keyprefix (the exporter must name the workers' prefix).
     assert set(monitoring) - set(used) <= {"--prefix"}, (monitoring, used)
     if "--prefix" in used:
         assert used["--prefix"] in (EXAMPLE / "tasks.py").read_text()
     else:
         assert "global_keyprefix" not in (EXAMPLE / "tasks.py").read_text()
-    documented = set(FLAG.findall(readme_section("Monitoring (Prometheus)"))) \
-        | set(FLAG.findall(readme_section("Running it with docker-compose")))
+    documented = set(FLAG.findall(page_section("Monitoring (Prometheus)"))) \
+        | set(FLAG.findall(page_section("Running it with docker-compose")))
     assert set(used) <= documented, set(used) - documented
 
     published = [str(port) for port in services(config)["exporter"].get("ports", [])]
@@ -313,7 +313,7 @@ def test_the_celery_mixin_alert(docker_compose: str, promtool: str, tmp_path: Pa
     rules = {rule["alert"]: rule for group in alerts["groups"] for rule in group["rules"] if "alert" in rule}
     rule = rules["CeleryHighQueueLength"]
     assert rule["expr"].strip() == HIGH_QUEUE_LENGTH
-    assert "CeleryHighQueueLength" in readme_section("Monitoring (Prometheus)")
+    assert "CeleryHighQueueLength" in page_section("Monitoring (Prometheus)")
 
     # It fires for a queue above 100 for its `for:` (20m), never for queue_name="None".
     labels = {"alertname": "CeleryHighQueueLength", "queue_name": "celery", **rule.get("labels", {})}

@@ -94,7 +94,8 @@ def test_status_watch_follows_the_broker_and_ctrl_c_leaves_the_terminal_usable(
 
 
 def test_every_table_has_its_json(valkey_server: Server, lib: ScriptLibrary) -> None:
-    """scripts list, dead list and migrate --dry-run print JSON with --json, in the README's shapes."""
+    """scripts list, dead list and migrate --dry-run print JSON with --json, in the shapes
+    docs/operations.md shows."""
     lib.declare("deadq")
     message_id = lib.publish("deadq", '{"headers": {"task": "tasks.add", "id": "t-9"}}')
     lib.consume(["deadq"], 1)

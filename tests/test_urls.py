@@ -239,7 +239,7 @@ def test_tls_verification_rejects_an_unknown_ca(tls_server: TlsServer) -> None:
 def test_secure_scheme_without_ssl_options_still_speaks_tls(tls_server: TlsServer, route: str) -> None:
     """As kombu does for rediss://: TLS without certificate checks. With an explicit
     transport class kombu drops the URL's scheme before the transport sees it, so that
-    route needs its ssl options given (Celery: broker_use_ssl), as the README says."""
+    route needs its ssl options given (Celery: broker_use_ssl), as docs/configuration.md says."""
     if route == "redisluas":
         connection = Connection(f"redisluas://127.0.0.1:{tls_server.port}/0")
     else:

@@ -281,7 +281,8 @@ def scripts() -> None:
     """The Lua scripts: list, load, verify, show."""
 
 
-JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="The rows as JSON (see the README).")
+JSON_OPTION = click.option("--json", "as_json", is_flag=True,
+                           help="The rows as JSON (see docs/operations.md).")
 
 
 @scripts.command("list")
@@ -394,7 +395,8 @@ STATUS_COLUMNS = ["queue", "ready", "delayed", "in_flight", "dead", "paused", "l
 @main.command()
 @click.option("--queue", "queues", multiple=True, help="Repeatable. Default: every queue (SCAN).")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per run: {\"server_time_ms\", \"queues\": [...]} (see the README).")
+              help="One JSON object per run: {\"server_time_ms\", \"queues\": [...]} "
+                   "(see docs/operations.md).")
 @click.option("--watch", is_flag=True,
               help="A live table with rates, redrawn every --interval, until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(min=0.2), default=1.0, show_default=True,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .protocol.durability import Durability
@@ -33,64 +33,121 @@ class OptionError(ValueError):
     """A transport option has a wrong type or value."""
 
 
+def option(default: Any, doc: str) -> Any:
+    """A field of :class:`TransportOptions`: its default and what it means, in Markdown. The
+    options table of docs/configuration.md is generated from these (``make docs``,
+    scripts/optionsdoc.py), so the page cannot drift from the code."""
+    return field(default=default, metadata={"doc": doc})
+
+
+_REDIS_PY = "passed to redis-py as with kombu's Redis transport"
+_SENTINEL = "with `sentinel://` URLs, as kombu's stock Sentinel transport takes them"
+
+
 @dataclass(frozen=True)
 class TransportOptions:
-    visibility_timeout: float = 300
-    delivery_limit: int | None = 20
-    blocking_timeout: float = 10
-    queue_expires: float | None = None
-    global_keyprefix: str = ""
-    stream_maxlen: int = 10_000
-    message_key_prefix: str = DEFAULT_MESSAGE_KEY_PREFIX
-    message_ttl: float = -1
-    socket_timeout: float | None = None
-    socket_connect_timeout: float | None = None
-    socket_keepalive: bool | None = None
-    socket_keepalive_options: dict[int, int | bytes] | None = None
-    max_connections: int = 10
-    health_check_interval: float = 25
-    retry_on_timeout: bool | None = None
-    client_name: str | None = None
-    credential_provider: Any = None
-    ssl: bool | dict[str, Any] | None = None
-    fanout_prefix: bool | str = True
-    fanout_patterns: bool = True
-    sep: str = DEFAULT_SEPARATOR
+    """Set in ``broker_transport_options``; each field's ``doc`` metadata says what it means."""
+
+    visibility_timeout: float = option(
+        300, "seconds an unacked message may stay with a consumer before it is redelivered "
+        "(pushed forward every third of it while the consumer lives)")
+    delivery_limit: int | None = option(
+        20, "delivery attempts before a message is dead-lettered; `None`: no limit")
+    blocking_timeout: float = option(
+        10, "seconds the server holds a BLPOP (on the queues' wake lists) or XREAD open per poll "
+        "(a message is delivered the instant it arrives; the block is also cut short at the next ETA)")
+    queue_expires: float | None = option(
+        None, "seconds; default `x-expires` for queues declared without one; also a TTL on binding "
+        "tables and fanout streams")
+    global_keyprefix: str = option("", "prefix of every key")
+    stream_maxlen: int = option(10_000, "approximate cap of each fanout stream")
+    message_key_prefix: str = option(
+        DEFAULT_MESSAGE_KEY_PREFIX, "names the hash of a queue's payloads, `P message:{Q}`")
+    message_ttl: float = option(
+        -1, "seconds a message may wait in its queue (-1: forever); counted while it waits, from its "
+        "ETA when delayed; an expired message is dead-lettered with reason `expired`")
+    socket_timeout: float | None = option(None, _REDIS_PY)
+    socket_connect_timeout: float | None = option(None, _REDIS_PY)
+    socket_keepalive: bool | None = option(None, _REDIS_PY)
+    socket_keepalive_options: dict[int, int | bytes] | None = option(None, _REDIS_PY)
+    max_connections: int = option(
+        10, "connections commands share per connection object; a command waits (up to 20 s) for a "
+        "free one. Outside it, per channel: the blocking waits (2), one held for the channel's single "
+        "script calls (standalone and Sentinel), and with `confirm_publish=False` one for its "
+        "publish batches")
+    health_check_interval: float = option(25, _REDIS_PY)
+    retry_on_timeout: bool | None = option(
+        None, "accepted and ignored, with a warning: a script whose reply timed out is never sent "
+        "again (a second publish would store the message twice); kombu reconnects and retries the "
+        "operation as a whole")
+    client_name: str | None = option(None, _REDIS_PY)
+    credential_provider: Any = option(None, _REDIS_PY)
+    ssl: bool | dict[str, Any] | None = option(None, _REDIS_PY)
+    fanout_prefix: bool | str = option(
+        True, "fanout stream keys are `/<db>.<exchange>` (a string replaces `/<db>.`, False removes it)")
+    fanout_patterns: bool = option(
+        True, "a fanout binding whose key is a pattern (`*`, `#`) receives only matching routing keys; "
+        "other fanout bindings receive everything, as in AMQP")
+    sep: str = option(DEFAULT_SEPARATOR, "separator inside binding members")
     # Dead letters (docs/design.md): kept by default, bounded; 0 deletes dropped messages outright.
-    dead_letter_maxlen: int = 10_000
+    dead_letter_maxlen: int = option(
+        10_000, "approximate cap of each queue's dead-letter stream; 0 deletes dropped messages outright")
     # How often a consuming channel runs the sweep script (seconds); small in tests.
-    sweep_interval: float = 60
+    sweep_interval: float = option(
+        60, "seconds between sweeps (timed-out deliveries back, due ETAs in, orphans out)")
     # Most messages one consume call may deliver (on top of the QoS headroom).
-    consume_batch: int = 100
+    consume_batch: int = option(100, "most messages one consume call delivers (1..10000)")
     # Bindings of a queue with x-expires go stale max(x-expires, this) seconds after their
     # last refresh (three times per x-expires while consumed); tests lower it.
-    binding_lifetime_floor: float = 300
+    binding_lifetime_floor: float = option(
+        300, "seconds; a binding of a queue with `x-expires` goes stale `max(x-expires, this)` after "
+        "its last refresh (a consumer refreshes it three times per `x-expires`); lower it only to see "
+        "stale routes go sooner")
     # Sentinel (sentinel:// or redislua+sentinel:// URLs), as kombu's stock Sentinel channel.
-    master_name: str | None = None
-    sentinel_kwargs: dict[str, Any] | None = None
-    min_other_sentinels: int = 0
+    master_name: str | None = option(None, _SENTINEL)
+    sentinel_kwargs: dict[str, Any] | None = option(None, _SENTINEL)
+    min_other_sentinels: int = option(0, _SENTINEL)
     # Opt-in durable writes: 'replicas:N', 'aof' or 'aof+replicas:N' (protocol/durability.py);
     # a publish not confirmed within durability_timeout seconds raises NotDurable.
-    durability: str | None = None
-    durability_timeout: float = 1.0
+    durability: str | None = option(
+        None, "`\"replicas:N\"`, `\"aof\"` or `\"aof+replicas:N\"`: publishes, acks and rejects wait "
+        "for N replicas (`WAIT`) or the AOF on disk (`WAITAOF`); see "
+        "[Durable writes](deployment.md#durable-writes-opt-in)")
+    durability_timeout: float = option(
+        1.0, "seconds a write waits for `durability` before a publish raises `NotDurable`")
     # Acks are batched (kombu/outbox.py): one waits at most this long (seconds) for the next
     # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
     # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
-    ack_flush_delay: float = 0.005
+    ack_flush_delay: float = option(
+        0.005, "seconds an ack may wait for the consumer's next consume to carry it, or for others "
+        "to share its own round trip (0..1); acks are always sent in batches, one ack call per queue, "
+        "with the consumer's next consume or from the keeper's thread")
     # False pipelines publishes (protocol/unconfirmed.py): publish_pipeline per write at most,
     # none waiting longer than publish_flush_delay seconds.
-    confirm_publish: bool = True
-    publish_pipeline: int = 100
-    publish_flush_delay: float = 0.005
+    confirm_publish: bool = option(
+        True, "False: publishes are pipelined, returning before the broker has them (see "
+        "\"Unconfirmed publishes\" in [What is promised](promises.md)); kombu's py-amqp transport "
+        "has the same name for the opposite default")
+    publish_pipeline: int = option(
+        100, "with `confirm_publish=False`: at most this many publishes go in one write (1..10,000)")
+    publish_flush_delay: float = option(
+        0.005, "with `confirm_publish=False`: seconds the oldest pending publish may wait before a "
+        "thread sends the pipeline (0..1)")
     # Redis Cluster / Valkey Cluster (cluster.py): with the class route and a plain URL, or
     # implied by redislua+cluster:// URLs; more seed nodes as 'host:port' strings.
-    cluster: bool = False
-    cluster_nodes: tuple[str, ...] = ()
+    cluster: bool = option(
+        False, "a Redis Cluster or Valkey Cluster with a plain URL and the class route "
+        "(`redislua+cluster://` URLs imply it)")
+    cluster_nodes: tuple[str, ...] = option((), "more seed nodes of a cluster, `\"host:port\"` strings")
     # Delayed retry for queues declared without x-delayed-retry-* (protocol/retry.py):
     # 'disabled', 'all', 'failed' or 'returned'; the first delay and the cap in seconds.
-    delayed_retry_type: str = "disabled"
-    delayed_retry_min: float | None = None
-    delayed_retry_max: float | None = None
+    delayed_retry_type: str = option(
+        "disabled", "redelivery backoff for queues declared without `x-delayed-retry-*` arguments: "
+        "`\"all\"`, `\"failed\"` or `\"returned\"`; see "
+        "[Redelivery backoff](operations.md#redelivery-backoff-delayed-retry)")
+    delayed_retry_min: float | None = option(
+        None, "the first delay of that redelivery backoff, in seconds")
+    delayed_retry_max: float | None = option(None, "the cap of that redelivery backoff, in seconds")
 
     @property
     def policy(self) -> Policy:

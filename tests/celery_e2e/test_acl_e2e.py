@@ -1,4 +1,4 @@
-"""Celery end to end as the least-privilege users of the README: a worker as the worker
+"""Celery end to end as the least-privilege users of docs/deployment.md: a worker as the worker
 user (with and without CLIENT UNBLOCK), tasks sent as the producer user. An idle worker's
 warm shutdown does not wait out blocking_timeout either way."""
 

@@ -12,7 +12,7 @@ every binding lifetime short.
 
 Flower's Broker tab and ``/api/queues/length`` choose a client by URL scheme (amqp, redis,
 ...) and read list lengths: they know only kombu's stock transports, and answer 404 for ours
-(see README, "Flower").
+(see docs/operations.md, "Flower").
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def test_flower_fills_workers_tasks_and_task_pages(broker: Broker, producer: Cel
         worker_page = flower.page(f"/worker/{urllib.parse.quote(name)}")
         assert ADD in worker_page and str(worker.process.pid) in worker_page
 
-        # The Broker tab and queue lengths: not for non-stock transports (README, "Flower").
+        # The Broker tab and queue lengths: not for non-stock transports (docs/operations.md, "Flower").
         status, body = flower.fetch("/api/queues/length")
         assert status == 404 and "broker is not supported" in body, (status, body)
         assert flower.fetch("/broker")[0] == 404

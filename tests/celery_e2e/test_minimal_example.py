@@ -1,5 +1,6 @@
-"""examples/minimal/tasks.py, run as its docstring (and the README) says: a worker started
-from that directory and a producer that imports the module and waits for the result."""
+"""examples/minimal/tasks.py, run as its docstring (and the README, and docs/getting-started.md) say:
+a worker started from that directory and a producer that imports the module and waits for the
+result."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_the_minimal_example_runs_a_task_and_returns_its_result(tmp_path: Path) 
         try:
             wait_for(lambda: b" ready." in (tmp_path / "worker.log").read_bytes(), timeout=60,
                      what="the worker is ready")
-            producer = "from tasks import add; print(add.delay(2, 3).get(timeout=30))"  # the README's
+            # The README's and docs/getting-started.md's producer line.
+            producer = "from tasks import add; print(add.delay(2, 3).get(timeout=30))"
             produced = subprocess.run([sys.executable, "-c", producer], cwd=EXAMPLE, env=env,
                                       capture_output=True, text=True, timeout=60)
             assert produced.returncode == 0, produced.stderr

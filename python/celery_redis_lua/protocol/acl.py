@@ -3,7 +3,7 @@
 Redis checks a script's ``redis.call``s against the calling user's ACL too, so a user
 needs the commands inside the scripts it runs as well as the ones Python sends. Both are
 read off the code here (the scripts' sources, and the list of direct commands below), so
-the documented ``ACL SETUSER`` lines cannot drift from what the transport does: the README
+the documented ``ACL SETUSER`` lines cannot drift from what the transport does: docs/deployment.md
 shows ``celery-redis-lua acl`` output, and a test runs the transport as those users.
 """
 
