@@ -57,6 +57,14 @@ def test_the_flow_control_table_is_the_same_in_the_readme_and_the_docs() -> None
     assert "RabbitMQ 4.3 quorum queues" in readme[0] and "celery-redis-lua" in readme[0]
 
 
+def test_the_scripts_table_of_the_internals_page_names_every_script() -> None:
+    """A script added to lua/ must reach the overview a reader meets first (it once lacked
+    eight); the full contract is the generated docs/scripts.md."""
+    listed = set(re.findall(r"`(\w+)`", "\n".join(table(section((DOCS / "internals.md").read_text(),
+                                                                 "The scripts")))))
+    assert sorted(p.stem for p in (ROOT / "lua").glob("*.lua") if p.stem not in listed) == []
+
+
 def test_links_out_of_docs_become_text_only_when_their_target_exists() -> None:
     page = DOCS / "scripts.md"
 
