@@ -40,7 +40,7 @@ def options() -> argparse.Namespace:
     p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
                    help="throwaway server for the Redis-based peers (default: redis if on PATH)")
     p.add_argument("--peers", default="lua,lua-unconfirmed,stock,plus,rabbit,rabbit-confirm",
-                   help="default peers to run, if available")
+                   help="default peers to run, if available ('': only the --checkout ones)")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[,module:Class]",
                    help="measure these instead of the default peers (name one 'stock' for ratios)")
     p.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//")
@@ -297,7 +297,7 @@ def main() -> int:
             peers = [parse_peer(text) for text in o.peer]
         else:
             server = stack.enter_context(Server(o.server_kind))
-            peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",")])
+            peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",") if p.strip()])
             peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
             if o.cluster:
                 cluster = stack.enter_context(Cluster(o.server_kind))
