@@ -297,7 +297,8 @@ def main() -> int:
             peers = [parse_peer(text) for text in o.peer]
         else:
             server = stack.enter_context(Server(o.server_kind))
-            peers, skipped = default_peers(server.port, o.amqp_url, [p.strip() for p in o.peers.split(",") if p.strip()])
+            wanted = [p.strip() for p in o.peers.split(",") if p.strip()]  # none: the checkouts only
+            peers, skipped = default_peers(server.port, o.amqp_url, wanted)
             peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
             if o.cluster:
                 cluster = stack.enter_context(Cluster(o.server_kind))
