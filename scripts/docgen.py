@@ -227,11 +227,10 @@ def generate(docs: Path | None = None) -> str:
     return render((docs / "scripts.header.md").read_text(), load_scripts())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    target = checkout_docs() / "scripts.md"
-    content = generate()
-    if "--check" in args:
+def write_or_check(target: Path, content: str, argv: Sequence[str] | None) -> int:
+    """A generated page's ``main``: write ``content`` to ``target``, or with ``--check`` exit 1
+    when the page is not it (stale)."""
+    if "--check" in (sys.argv[1:] if argv is None else argv):
         if not target.exists() or target.read_text() != content:
             print(f"{target} is stale: run make docs", file=sys.stderr)
             return 1
@@ -239,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     target.write_text(content)
     print(f"wrote {target}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_or_check(checkout_docs() / "scripts.md", generate(), argv)
 
 
 if __name__ == "__main__":

@@ -505,7 +505,7 @@ def dead_list(queue: str, count: int, after: str | None, as_json: bool, url: str
     if as_json:
         click.echo(json.dumps([{"entry": d.entry_id, "message": d.id, "reason": d.reason,
                                 "delivery_count": d.delivery_count, "priority": d.priority,
-                                "task": task_of(d.payload)[0], "task_id": task_of(d.payload)[1]}
+                                **dict(zip(("task", "task_id"), task_of(d.payload), strict=True))}
                                for d in letters]))
         return
     if not letters:
@@ -529,7 +529,8 @@ def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, pr
         ids = lib.dead_replay(queue, count=1, entry_ids=entry_ids)
     else:
         ids = []
-        with progress(min(count, lib.stats([queue])[0].dead), f"replaying dead letters of {queue!r}") as step:
+        with progress(lambda: min(count, lib.stats([queue])[0].dead),
+                      f"replaying dead letters of {queue!r}") as step:
             while len(ids) < count:  # one call at a time: each holds the server for its batch only
                 batch = lib.dead_replay(queue, count=min(REPLAY_BATCH, count - len(ids)))
                 ids += batch
@@ -544,10 +545,12 @@ PROGRESS_FROM = 1000
 
 
 @contextlib.contextmanager
-def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
+def progress(total_of: Callable[[], int], what: str) -> Iterator[Callable[[int], None]]:
     """``step(n)`` advances a progress bar on stderr, when stderr is a terminal and the work
-    is long; otherwise it does nothing (a pipe or a log gets the result lines only)."""
-    if total < PROGRESS_FROM or not sys.stderr.isatty():
+    (``total_of()``, asked only then) is long; otherwise it does nothing (a pipe or a log gets
+    the result lines only, and the total is never counted)."""
+    total = total_of() if sys.stderr.isatty() else 0
+    if total < PROGRESS_FROM:
         yield lambda n: None
         return
     from rich.console import Console
@@ -685,13 +688,16 @@ def migrate(source_url: str, from_prefix: str, queues: tuple[str, ...], dry_run:
     for queue in queues:
         lib.keys.queue(queue)  # a name that cannot be a queue's fails here, before anything moves
     source = connect(source_url, "", role="stock kombu broker").client
+    wanted = list(queues) or None
     if dry_run:
-        report = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=True)
+        report = Migration(source, lib, source_prefix=from_prefix).run(wanted, dry_run=True)
     else:
-        planned = Migration(source, lib, source_prefix=from_prefix).run(list(queues) or None, dry_run=True)
-        with progress(sum(planned.planned.values()), "migrating") as step:
-            report = Migration(source, lib, source_prefix=from_prefix, after_take=lambda: step(1)).run(
-                list(queues) or None)
+        def planned() -> int:  # a dry run, only to size a progress bar on a terminal
+            plan = Migration(source, lib, source_prefix=from_prefix).run(wanted, dry_run=True)
+            return sum(plan.planned.values())
+
+        with progress(planned, "migrating") as step:
+            report = Migration(source, lib, source_prefix=from_prefix, after_take=lambda: step(1)).run(wanted)
     if dry_run:
         rows = sorted(report.planned.items())
         if as_json:
