@@ -1,29 +1,36 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 6
--- summary: Acknowledge messages of one queue: delete them and every trace of them.
+-- version: 7
+-- summary: Acknowledge messages of one queue: delete them and every trace of them, fenced by the delivery's count.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
---   delayed  ZSET    P delayed:{Q}         delayed messages (not touched)
+--   delayed  ZSET    P delayed:{Q}         delayed messages (a copy waiting for a delayed retry is removed too)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limits' (and 'paused' when it holds a cap) are read
+--   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limits' (and 'paused' when it holds a cap) are read; 'retrying' less the retries cancelled (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued; pushed when it frees a slot of a capped queue)
 -- ARGV:
---   1.. id  string   message ids to acknowledge
--- returns: integer, how many of the messages still existed
+--   1.. id  string   message ids to acknowledge, each optionally as id:delivery_count
+-- returns: array {acked, then the id of each stale ack}: acked counts the messages that still
+--   existed and were deleted; a stale ack (id:delivery_count of a message another consumer
+--   now holds, delivered with another count) is left alone and its id returned
 -- errors:
 --   ERR celery-redis-lua: ack: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: ack: expected at least one id
+--   ERR celery-redis-lua: ack: id 'V' must be an id or id:delivery_count
 -- why: allow-oom, because acking frees memory and must work on a full server. Acking a
---   message that the sweep already put back (visibility timeout passed) cancels the
---   restored copy, so a slow but successful task does not run again. Acking twice is
---   harmless: ids are never reused, so a late or repeated ack cannot touch another message.
---   Every queue script takes the same eight keys, so a caller builds them in one place.
---   An ack frees a slot: in a queue with an in-flight cap (the limit script) with messages
---   ready, it pushes the wake token, so a consumer the cap held back takes the slot at once.
+--   message that the sweep already put back (visibility timeout passed), ready or waiting
+--   for a delayed retry, cancels that copy, so a slow but successful task does not run
+--   again. id:delivery_count fences the ack as reject is fenced: a message in flight with
+--   another count was delivered again since, to a consumer that holds it now; deleting it
+--   would take that consumer's delivery (and its slot of an in-flight cap), so it is left
+--   alone and reported. Acking twice is harmless: ids are never reused, so a late or
+--   repeated ack cannot touch another message. Every queue script takes the same eight
+--   keys, so a caller builds them in one place. An ack frees a slot: in a queue with an
+--   in-flight cap (the limit script) with messages ready, it pushes the wake token, so a
+--   consumer the cap held back takes the slot at once.
 
 local rcall = redis.call
 
@@ -84,26 +91,56 @@ if #KEYS ~= 8 then
 end
 if #ARGV < 1 then return fail('expected at least one id') end
 
+-- Validate every id before changing anything: a bad one must not leave a half-done batch.
+local ids, expected = {}, {}
+for i = 1, #ARGV do
+  local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
+  if not id then
+    if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then
+      return fail("id '" .. ARGV[i] .. "' must be an id or id:delivery_count")
+    end
+    id = ARGV[i]
+  end
+  ids[i], expected[i] = id, count and tonumber(count)
+end
+
 -- One command over many arguments, in chunks that Lua's unpack() can take.
-local function variadic(command, key)
+local function variadic(command, key, items)
   local total = 0
-  for first = 1, #ARGV, 4000 do
-    total = total + rcall(command, key, unpack(ARGV, first, math.min(first + 3999, #ARGV)))
+  for first = 1, #items, 4000 do
+    total = total + rcall(command, key, unpack(items, first, math.min(first + 3999, #items)))
   end
   return total
 end
 
-for first = 1, #ARGV, 4000 do -- each state names its task id, if any
-  local states = rcall('HMGET', KEYS[7], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
+-- Each state tells whether the ack is stale, where a copy waits, and its task id.
+local acked, stale, waiting, retries = {}, {}, {}, 0
+for first = 1, #ids, 4000 do
+  local states = rcall('HMGET', KEYS[7], unpack(ids, first, math.min(first + 3999, #ids)))
   for i, raw in ipairs(states) do
-    if raw then forget_task(KEYS[7], ARGV[first + i - 1], parse_state(raw)) end
+    local n = first + i - 1
+    local s = raw and parse_state(raw)
+    if s and expected[n] and s.state == 'unacked' and s.count ~= expected[n] then
+      stale[#stale + 1] = ids[n] -- delivered again since: that consumer's now
+    else
+      acked[#acked + 1] = ids[n]
+      if s then
+        forget_task(KEYS[7], ids[n], s)
+        if s.state == 'retry' or s.state == 'delayed' then waiting[#waiting + 1] = ids[n] end
+        if s.state == 'retry' then retries = retries + 1 end
+      end
+    end
   end
 end
-variadic('ZREM', KEYS[3])
-if variadic('ZREM', KEYS[1]) > 0 then -- a copy the sweep had put back: its wake may be idle now
-  drop_idle_wake(KEYS[1], KEYS[2], KEYS[8])
-end
-variadic('HDEL', KEYS[7])
-local acked = variadic('HDEL', KEYS[6])
-if acked > 0 then wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) end
-return acked
+local reply = {0}
+for _, id in ipairs(stale) do reply[#reply + 1] = id end
+if #acked == 0 then return reply end
+variadic('ZREM', KEYS[3], acked)
+local unqueued = variadic('ZREM', KEYS[1], acked) -- a copy the sweep had put back
+if #waiting > 0 then unqueued = unqueued + variadic('ZREM', KEYS[2], waiting) end
+if retries > 0 then rcall('HINCRBY', KEYS[4], 'retrying', -retries) end
+if unqueued > 0 then drop_idle_wake(KEYS[1], KEYS[2], KEYS[8]) end -- its wake may be idle now
+variadic('HDEL', KEYS[7], acked)
+reply[1] = variadic('HDEL', KEYS[6], acked)
+if reply[1] > 0 then wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) end
+return reply

@@ -1,16 +1,16 @@
 #!lua
 -- name: dead_replay
--- version: 6
+-- version: 7
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments and last_id
+--   meta     HASH    P meta:{Q}            queue arguments and last_id; 'paused' is read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
---   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready
+--   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready (not in a paused queue: none is delivered)
 -- ARGV:
 --   1   visibility_ms  integer > 0       unused since version 6 (no ready message sits popped); still checked
 --   2   count          integer 1..10000  most entries replayed, oldest first (ignored when entry ids are given)
@@ -135,7 +135,7 @@ for _, entry in ipairs(entries) do
 end
 if #replayed > 0 then
   rcall('HSET', meta_key, 'last_id', last_id)
-  arm_wake(wake_key)
+  if rcall('HEXISTS', meta_key, 'paused') == 0 then arm_wake(wake_key) end -- a paused queue wakes nobody
 end
 if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 

@@ -1,6 +1,6 @@
 #!lua
 -- name: limit
--- version: 1
+-- version: 2
 -- summary: Set or clear a queue's limits for all its consumers together: most messages in flight, most deliveries per second, minute or hour.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (decides whether to wake a consumer)
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            not read
 --   message  HASH    P message:{Q}         not read
 --   state    HASH    P state:{Q}           not read
---   wake     LIST    P wake:{Q}            the wake token, pushed when a change may let a consumer take what is queued
+--   wake     LIST    P wake:{Q}            the wake token, pushed when a change may let a consumer take what is queued; it expires with meta (x-expires)
 -- ARGV:
 --   1  in_flight  integer 1..1000000, 'clear', or '' (left as it is)             most messages of the queue delivered and not yet acked, across all consumers
 --   2  rate       N/s, N/m or N/h with N 1..1000000, 'clear', or '' (left as it is)  most deliveries per second, minute or hour, across all consumers
@@ -39,6 +39,14 @@ local function arm_wake(wake_key)
   if redis.call('LLEN', wake_key) > 0 then return false end
   redis.call('RPUSH', wake_key, '1')
   return true
+end
+
+-- A wake list made here expires with the queue (x-expires): at meta's expiry time, which
+-- all of the queue's keys share; not refreshed, as an operator's change is no consumer's
+-- activity.
+local function expire_with_meta(meta_key, key)
+  local at = redis.call('PEXPIRETIME', meta_key)
+  if at > 0 then redis.call('PEXPIREAT', key, at) end
 end
 
 local function fail(message)
@@ -90,5 +98,7 @@ end
 if new_rate ~= old_rate then
   rcall('HDEL', meta_key, 'limit_tat') -- a full bucket: an old slow rate's wait does not carry over
 end
-if loosened and not old[2] and rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 then arm_wake(KEYS[8]) end
+if loosened and not old[2] and rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and arm_wake(KEYS[8]) then
+  expire_with_meta(meta_key, KEYS[8])
+end
 return {cap == '-' and '' or cap, new_rate == '-' and '' or new_rate}

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 9
+-- version: 10
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready, or a drop frees a slot of a capped queue
+--   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready (not in a paused queue), or a drop frees a slot of a capped queue
 -- ARGV:
 --   1   requeue             failed, returned or drop (1 and 0 are failed and drop)   failed: a consumer rejected it with requeue; returned: handed back unstarted; both are counted redeliveries; drop: dead-letter it
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
@@ -216,7 +216,7 @@ for i, id in ipairs(ids) do
 end
 
 if requeued > 0 then
-  arm_wake(wake_key)
+  if rcall('HEXISTS', meta_key, 'paused') == 0 then arm_wake(wake_key) end -- a paused queue wakes nobody
 elseif dead_lettered + deleted > 0 then
   wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
 end

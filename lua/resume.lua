@@ -1,6 +1,6 @@
 #!lua
 -- name: resume
--- version: 1
+-- version: 2
 -- summary: Resume a paused queue, and wake a blocked consumer at once if anything is queued.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (decides whether to wake a consumer)
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            not read
 --   message  HASH    P message:{Q}         not read
 --   state    HASH    P state:{Q}           not read
---   wake     LIST    P wake:{Q}            the wake token, pushed when something is queued
+--   wake     LIST    P wake:{Q}            the wake token, pushed when something is queued; it expires with meta (x-expires)
 -- ARGV: none
 -- returns: integer, 1 when the queue was paused, 0 when it was running already
 -- errors:
@@ -31,6 +31,14 @@ local function arm_wake(wake_key)
   return true
 end
 
+-- A wake list made here expires with the queue (x-expires): at meta's expiry time, which
+-- all of the queue's keys share; not refreshed, as an operator's change is no consumer's
+-- activity.
+local function expire_with_meta(meta_key, key)
+  local at = redis.call('PEXPIRETIME', meta_key)
+  if at > 0 then redis.call('PEXPIREAT', key, at) end
+end
+
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: resume: ' .. message)
 end
@@ -44,5 +52,7 @@ if rcall('EXISTS', KEYS[4]) == 0 then
 end
 
 local was = rcall('HDEL', KEYS[4], 'paused')
-if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 then arm_wake(KEYS[8]) end
+if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and arm_wake(KEYS[8]) then
+  expire_with_meta(KEYS[4], KEYS[8])
+end
 return was

@@ -1,16 +1,16 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 8
+-- version: 9
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'limits' (and 'paused' when it holds a cap) are read
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'paused' (nothing promoted) and 'limits' are read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready, or drops a delivery of a capped queue
+--   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready (not in a paused queue), or drops a delivery of a capped queue
 -- ARGV:
 --   1  visibility_ms       integer > 0       unused since version 6 (no ready message sits popped); still checked
 --   2  delivery_limit      integer >= 0      delivery attempts before a message is dead-lettered; 0 means no limit
@@ -44,7 +44,9 @@
 --   (state 'retry', counted in 'retrying') before it is ready again, as reject's requeue
 --   does. A timed-out delivery frees a slot: one dropped (expired, delivery limit) in a
 --   queue with an in-flight cap (the limit script) with messages ready pushes the token
---   too. allow-oom, because the sweep mostly frees memory.
+--   too. A paused queue's due countdowns and retries are not promoted: they wait for resume,
+--   as consume leaves them (its timed-out deliveries are still restored, to wait ready).
+--   allow-oom, because the sweep mostly frees memory.
 
 local rcall = redis.call
 
@@ -208,6 +210,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
 
   local due = rcall('ZRANGE', delayed_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch, 'WITHSCORES')
+  if #due > 0 and rcall('HEXISTS', meta_key, 'paused') == 1 then due = {} end -- they wait for resume
   for i = 1, #due, 2 do
     local id, eta = due[i], tonumber(due[i + 1])
     local raw = rcall('HGET', state_key, id)
@@ -276,7 +279,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if #entries == batch then more = 1 end
 
   if promoted + requeued + unclaimed > ready_before then
-    arm_wake(wake_key)
+    if rcall('HEXISTS', meta_key, 'paused') == 0 then arm_wake(wake_key) end -- a paused queue wakes nobody
   else
     if freed then wake_freed_slot(meta_key, queue_key, delayed_key, wake_key) end
     drop_idle_wake(queue_key, delayed_key, wake_key) -- e.g. the last ones expired

@@ -1,18 +1,18 @@
 #!lua
 -- name: unpop
--- version: 3
+-- version: 4
 -- summary: Give back the wake token a blocked consumer's BLPOP took, when it stops before it consumes.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (decides whether the token goes back)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (decides whether the token goes back)
 --   index    ZSET    P messages_index:{Q}  expiry refresh only
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' is read
 --   dead     STREAM  P dead:{Q}            expiry refresh only
 --   message  HASH    P message:{Q}         expiry refresh only
 --   state    HASH    P state:{Q}           expiry refresh only
 --   wake     LIST    P wake:{Q}            the wake token a blocked consumer's BLPOP took
 -- ARGV: none
--- returns: integer, 1 when the token went back, 0 when nothing is queued or a token already waits
+-- returns: integer, 1 when the token went back, 0 when nothing is queued, the queue is paused or a token already waits
 -- errors:
 --   ERR celery-redis-lua: unpop: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: unpop: expected no arguments, got N
@@ -44,7 +44,10 @@ end
 if #ARGV ~= 0 then return fail('expected no arguments, got ' .. #ARGV) end
 
 local back = 0
-if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and arm_wake(KEYS[8]) then back = 1 end
+if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and rcall('HEXISTS', KEYS[4], 'paused') == 0
+    and arm_wake(KEYS[8]) then
+  back = 1 -- a paused queue wakes nobody: its token stays dropped
+end
 local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
 if expires then
   local time = rcall('TIME')

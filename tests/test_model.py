@@ -1,15 +1,31 @@
-"""Model-based test: random publish / consume / ack / reject / extend / sweep sequences,
-with message TTLs, queue expiry, delete-and-recreate and late acks, against a real server
-and a small Python model that predicts every reply exactly (which messages a consume
-delivers and in what order, which it dead-letters as expired, delivery counts, reject and
-sweep counts, dead letters). After every step the server must match the model: each
-unacked message is ready (queued; indexed only by its TTL), in flight (indexed, not queued)
-or delayed, with its payload and its state string; a queue with anything ready or delayed
-holds one wake token, an idle one none; no ready id is duplicated or also held in flight
-(unless a sweep restored it); ready scores encode the priority; the expiring queue's keys
-all share one expiry time; ids only grow per queue name, across deletes and expiries. At
-teardown everything is consumed and acked and only meta keys (and dead-letter streams)
-are left. Time is the server's: short ETAs and 1 ms TTLs are waited for, and a dead
+"""The model: the definition of a queue's state. Random sequences of every script that
+writes a queue's state (``DRIVEN``), run by three consumers of one library interleaved,
+against a real server and a small Python model that predicts every reply exactly.
+
+What it drives: publish (priorities, ETAs, TTLs, task ids), consume (one queue or merged,
+each consumer dying at will: its deliveries lapse), ack and reject fenced by the count
+each consumer was given (as the transport sends them) or by id alone (as another
+language may), so stale acks and rejects come from consumers whose lease lapsed and whose
+message the sweep restored or put into a delayed retry, or another consumer took since;
+extend, sweep, the delayed retry of each x-delayed-retry-type (drawn per queue), pause and
+resume, limits (an in-flight cap; slow rates, whose buckets do not refill within an
+example), cancel by task id, unpop, purge, dead-letter replay and purge, declare, delete,
+and the server's expiry of a queue with x-expires.
+
+After every step the server must match the model (``server_matches_model``): each message
+is in exactly one place (ready: queued, indexed only by its TTL; in flight: indexed, not
+queued; delayed or waiting for a retry: in the delayed set; dead; or gone), with its
+payload and state string; the in-flight count the scripts compute (stored - ready -
+delayed) is the model's count of unacked deliveries; ``retrying`` is the number waiting for
+a retry; the pause and the limits are as set; a paused queue holds no wake token, and an
+idle one none, while a running queue a consumer could take from holds one; a delivery in
+flight is held by the consumer given its count; ready scores encode the priority; the
+expiring queue's keys share one expiry time; ids only grow per queue name. Consume's
+prediction holds the cap (never more in flight than it allows), the rate's tokens and
+the pause (nothing delivered or promoted). At teardown everything is consumed and acked
+and only meta keys (and dead-letter streams) are left.
+
+Time is the server's: short ETAs, retry delays and 1 ms TTLs are waited for, and a dead
 consumer's deliveries lapse by extend at 1 ms plus a wait; every other deadline is 60 s
 away. A queue's expiry is shortened with PEXPIREAT (declare floors x-expires at 10 s), but
 it is the server that expires the keys.
@@ -17,18 +33,26 @@ it is the server that expires the keys.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
-from celery_redis_lua import Keyspace, Policy, Rejected, ScriptLibrary
+from celery_redis_lua import Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
+from celery_redis_lua.protocol.retry import DelayedRetry
+from celery_redis_lua.protocol.runner import Call
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
 from scripts.servers import Cluster, Server
 
@@ -36,10 +60,37 @@ F = 10**13  # score = (255 - priority) * F + ready_at_ms
 VIS = 60_000
 LIMIT = 3  # first delivery + two redeliveries, then dead-lettered
 EXPIRES = 600_000  # x-expires of the expiring queue (it never runs out by itself here)
+RETRY_MIN, RETRY_MAX = 20, 50  # x-delayed-retry-min/max (ms): a retry waits min(20 * count, 50)
+CONSUMERS = 3
+# Rates whose bucket never refills within an example (one token per 180 s or slower):
+# N/h gives burst max(1, N // 10) tokens, then none.
+RATES = ("1/h", "3/h", "20/h", "30/h")
 PRIORITIES = st.one_of(st.sampled_from([0, 5, 255]), st.integers(0, 255))
 PICKS = st.lists(st.integers(0, 63), min_size=1, max_size=3)
 TTLS = st.sampled_from([None, None, 1, 60_000])  # 1 ms: expired before the next step
 T = TypeVar("T")
+
+# Every script that writes a queue's state is driven here, or listed with the reason it is
+# not (test_every_writing_script_is_driven_by_the_model holds both lists to lua/).
+DRIVEN = frozenset({
+    "publish", "consume", "ack", "reject", "extend", "sweep", "declare", "delete", "pause", "resume",
+    "limit", "cancel", "unpop", "purge", "dead_replay", "dead_purge",
+})
+NOT_DRIVEN = {
+    "bind": "the binding table of an exchange, not a queue's state: tests/test_bindings.py",
+    "unbind": "the binding table of an exchange, not a queue's state: tests/test_bindings.py",
+    "lookup": "reads an exchange's binding table and drops its expired bindings, not a queue's "
+              "state: tests/test_bindings.py",
+    "rerouted": "a cached route's fence (meta 'rerouted:<exchange>'), read by publish only with a "
+                "route: tests/test_routes.py",
+    "migrated": "migrate's record of what it copied, a key of its own: tests/test_migrate.py",
+    "fanout_publish": "a fanout stream (XADD), not a queue's state: tests/test_fanout.py",
+    "fanout_bind": "a fanout stream's consumer group: tests/test_fanout.py",
+    "fanout_consume": "a fanout stream's consumer group: tests/test_fanout.py",
+    "fanout_unbind": "a fanout stream's consumer group: tests/test_fanout.py",
+    "fanout_leave": "a fanout stream's consumer group: tests/test_fanout.py",
+}
+CALLED: Counter[str] = Counter()  # what the model runs of each script, for the meta-test
 
 
 def pick(items: list[T], picks: list[int]) -> list[T]:
@@ -48,44 +99,104 @@ def pick(items: list[T], picks: list[int]) -> list[T]:
     return list(dict.fromkeys(items[i % len(items)] for i in picks)) if items else []
 
 
+def retry_delay(attempts: int) -> int:
+    return min(RETRY_MIN * attempts, RETRY_MAX)
+
+
+def burst(rate: str) -> int:
+    return max(1, int(rate.partition("/")[0]) // 10)
+
+
+class RecordingLibrary(ScriptLibrary):
+    """The script library, counting each script it runs (CALLED)."""
+
+    def run(self, call: Call[T]) -> T:
+        CALLED[call.script] += 1
+        return super().run(call)
+
+    def run_many(self, batch: Sequence[Call[Any]], *, raise_on_error: bool = True) -> list[Any]:
+        CALLED.update(call.script for call in batch)
+        return super().run_many(batch, raise_on_error=raise_on_error)
+
+    def with_policy(self, **changes: Any) -> ScriptLibrary:
+        return RecordingLibrary(self.client, self.keys, dataclasses.replace(self.policy, **changes))
+
+
 @dataclass(eq=False)
 class Msg:
     queue: str
     id: str
     payload: bytes
     priority: int
-    state: str  # 'delayed' | 'ready' | 'unacked', as in the state string
-    eta: int | None = None
+    state: str  # 'delayed' | 'retry' | 'ready' | 'unacked', as in the state string
+    eta: int | None = None  # delayed or retry: when it is due (server ms)
     expires_at: int | None = None  # message TTL deadline (server ms)
     delivery_count: int = 0
     score: int | None = None  # the ready score the server stored (validated when recorded)
     timed_out_step: int | None = None  # in flight with a deadline already passed (server clock)
-    restored: bool = False  # a sweep put it back while our consumer still held it
+    restored: bool = False  # the sweep moved it on while a consumer still held it
+    task: str | None = None  # the Celery task id it was published with
 
     def delivery(self) -> tuple[str, str, int, bytes]:
         return self.queue, self.id, self.delivery_count, self.payload
 
     def state_string(self) -> str:
         expires = "-" if self.expires_at is None else str(self.expires_at)
-        return f"{self.state} {self.delivery_count} {self.priority} {expires}"
+        line = f"{self.state} {self.delivery_count} {self.priority} {expires}"
+        return line if self.task is None else f"{line} {self.task}"
+
+    @property
+    def waiting(self) -> bool:
+        """In the delayed set: a countdown or a delayed retry."""
+        return self.state in ("delayed", "retry")
+
+
+@dataclass
+class QueueState:
+    """What a queue's meta holds besides its messages (None/False: not set)."""
+
+    retry: str = "disabled"  # the x-delayed-retry-type it is declared with
+    retry_stored: bool = False  # declare stored it (a delete takes it; a publish alone does not)
+    paused: bool = False
+    cap: int | None = None
+    rate: str | None = None
+    tokens: int = 0  # left in the rate's bucket
 
 
 @dataclass
 class Model:
     messages: dict[tuple[str, str], Msg] = field(default_factory=dict)
-    held: set[tuple[str, str]] = field(default_factory=set)  # delivered, not acked/rejected
+    # consumer -> (queue, id) -> the delivery count it was given; delivered, not acked/rejected
+    held: list[dict[tuple[str, str], int]] = field(default_factory=lambda: [{} for _ in range(CONSUMERS)])
     gone: set[tuple[str, str]] = field(default_factory=set)  # acked, dead-lettered or deleted
     dead: dict[str, list[tuple[str, str, int, int, bytes]]] = field(default_factory=dict)
     published: dict[str, int] = field(default_factory=dict)
     last_id: dict[str, str] = field(default_factory=dict)  # newest id ever given, per queue name
     meta_last_id: dict[str, str | None] = field(default_factory=dict)  # what meta holds (None: no meta)
+    queues: dict[str, QueueState] = field(default_factory=dict)
 
     def in_state(self, state: str, queue: str | None = None) -> list[Msg]:
         return sorted((m for m in self.messages.values()
                        if m.state == state and queue in (None, m.queue)), key=lambda m: (m.queue, m.id))
 
+    def waiting(self, queue: str | None = None) -> list[Msg]:
+        return self.in_state("delayed", queue) + self.in_state("retry", queue)
+
     def expired(self, m: Msg, at: int) -> bool:
         return m.expires_at is not None and m.expires_at <= at
+
+    def holders(self, queue: str, message_id: str) -> list[int]:
+        return [c for c in range(CONSUMERS) if (queue, message_id) in self.held[c]]
+
+    def room(self, queue: str) -> int | None:
+        """How many more a consume may deliver of ``queue`` (None: no limit)."""
+        q = self.queues[queue]
+        rooms = []
+        if q.cap is not None:
+            rooms.append(max(0, q.cap - len(self.in_state("unacked", queue))))
+        if q.rate is not None:
+            rooms.append(q.tokens)
+        return min(rooms) if rooms else None
 
 
 def text(value: Any) -> str:
@@ -106,21 +217,35 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
         def __init__(self) -> None:
             super().__init__()
             client.flushall()
-            self.lib = ScriptLibrary(client, k, Policy(visibility_ms=VIS, delivery_limit=LIMIT))
+            self.lib = RecordingLibrary(client, k, Policy(visibility_ms=VIS, delivery_limit=LIMIT))
             self.short = self.lib.with_policy(visibility_ms=1)
             self.m = Model(dead={q: [] for q in queues}, published=dict.fromkeys(queues, 0),
-                           meta_last_id=dict.fromkeys(queues))
+                           meta_last_id=dict.fromkeys(queues), queues={q: QueueState() for q in queues})
             self.step = 0
-            self.declare_expiring()
 
         def now(self) -> int:
             return server_now_ms(client)
 
-        def declare_expiring(self) -> None:
-            declared = self.lib.declare(expiring, expires_ms=EXPIRES)
-            assert declared.expires_ms == EXPIRES
-            if self.m.meta_last_id[expiring] is None:
-                self.m.meta_last_id[expiring] = "0" * 16
+        # -- helpers ------------------------------------------------------------------------
+
+        def declare_queue(self, queue: str) -> None:
+            """Declare ``queue`` with its delayed retry (and x-expires, the expiring one)."""
+            q = self.m.queues[queue]
+            retry = DelayedRetry(q.retry, RETRY_MIN, RETRY_MAX) if q.retry != "disabled" else DelayedRetry()
+            declared = self.lib.declare(queue, expires_ms=EXPIRES if queue == expiring else None, retry=retry)
+            mine = [m for m in self.m.messages.values() if m.queue == queue]
+            assert (declared.ready, declared.delayed, declared.in_flight) == (
+                sum(m.state == "ready" for m in mine), sum(m.waiting for m in mine),
+                sum(m.state == "unacked" for m in mine))
+            assert declared.expires_ms == (EXPIRES if queue == expiring else None)
+            assert declared.retry == retry
+            q.retry_stored = True
+            if self.m.meta_last_id[queue] is None:
+                self.m.meta_last_id[queue] = "0" * 16
+
+        def retry_applies(self, queue: str, cause: str) -> bool:
+            q = self.m.queues[queue]
+            return q.retry_stored and q.retry in (cause, "all")
 
         def record_ready(self, m: Msg, t0: int, t1: int) -> None:
             """m was made ready by a script that ran between server times t0 and t1."""
@@ -129,53 +254,80 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             score = int(score)
             assert score // F == 255 - m.priority, (m, score)
             assert t0 <= score % F <= t1, (m, score, t0, t1)
-            m.state, m.score, m.timed_out_step = "ready", score, None
+            m.state, m.score, m.eta, m.timed_out_step = "ready", score, None, None
+
+        def record_retry(self, m: Msg, attempts: int, t0: int, t1: int) -> None:
+            """m waits for a delayed retry, put there between server times t0 and t1."""
+            eta = client.zscore(k.delayed(m.queue), m.id)
+            assert eta is not None, f"{m.id} should wait for a retry"
+            delay = retry_delay(attempts)
+            assert t0 + delay <= int(eta) <= t1 + delay, (m, eta, t0, t1, delay)
+            m.state, m.eta, m.score, m.timed_out_step = "retry", int(eta), None, None
+            m.delivery_count = attempts
 
         def resolve_promotions(self, scope: list[str], visited: bool, t0: int, t1: int) -> int:
-            """Delayed messages of ``scope`` that a script run in [t0, t1] promoted (it
-            looked at these queues when ``visited``, else it must not have touched them)."""
+            """Delayed and retry-waiting messages of ``scope`` that a script run in [t0, t1]
+            promoted (it looked at these queues when ``visited``, else it must not have
+            touched them; a paused queue is never visited)."""
             promoted = 0
-            for m in self.m.in_state("delayed"):
+            for m in self.m.waiting():
                 if m.queue not in scope:
                     continue
                 assert m.eta is not None
                 still = client.zscore(k.delayed(m.queue), m.id) is not None
-                if not visited or m.eta > t1:
-                    assert still, f"{m.id} promoted before its ETA or by a call that skipped it"
+                looked = visited and not self.m.queues[m.queue].paused
+                if not looked or m.eta > t1:
+                    assert still, f"{m.id} promoted before its ETA, or by a call that skipped it"
                 elif m.eta <= t0:
                     assert not still, f"{m.id} due at {m.eta} was not promoted at {t0}..{t1}"
                 if not still:
-                    m.state, m.score = "ready", (255 - m.priority) * F + m.eta
+                    m.state, m.score, m.eta = "ready", (255 - m.priority) * F + m.eta, None
                     promoted += 1
             return promoted
 
         def dead_letter(self, m: Msg, reason: str, count: int) -> None:
             self.m.dead[m.queue].append((m.id, reason, count, m.priority, m.payload))
+            self.remove(m)
+
+        def remove(self, m: Msg) -> None:
             del self.m.messages[m.queue, m.id]
             self.m.gone.add((m.queue, m.id))
 
         def forget_queue(self, queue: str) -> None:
-            """The queue went (deleted, or expired) with everything in it; what our consumer
-            still holds of it stays held: its late acks and rejects must find nothing."""
+            """The queue went (deleted, or expired) with everything in it, its pause and limits
+            too; what consumers still hold of it stays held: their late acks and rejects must
+            find nothing."""
             for key in [key for key in self.m.messages if key[0] == queue]:
                 del self.m.messages[key]
                 self.m.gone.add(key)
             self.m.dead[queue] = []
             self.m.meta_last_id[queue] = None
+            self.m.queues[queue] = QueueState(retry=self.m.queues[queue].retry)
 
-        @initialize(batch=st.lists(st.tuples(st.sampled_from(queues), PRIORITIES), max_size=10))
-        def prefill(self, batch: list[tuple[str, int]]) -> None:
-            """A backlog to start from, so that consumes, rejects and time-outs have work."""
+        # -- rules --------------------------------------------------------------------------
+
+        @initialize(retry=st.lists(st.sampled_from(["disabled", "failed", "returned", "all"]),
+                                   min_size=len(queues), max_size=len(queues)),
+                    batch=st.lists(st.tuples(st.sampled_from(queues), PRIORITIES), max_size=10))
+        def prefill(self, retry: list[str], batch: list[tuple[str, int]]) -> None:
+            """Each queue's delayed retry, and a backlog to start from, so that consumes,
+            rejects and time-outs have work (the expiring queue is declared; the others take
+            their retry when a declare rule runs)."""
+            for queue, kind in zip(queues, retry, strict=True):
+                self.m.queues[queue].retry = kind
+            self.declare_queue(expiring)
             for queue, priority in batch:
-                self.publish([queue], priority, None, None)
+                self.publish([queue], priority, None, None, False)
 
         @rule(into=st.lists(st.sampled_from(queues), min_size=1, max_size=4), priority=PRIORITIES,
-              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS)
-        def publish(self, into: list[str], priority: int, delay: int | None, ttl: int | None) -> None:
+              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans())
+        def publish(self, into: list[str], priority: int, delay: int | None, ttl: int | None,
+                    task: bool) -> None:
             """Publish to each target queue in one pipeline: mostly within one ms, so ties
             of priority and time are broken by id (one queue) and by queue order (several).
             A 1 ms TTL is waited out at once (delayed messages get 60 s: their TTL counts
-            from the ETA, which test_ttl_expiry covers)."""
+            from the ETA, which test_ttl_expiry covers). ``task``: with a task id (the
+            payload), which cancel finds."""
             if delay is not None and ttl == 1:
                 ttl = 60_000
             t0 = self.now()
@@ -184,14 +336,16 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             for queue in into:
                 self.m.published[queue] += 1
                 payloads.append(f"{queue}-{self.m.published[queue]}")
-            ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl)
+            ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl,
+                                                            task_id=p if task else None)
                                      for q, p in zip(into, payloads, strict=True)])
             t1 = self.now()
             for queue, payload, message_id in zip(into, payloads, ids, strict=True):
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
-                m = Msg(queue, message_id, payload.encode(), priority, "ready")
+                m = Msg(queue, message_id, payload.encode(), priority, "ready",
+                        task=payload if task else None)
                 self.m.messages[queue, message_id] = m
                 if ttl is not None:
                     state = text(client.hget(k.state(queue), message_id)).split(" ")
@@ -208,101 +362,182 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             if ttl == 1:
                 wait_for_server_time(client, t1 + 2)  # past every 1 ms TTL just given
 
-        @rule(count=st.integers(1, 5), only=st.one_of(st.none(), st.sampled_from(queues)),
-              lapse=st.booleans())
-        def consume(self, count: int, only: str | None, lapse: bool) -> None:
+        @rule(consumer=st.integers(0, CONSUMERS - 1), count=st.integers(1, 5),
+              only=st.one_of(st.none(), st.sampled_from(queues)), lapse=st.booleans())
+        def consume(self, consumer: int, count: int, only: str | None, lapse: bool) -> None:
             """From every queue (merged by priority), or from one (ZPOPMIN). With ``lapse``
             the consumer dies: its deliveries pass their visibility deadline (server clock)."""
-            delivered = self.do_consume(count, [only] if only else queues)
+            delivered = self.do_consume(consumer, count, [only] if only else queues)
             if lapse and delivered:
                 self.time_out(delivered)
 
-        def do_consume(self, count: int, asked: list[str]) -> list[Msg]:
+        def do_consume(self, consumer: int, count: int, asked: list[str]) -> list[Msg]:
+            in_flight = {q: len(self.m.in_state("unacked", q)) for q in queues}
             t0 = self.now()
             consumed = self.lib.consume(asked, count)
             t1 = self.now()
             expected: list[Msg] = []
             expired: list[Msg] = []
             wake_etas: list[int] = []
+            rate_waits: list[str] = []
+            limited = False
             self.resolve_promotions([q for q in queues if q not in asked], False, t0, t1)
             for group in self.lib.slot_groups(asked):  # asked in turn until count is reached
                 visited = len(expected) < count
                 self.resolve_promotions(group, visited, t0, t1)
                 if not visited:
                     continue
-                ready = [m for q in group for m in self.m.in_state("ready", q)]
+                active = [q for q in group if not self.m.queues[q].paused]
+                rooms = {q: self.m.room(q) for q in active}
+                limited = limited or any(r is not None for r in rooms.values())
+                ready = [m for q in active for m in self.m.in_state("ready", q)]
                 ready.sort(key=lambda m: (m.score, group.index(m.queue), m.id))
+                taken = {q: 0 for q in active}
                 for m in ready:  # expired ones are dead-lettered and replaced
                     if len(expected) == count:
                         break
-                    (expired if self.m.expired(m, t0) else expected).append(m)
-                wake_etas += [m.eta for q in group for m in self.m.in_state("delayed", q) if m.eta]
+                    room = rooms[m.queue]
+                    if room is not None and taken[m.queue] >= room:
+                        continue  # its limit holds it back, untouched
+                    if self.m.expired(m, t0):
+                        expired.append(m)
+                    else:
+                        expected.append(m)
+                        taken[m.queue] += 1
+                wake_etas += [m.eta for q in active for m in self.m.waiting(q) if m.eta]
+                for q in active:
+                    state = self.m.queues[q]
+                    if state.rate is not None:
+                        state.tokens -= taken[q]
+                        left = [m for m in self.m.in_state("ready", q)
+                                if m not in expected and m not in expired]
+                        if state.tokens == 0 and left:
+                            rate_waits.append(q)
             actual = [(d.queue, d.id, d.delivery_count, d.payload) for d in consumed.deliveries]
-            assert actual == [m.delivery() for m in expected]
+            if limited:  # a limited queue's heads may be taken in a second round: same set
+                assert sorted(actual) == sorted(m.delivery() for m in expected)
+            else:
+                assert actual == [m.delivery() for m in expected]
             assert consumed.expired == len(expired)
             for m in expired:
                 self.dead_letter(m, "expired", m.delivery_count)
-                self.m.held.discard((m.queue, m.id))
+            priority = {m.id: m.priority for m in expected}
             for q in queues:  # within a queue: priority never rises
-                priorities = [m.priority for m in expected if m.queue == q]
+                priorities = [priority[d.id] for d in consumed.deliveries if d.queue == q]
                 assert priorities == sorted(priorities, reverse=True)
-            if wake_etas:
-                low, high = max(0, min(wake_etas) - t1), max(0, min(wake_etas) - t0)
-                assert consumed.wake_in_ms is not None and low <= consumed.wake_in_ms <= high
-            else:
-                assert consumed.wake_in_ms is None
+            self.check_wake_in(consumed.wake_in_ms, wake_etas, rate_waits, t0, t1)
             for m in expected:
                 m.state, m.score, m.timed_out_step, m.restored = "unacked", None, None, False
-                self.m.held.add((m.queue, m.id))
+                self.m.held[consumer][m.queue, m.id] = m.delivery_count
+            for q in queues:  # never more in flight than a cap lets out
+                cap = self.m.queues[q].cap
+                now_in_flight = len(self.m.in_state("unacked", q))
+                if cap is not None and now_in_flight > in_flight[q]:
+                    assert now_in_flight <= cap, (q, now_in_flight, cap)
             return expected
 
-        @rule(picks=PICKS, stale=st.one_of(st.none(), st.integers(0, 63)))
-        def ack(self, picks: list[int], stale: int | None) -> None:
-            """Ack held deliveries (in flight, restored by a sweep, or of a queue deleted or
-            expired since), maybe plus an id that is gone."""
-            queues_held = sorted({q for q, _ in self.m.held})
-            if not queues_held:
+        def check_wake_in(self, wake_in: int | None, etas: list[int], rate_waits: list[str],
+                          t0: int, t1: int) -> None:
+            """The ms until the earliest ETA, or until a rate that holds back ready messages
+            gives its next token (limit_tat, less the burst, by the server's clock)."""
+            bounds = [(max(0, eta - t1), max(0, eta - t0)) for eta in etas]
+            for q in rate_waits:
+                rate = self.m.queues[q].rate
+                assert rate is not None
+                interval_us = 3600 * 10**6 / int(rate.partition("/")[0])
+                tat = int(client.hget(k.meta(q), "limit_tat"))
+                free_at = (tat - (burst(rate) - 1) * interval_us) / 1000
+                bounds.append((max(1, math.floor(free_at) - t1 - 1), max(1, math.ceil(free_at) - t0 + 1)))
+            if not bounds:
+                assert wake_in is None
                 return
-            queue = queues_held[picks[0] % len(queues_held)]
-            ids = pick(sorted(i for q, i in self.m.held if q == queue), picks)
-            ids += pick(sorted(i for q, i in self.m.gone if q == queue and i not in ids),
-                        [] if stale is None else [stale])
-            existing = [i for i in ids if (queue, i) in self.m.messages]
-            assert self.lib.ack(queue, ids) == len(existing)
-            for i in ids:
-                self.m.held.discard((queue, i))
-                self.m.messages.pop((queue, i), None)
-                self.m.gone.add((queue, i))
+            assert wake_in is not None
+            assert min(b[0] for b in bounds) <= wake_in <= min(b[1] for b in bounds), (wake_in, bounds)
 
-        @rule(picks=PICKS, requeue=st.booleans(), late=st.booleans())
-        def reject(self, picks: list[int], requeue: bool, late: bool) -> None:
-            """Reject in-flight deliveries; with ``late``, also one whose queue was deleted or
-            expired since (it must change nothing)."""
-            in_flight = sorted({m.queue for m in self.m.in_state("unacked")})
-            if not in_flight:
+        def held_by(self, consumer: int, picks: list[int]) -> tuple[int, str, list[str]] | None:
+            """A consumer that holds deliveries (``consumer``, or the next one that does), a
+            queue it holds some of, and some of their ids."""
+            holding = [c for c in range(CONSUMERS) if self.m.held[c]]
+            if not holding:
+                return None
+            consumer = min(holding, key=lambda c: (c - consumer) % CONSUMERS)
+            held = self.m.held[consumer]
+            queues_held = sorted({q for q, _ in held})
+            queue = queues_held[picks[0] % len(queues_held)]
+            return consumer, queue, pick(sorted(i for q, i in held if q == queue), picks)
+
+        @rule(consumer=st.integers(0, CONSUMERS - 1), picks=PICKS,
+              stale=st.one_of(st.none(), st.integers(0, 63)), fenced=st.booleans())
+        def ack(self, consumer: int, picks: list[int], stale: int | None, fenced: bool) -> None:
+            """A consumer acks deliveries it holds (in flight, moved on by a sweep, or of a
+            queue deleted or expired since), maybe plus an id that is gone; ``fenced``: with
+            the count it was given, as the transport sends it. A fenced ack of a message
+            another consumer holds now is stale: left alone, and its id returned."""
+            chosen = self.held_by(consumer, picks)
+            if chosen is None:
                 return
-            queue = in_flight[picks[0] % len(in_flight)]
-            ids = pick([m.id for m in self.m.in_state("unacked", queue)], picks)
-            gone_held = sorted(i for q, i in self.m.held if q == queue and (q, i) not in self.m.messages)
-            stale = pick(gone_held, picks[:1]) if late else []
-            t0 = self.now()
-            result = self.lib.reject(queue, ids + stale, requeue=requeue)
-            t1 = self.now()
-            requeued = dead = 0
-            for i in stale:
-                self.m.held.discard((queue, i))
+            consumer, queue, ids = chosen
+            given = [self.m.held[consumer][queue, i] for i in ids]
+            extra = pick(sorted(i for q, i in self.m.gone if q == queue and i not in ids),
+                         [] if stale is None else [stale])
+            acked, stale_ids = 0, []
+            for i, count in zip(ids, given, strict=True):
+                m = self.m.messages.get((queue, i))
+                if m is not None and fenced and m.state == "unacked" and m.delivery_count != count:
+                    stale_ids.append(i)
+                elif m is not None:
+                    acked += 1
+            counts = (given + [None] * len(extra)) if fenced else None
+            result = self.lib.ack(queue, ids + extra, counts=counts)
+            assert (result, result.stale) == (acked, tuple(stale_ids))
             for i in ids:
-                m = self.m.messages[queue, i]
-                self.m.held.discard((queue, i))
-                if requeue and m.delivery_count + 1 < LIMIT:
-                    m.delivery_count += 1
+                del self.m.held[consumer][queue, i]
+                m = self.m.messages.get((queue, i))
+                if m is not None and i not in stale_ids:
+                    self.remove(m)
+
+        @rule(consumer=st.integers(0, CONSUMERS - 1), picks=PICKS, requeue=st.booleans(),
+              returned=st.booleans(), late=st.booleans())
+        def reject(self, consumer: int, picks: list[int], requeue: bool, returned: bool, late: bool) -> None:
+            """A consumer rejects (or hands back unstarted: ``returned``) deliveries it holds,
+            fenced by the count it was given, as the transport does; with ``late``, one of a
+            queue deleted or expired since among them. A message delivered again since (or
+            moved on by the sweep) is stale: left alone."""
+            chosen = self.held_by(consumer, picks)
+            if chosen is None:
+                return
+            consumer, queue, ids = chosen
+            if not late:  # only deliveries whose message is still there
+                ids = [i for i in ids if (queue, i) in self.m.messages]
+                if not ids:
+                    return
+            given = [self.m.held[consumer][queue, i] for i in ids]
+            cause = "returned" if returned else "failed"
+            t0 = self.now()
+            result = self.lib.reject(queue, ids, requeue=requeue, counts=given, returned=returned)
+            t1 = self.now()
+            requeued = dead = stale = 0
+            for i, count in zip(ids, given, strict=True):
+                del self.m.held[consumer][queue, i]
+                m = self.m.messages.get((queue, i))
+                if m is None:
+                    continue
+                if m.delivery_count != count:
+                    stale += 1
+                    continue
+                attempts = count + 1
+                if requeue and attempts < LIMIT and self.retry_applies(queue, cause):
+                    self.record_retry(m, attempts, t0, t1)
+                    requeued += 1
+                elif requeue and attempts < LIMIT:
+                    m.delivery_count = attempts
                     self.record_ready(m, t0, t1)
                     requeued += 1
                 else:
                     self.dead_letter(m, "delivery-limit" if requeue else "rejected",
-                                     m.delivery_count + requeue)
+                                     attempts if requeue else count)
                     dead += 1
-            assert result == Rejected(requeued, dead, 0)
+            assert result == Rejected(requeued, dead, 0, stale)
 
         @rule(picks=st.lists(st.integers(0, 63), min_size=1, max_size=4))
         def extend(self, picks: list[int]) -> None:
@@ -341,21 +576,26 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 for q in group:
                     due = [m for m in self.m.messages.values() if m.queue == q and (
                         (m.state == "unacked" and m.timed_out_step is not None)
-                        or (m.state == "ready" and m.score is not None and m.id in index[q]
+                        or (m.state in ("ready", "retry") and m.id in index[q]
                             and self.m.expired(m, t0) and index[q][m.id] <= t0))]
                     for m in sorted(due, key=lambda m: (index[q][m.id], m.id)):
-                        if m.state == "ready":  # its TTL passed while it waited
+                        attempts = m.delivery_count + 1
+                        if m.state != "unacked":  # its TTL passed while it waited
                             dropped.append((q, m.id, m.delivery_count, "expired", m.payload))
                             self.dead_letter(m, "expired", m.delivery_count)
                             expired += 1
-                        elif m.delivery_count + 1 < LIMIT:
-                            m.delivery_count += 1
+                            continue
+                        m.restored = bool(self.m.holders(q, m.id))
+                        if attempts < LIMIT and self.retry_applies(q, "failed"):
+                            self.record_retry(m, attempts, t0, t1)
+                            requeued += 1
+                        elif attempts < LIMIT:
+                            m.delivery_count = attempts
                             self.record_ready(m, t0, t1)
-                            m.restored = (q, m.id) in self.m.held
                             requeued += 1
                         else:
-                            dropped.append((q, m.id, m.delivery_count + 1, "delivery-limit", m.payload))
-                            self.dead_letter(m, "delivery-limit", m.delivery_count + 1)
+                            dropped.append((q, m.id, attempts, "delivery-limit", m.payload))
+                            self.dead_letter(m, "delivery-limit", attempts)
                             dead_lettered += 1
             assert (report.promoted, report.requeued, report.limit_reached, report.expired) == (
                 promoted, requeued, dead_lettered, expired)
@@ -365,8 +605,13 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
 
         @rule()
         def wait_for_delayed(self) -> None:
-            """Until every delayed message is due by the server clock (no-op without any)."""
-            wait_for_server_time(client, max([m.eta or 0 for m in self.m.in_state("delayed")], default=0))
+            """Until every countdown and retry is due by the server clock (no-op without any)."""
+            wait_for_server_time(client, max([m.eta or 0 for m in self.m.waiting()], default=0))
+
+        @rule(queue=st.sampled_from(queues))
+        def declare(self, queue: str) -> None:
+            """A consumer declares the queue: it takes its delayed retry (once stored, kept)."""
+            self.declare_queue(queue)
 
         @rule(queue=st.sampled_from(queues))
         def delete(self, queue: str) -> None:
@@ -376,7 +621,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             self.forget_queue(queue)
             assert not (all_keys(client) & set(k.queue_keys(queue)))
             if queue == expiring:
-                self.declare_expiring()
+                self.declare_queue(expiring)
 
         @rule()
         def expire(self) -> None:
@@ -389,42 +634,126 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             wait_until(lambda: not (all_keys(client) & set(names)), timeout=10, interval=0.005,
                        what="the queue expired")
             self.forget_queue(expiring)
-            self.declare_expiring()
+            self.declare_queue(expiring)
+
+        @rule(queue=st.sampled_from(queues), reason=st.sampled_from(["", "deploy"]))
+        def pause(self, queue: str, reason: str) -> None:
+            """Pause: nothing delivered or promoted; a queue that does not exist is refused."""
+            q = self.m.queues[queue]
+            if self.m.meta_last_id[queue] is None:
+                with pytest.raises(ScriptError, match="no queue"):
+                    self.lib.pause(queue, reason)
+                return
+            assert self.lib.pause(queue, reason) == (not q.paused)
+            q.paused = True
+
+        @rule(queue=st.sampled_from(queues))
+        def resume(self, queue: str) -> None:
+            q = self.m.queues[queue]
+            if self.m.meta_last_id[queue] is None:
+                with pytest.raises(ScriptError, match="no queue"):
+                    self.lib.resume(queue)
+                return
+            assert self.lib.resume(queue) == q.paused
+            q.paused = False
+
+        @rule(queue=st.sampled_from(queues),
+              cap=st.one_of(st.none(), st.just("clear"), st.integers(1, 4)),
+              rate=st.one_of(st.none(), st.just("clear"), st.sampled_from(RATES)))
+        def limit(self, queue: str, cap: int | str | None, rate: str | None) -> None:
+            """Set or clear the in-flight cap and the rate; a new rate starts with a full
+            bucket, the same rate again keeps it."""
+            q = self.m.queues[queue]
+            if cap is None and rate is None:
+                return
+            call = self.lib.calls.limit(queue, in_flight=None if cap == "clear" else cap,
+                                        rate=None if rate == "clear" else rate,
+                                        clear_in_flight=cap == "clear", clear_rate=rate == "clear")
+            if self.m.meta_last_id[queue] is None:
+                with pytest.raises(ScriptError, match="no queue"):
+                    self.lib.run(call)
+                return
+            limits = self.lib.run(call)
+            if cap is not None:
+                q.cap = None if cap == "clear" else int(cap)
+            if rate == "clear":
+                q.rate = None
+            elif rate is not None and rate != q.rate:
+                q.rate, q.tokens = rate, burst(rate)
+            assert limits == Limits(q.cap, q.rate)
+
+        @rule(picks=PICKS, gone=st.booleans())
+        def cancel(self, picks: list[int], gone: bool) -> None:
+            """Cancel a task by id: a waiting message (ready, delayed, retry) is dead-lettered
+            'cancelled'; one in flight is left alone; one that is gone is missing."""
+            tasks = sorted((m.queue, m.task) for m in self.m.messages.values() if m.task)
+            if gone:
+                tasks = sorted((q, f"{q}-{n}") for q in queues for n in range(1, self.m.published[q] + 1)
+                               if f"{q}-{n}".encode() not in {m.payload for m in self.m.messages.values()})
+            if not tasks:
+                return
+            queue, task = pick(tasks, picks)[0]
+            result = self.lib.cancel(queue, task)
+            found = [m for m in self.m.messages.values() if m.queue == queue and m.task == task]
+            if not found:
+                assert result.outcome == "missing"
+                return
+            [m] = found
+            if m.state == "unacked":
+                assert (result.outcome, result.id) == ("in_flight", m.id)
+                return
+            assert (result.outcome, result.id, result.was) == ("cancelled", m.id, m.state)
+            self.dead_letter(m, "cancelled", m.delivery_count)
+
+        @rule(queue=st.sampled_from(queues))
+        def unpop(self, queue: str) -> None:
+            """A consumer stops after its BLPOP took the token: it goes back while the queue
+            (running) holds something ready or delayed and no token waits."""
+            busy = bool(self.m.in_state("ready", queue) or self.m.waiting(queue))
+            client.delete(k.wake(queue))  # what the BLPOP took
+            assert self.lib.unpop(queue) == int(busy and not self.m.queues[queue].paused)
+
+        @rule(queue=st.sampled_from(queues))
+        def purge(self, queue: str) -> None:
+            """Ready, delayed and retry-waiting messages go; those in flight stay."""
+            waiting = [m for m in self.m.messages.values() if m.queue == queue and m.state != "unacked"]
+            assert self.lib.purge(queue) == len(waiting)
+            for m in waiting:
+                self.remove(m)
+
+        @rule(queue=st.sampled_from(queues), count=st.integers(1, 3))
+        def dead_replay(self, queue: str, count: int) -> None:
+            """The oldest dead letters come back as new ready messages: a new id, count 0,
+            no TTL (the payload is no Celery envelope: no task id)."""
+            replaying = self.m.dead[queue][:count]
+            t0 = self.now()
+            ids = self.lib.dead_replay(queue, count=count)
+            t1 = self.now()
+            assert len(ids) == len(replaying)
+            del self.m.dead[queue][:count]
+            for message_id, (_, _, _, priority, payload) in zip(ids, replaying, strict=True):
+                assert is_message_id(message_id)
+                assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
+                self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
+                m = Msg(queue, message_id, payload, priority, "ready")
+                self.m.messages[queue, message_id] = m
+                self.record_ready(m, t0, t1)
+
+        @rule(queue=st.sampled_from(queues))
+        def dead_purge(self, queue: str) -> None:
+            assert self.lib.dead_purge(queue) == len(self.m.dead[queue])
+            self.m.dead[queue] = []
+
+        # -- invariants -----------------------------------------------------------------------
 
         @invariant()
         def server_matches_model(self) -> None:
             now = self.now()
             present = all_keys(client)
             for q in queues:
-                queued = {text(i): int(s) for i, s in client.zrange(k.queue(q), 0, -1, withscores=True)}
-                # One wake token while anything is ready or delayed (a consumer blocked on the
-                # list must wake for it), none once the queue is idle (nothing is left behind).
-                busy = bool(self.m.in_state("ready", q) or self.m.in_state("delayed", q))
-                assert client.lrange(k.wake(q), 0, -1) == ([b"1"] if busy else []), q
-                assert queued == {m.id: m.score for m in self.m.in_state("ready", q)}, q
-                delayed = {text(i): int(s) for i, s in client.zrange(k.delayed(q), 0, -1, withscores=True)}
-                assert delayed == {m.id: m.eta for m in self.m.in_state("delayed", q)}, q
-                index = {text(i): int(s) for i, s in client.zrange(k.index(q), 0, -1, withscores=True)}
-                in_flight = self.m.in_state("unacked", q)
-                expiring_ready = [m for m in self.m.in_state("ready", q) if m.expires_at is not None]
-                assert set(index) == {m.id for m in expiring_ready + in_flight}, q
-                for m in in_flight:
-                    assert m.id not in queued, f"{m.id} is in flight and ready at once"
-                    assert (index[m.id] < now) if m.timed_out_step else (index[m.id] > now + VIS // 2)
-                for m in expiring_ready:  # the sweep looks at it by its TTL at the latest
-                    assert index[m.id] <= m.expires_at, m
-                mine = [m for m in self.m.messages.values() if m.queue == q]
-                states = {text(i): text(v) for i, v in client.hgetall(k.state(q)).items()}
-                assert states == {m.id: m.state_string() for m in mine}, q
-                payloads = {text(i): v for i, v in client.hgetall(k.message(q)).items()}
-                assert payloads == {m.id: m.payload for m in mine}, q
-                last = client.hget(k.meta(q), "last_id")
-                assert (None if last is None else text(last)) == self.m.meta_last_id[q], q
-                assert [(d.id, d.reason, d.delivery_count, d.priority, d.payload)
-                        for d in self.lib.dead_list(q)] == self.m.dead[q]
-                for m in self.m.messages.values():
-                    if m.state == "ready" and (m.queue, m.id) in self.m.held:
-                        assert m.restored, f"{m.id} is held in flight and ready without a sweep restoring it"
+                self.check_places(q, now)
+                self.check_meta(q)
+                self.check_wake(q)
                 names = [key for key in k.queue_keys(q) if key in present]
                 if q == expiring:  # every key of the queue expires at one time, messages included
                     assert len({client.pexpiretime(name) for name in names}) == 1, names
@@ -433,16 +762,85 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     assert all(client.pttl(name) == -1 for name in names)
             assert present <= {key for q in queues for key in k.queue_keys(q)}
 
+        def check_places(self, q: str, now: int) -> None:
+            """Each message in exactly one place, as the model has it."""
+            queued = {text(i): int(s) for i, s in client.zrange(k.queue(q), 0, -1, withscores=True)}
+            assert queued == {m.id: m.score for m in self.m.in_state("ready", q)}, q
+            delayed = {text(i): int(s) for i, s in client.zrange(k.delayed(q), 0, -1, withscores=True)}
+            assert delayed == {m.id: m.eta for m in self.m.waiting(q)}, q
+            assert not (set(queued) & set(delayed)), q
+            index = {text(i): int(s) for i, s in client.zrange(k.index(q), 0, -1, withscores=True)}
+            in_flight = self.m.in_state("unacked", q)
+            # Ready, or waiting for a retry: indexed only at its TTL (a countdown: not before
+            # its promotion).
+            ttl_indexed = [m for m in self.m.messages.values() if m.queue == q and m.expires_at is not None
+                           and m.state in ("ready", "retry")]
+            assert set(index) == {m.id for m in ttl_indexed + in_flight}, q
+            for m in in_flight:
+                assert m.id not in queued, f"{m.id} is in flight and ready at once"
+                assert (index[m.id] < now) if m.timed_out_step else (index[m.id] > now + VIS // 2)
+                assert [c for c in self.m.holders(q, m.id)
+                        if self.m.held[c][q, m.id] == m.delivery_count], f"{m.id} held by nobody"
+            for m in ttl_indexed:  # the sweep looks at it by its TTL at the latest
+                assert index[m.id] <= m.expires_at, m
+            mine = [m for m in self.m.messages.values() if m.queue == q]
+            states = {text(i): text(v) for i, v in client.hgetall(k.state(q)).items()}
+            assert states == {m.id: m.state_string() for m in mine} | {
+                f"task:{m.task}": m.id for m in mine if m.task}, q
+            payloads = {text(i): v for i, v in client.hgetall(k.message(q)).items()}
+            assert payloads == {m.id: m.payload for m in mine}, q
+            dead = [(d.id, d.reason, d.delivery_count, d.priority, d.payload) for d in self.lib.dead_list(q)]
+            assert dead == self.m.dead[q]
+            assert not ({d[0] for d in dead} & set(payloads)), "dead and stored at once"
+            for m in mine:
+                if m.state != "unacked" and self.m.holders(q, m.id):
+                    assert m.restored, f"{m.id} is held and waiting without a sweep moving it on"
+
+        def check_meta(self, q: str) -> None:
+            """last_id, the in-flight count the scripts compute, retrying, pause, limits."""
+            last = client.hget(k.meta(q), "last_id")
+            assert (None if last is None else text(last)) == self.m.meta_last_id[q], q
+            stored = client.hlen(k.message(q)) - client.zcard(k.queue(q)) - client.zcard(k.delayed(q))
+            assert stored == len(self.m.in_state("unacked", q)), f"{q}: in flight {stored}"
+            retrying = client.hget(k.meta(q), "retrying")
+            assert int(retrying or 0) == len(self.m.in_state("retry", q)), q
+            state = self.m.queues[q]
+            assert client.hexists(k.meta(q), "paused") == state.paused, q
+            limits = client.hget(k.meta(q), "limits")
+            expected = None if state.cap is None and state.rate is None else (
+                f"{state.cap if state.cap is not None else '-'} {state.rate or '-'}")
+            assert (None if limits is None else text(limits)) == expected, q
+
+        def check_wake(self, q: str) -> None:
+            """No token in a paused or idle queue (it would wake a consumer for nothing, and
+            outlive the messages); one where a consumer could take something now."""
+            token = client.lrange(k.wake(q), 0, -1)
+            assert token in ([], [b"1"]), q
+            state = self.m.queues[q]
+            busy = bool(self.m.in_state("ready", q) or self.m.waiting(q))
+            if state.paused or not busy:
+                assert token == [], f"{q}: a token, paused={state.paused} busy={busy}"
+            elif self.m.room(q) != 0:
+                assert token == [b"1"], f"{q}: no token for what a consumer may take"
+
         def teardown(self) -> None:
             if sys.exc_info()[0] is not None:
                 return  # a step failed: report that, not a follow-on failure here
-            delayed = self.m.in_state("delayed")
-            if delayed:
-                wait_for_server_time(client, max(m.eta or 0 for m in delayed))
-            while self.m.in_state("ready") or self.m.in_state("delayed"):
-                self.do_consume(5, queues)
+            for q in queues:  # what holds messages back goes first
+                if self.m.queues[q].paused:
+                    self.resume(q)
+                if self.m.queues[q].cap is not None or self.m.queues[q].rate is not None:
+                    self.limit(q, "clear" if self.m.queues[q].cap is not None else None,
+                               "clear" if self.m.queues[q].rate is not None else None)
+            waiting = self.m.waiting()
+            if waiting:
+                wait_for_server_time(client, max(m.eta or 0 for m in waiting))
+            for _ in range(1000):
+                if not (self.m.in_state("ready") or self.m.waiting()):
+                    break
+                self.do_consume(0, 5, queues)
             for q in queues:
-                ids = sorted(i for queue, i in self.m.held if queue == q)
+                ids = sorted({i for held in self.m.held for queue, i in held if queue == q})
                 if ids:
                     assert self.lib.ack(q, ids) == sum((q, i) in self.m.messages for i in ids)
                     for i in ids:
@@ -455,30 +853,54 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
     return QueueMachine
 
 
-def run(client: Any, keyspace: Keyspace, queues: list[str], examples: int) -> None:
+def run(client: Any, keyspace: Keyspace, queues: list[str], examples: int, steps: int = 40) -> None:
     machine = make_machine(client, keyspace, queues, expiring=queues[-1])
     run_machine(machine, settings=settings(
-        max_examples=examples, stateful_step_count=30, deadline=None, database=None,
+        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
 def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     """Two queues consumed together: one consume call merges them by priority; 'b' has an
-    x-expires."""
+    x-expires. Every script of DRIVEN runs."""
+    CALLED.clear()
     with closing(valkey_server.client(socket_timeout=10)) as client:
-        run(client, Keyspace(), ["a", "b"], examples=40)
+        run(client, Keyspace(), ["a", "b"], examples=150)
+    assert set(CALLED) >= DRIVEN, f"never run: {sorted(DRIVEN - set(CALLED))}"
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:
     with closing(redis_server.client(socket_timeout=10)) as client:
-        run(client, Keyspace("app:"), ["a", "b"], examples=15)
+        run(client, Keyspace("app:"), ["a", "b"], examples=60)
 
 
 def test_model_on_valkey_cluster(valkey_cluster: Cluster) -> None:
     """Three queues, one per primary: the library asks each slot group in turn."""
     keyspace = Keyspace("app:")
     with closing(valkey_cluster.client(socket_timeout=10)) as client:
-        run(client, keyspace, names_on_each_node(client, keyspace, "mq"), examples=12)
+        run(client, keyspace, names_on_each_node(client, keyspace, "mq"), examples=40)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_model_long_profile(kind: str, request: pytest.FixtureRequest) -> None:
+    """The long profile (make test-all): thousands of examples (docs/RELIABILITY.md)."""
+    server: Server = request.getfixturevalue(f"{kind}_server")
+    with closing(server.client(socket_timeout=10)) as client:
+        run(client, Keyspace("app:"), ["a", "b"], examples=2000, steps=50)
+
+
+def test_every_writing_script_is_driven_by_the_model() -> None:
+    """A script that writes (no flags=no-writes in its shebang) is in DRIVEN, or in
+    NOT_DRIVEN with the reason: the next new script cannot land unproven."""
+    lua = Path(__file__).resolve().parents[1] / "lua"
+    writing = {path.stem for path in lua.glob("*.lua")
+               if "no-writes" not in path.read_text().partition("\n")[0]}
+    assert not (DRIVEN & set(NOT_DRIVEN)), "both driven and not"
+    assert writing == DRIVEN | set(NOT_DRIVEN), (
+        f"not driven by the model: {sorted(writing - DRIVEN - set(NOT_DRIVEN))}; "
+        f"listed but no such writing script: {sorted((DRIVEN | set(NOT_DRIVEN)) - writing)}")
 
 
 def test_a_consume_that_takes_the_last_messages_leaves_no_wake_token(valkey_server: Server) -> None:

@@ -11,6 +11,7 @@ from .protocol.contract import Script, load_scripts
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
 from .protocol.ops import (
+    Acked,
     Consumed,
     DeadLetter,
     Declared,
@@ -35,7 +36,7 @@ for _scheme, _target in ALIASES.items():
     TRANSPORT_ALIASES.setdefault(_scheme, _target)
 
 __all__ = [
-    "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
+    "Acked", "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
     "KeyspaceError", "Limits", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
     "ScriptRunner", "SweepReport", "Transport", "cancel", "clear_limits", "limit", "load_scripts", "pause",
     "resume", "where",

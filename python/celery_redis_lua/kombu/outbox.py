@@ -45,7 +45,7 @@ Group = tuple[str, str, bool]  # ("ack" or "reject", queue, requeue): one script
 
 
 # One pending call's entry: (when it was first asked for: it is given up a visibility timeout
-# later, a reject's fencing count or None). A tuple, not a dataclass: one is made per ack.
+# later, the ack's or reject's fencing count or None). A tuple, not a dataclass: one is made per ack.
 Pending = tuple[float, int | None]
 
 
@@ -95,12 +95,13 @@ class Outbox:
         those a consume took: they are the consume's until it settles them)."""
         return len(self._pending) + self._sent
 
-    def add_ack(self, queue: str, message_id: str) -> None:
-        """Gather one ack; it goes within ``delay`` seconds (with a consume, or the keeper).
-        The path of every ack: one lock, one dict write, and the keeper told once per batch."""
+    def add_ack(self, queue: str, message_id: str, count: int | None = None) -> None:
+        """Gather one ack, fenced by ``count`` (the delivery's); it goes within ``delay``
+        seconds (with a consume, or the keeper). The path of every ack: one lock, one dict
+        write, and the keeper told once per batch."""
         now = time.monotonic()
         with self._lock:
-            self._pending.groups[("ack", queue, False)].setdefault(message_id, (now, None))
+            self._pending.groups[("ack", queue, False)].setdefault(message_id, (now, count))
             sooner = now + self.delay < self._due
             if sooner:
                 self._due = now + self.delay
@@ -126,7 +127,8 @@ class Outbox:
 
     def calls(self, batch: Batch) -> list[Call[Any]]:
         """The batch's calls, one per group, in the order :meth:`settle` expects."""
-        return [self.lib.calls.ack(queue, list(ids)) if kind == "ack" else
+        return [self.lib.calls.ack(queue, list(ids), counts=[count for _, count in ids.values()])
+                if kind == "ack" else
                 self.lib.calls.reject(queue, list(ids), requeue=requeue,
                                       counts=[count for _, count in ids.values()])
                 for (kind, queue, requeue), ids in batch.groups.items()]
@@ -177,6 +179,10 @@ class Outbox:
                 self._failing.difference_update((group, i) for i in ids)
         if kind == "reject":
             report(self.lib, queue, list(ids), result, requeue=requeue)
+        elif result.stale:
+            logger.warning("celery-redis-lua: the ack of message(s) %s of queue %r came after their "
+                           "lease lapsed, and another consumer holds them now: left to it (the task "
+                           "ran here and may run there too)", ", ".join(result.stale), queue)
 
     def _add(self, batch: Batch, due: float) -> None:
         with self._lock:

@@ -28,9 +28,12 @@ class QoS(virtual.QoS):
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
             # Settling from now: the caller may drop its Message before the batch is sent, and
-            # a keeper tick would take it for dropped unacked and hand it back.
-            KEEPER.settling(self.channel.lib, tag.queue, tag.id)
-            self.channel.outbox.add_ack(tag.queue, tag.id)
+            # a keeper tick would take it for dropped unacked and hand it back. Fenced by the
+            # count this delivery carried, as a reject is.
+            count = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
+            if count is None:
+                count = _count_of(self._delivered.get(delivery_tag))
+            self.channel.outbox.add_ack(tag.queue, tag.id, count)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:

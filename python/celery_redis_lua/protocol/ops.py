@@ -356,9 +356,25 @@ def _paused_reason(value: Any) -> str | None:
     return _text(value).partition(" ")[2]
 
 
+class Acked(int):
+    """How many messages an ack deleted (an int, as the reply's first item), and ``stale``:
+    the ids it left alone because another consumer holds them now (fenced by a count)."""
+
+    stale: tuple[str, ...]
+
+    def __new__(cls, acked: int, stale: Iterable[str] = ()) -> Acked:
+        self = super().__new__(cls, acked)
+        self.stale = tuple(stale)
+        return self
+
+
 @operation
-def ack(k: Keyspace, p: Policy, queue: str, ids: Sequence[str]) -> Call[int]:
-    return Call("ack", k.queue_keys(queue), list(ids), int)
+def ack(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *,
+        counts: Sequence[int | None] | None = None) -> Call[Acked]:
+    """With ``counts`` (the x-delivery-count each was delivered with), an ack of a message
+    delivered again since, to a consumer that holds it now, is left alone (``Acked.stale``)."""
+    return Call("ack", k.queue_keys(queue), fenced(ids, counts),
+                lambda reply: Acked(int(reply[0]), (_text(i) for i in reply[1:])))
 
 
 def fenced(ids: Sequence[str], counts: Sequence[int | None] | None) -> list[str]:
