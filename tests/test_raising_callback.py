@@ -10,6 +10,8 @@ when the channel closes or stops consuming its queue before that.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from kombu.message import Message
 from celery_redis_lua.kombu.keeper import KEEPER
 from celery_redis_lua.protocol.envelope import DeliveryTag
 from helpers import wait_until
-from kombu_support import Broker
+from kombu_support import Broker, drain
 
 QUEUE = Queue("strand", Exchange("strand", "direct"), routing_key="strand")
 PREFETCH = 10
@@ -147,3 +149,25 @@ def test_the_rest_of_a_batch_whose_callback_raised_goes_back_at_once_when_its_co
         assert not any(KEEPER.holds(channel.lib, "strand", i.decode())
                        for i in kind_broker.client.hkeys(kind_broker.keys.message("strand")))
     assert len(got) == 1  # never delivered to a consumer that left
+
+
+def test_a_delivery_kombu_cannot_read_is_dead_lettered_and_the_batch_goes_on(
+        kind_broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    """An envelope whose body kombu cannot decode (bad base64) fails in kombu's Message,
+    before its QoS takes it: nobody would hold it. It is dead-lettered, logged, like a
+    payload that is no envelope, and the rest of its batch is delivered."""
+    got: list[Message] = []
+    unreadable = {"body": "abc", "content-type": "application/json", "content-encoding": "utf-8",
+                  "headers": {}, "properties": {"body_encoding": "base64", "delivery_info": {}}}
+    with (kind_broker.connection() as conn, caplog.at_level(logging.ERROR, "celery_redis_lua"),
+          Consumer(conn, [QUEUE], callbacks=[lambda _, m: got.append(m)], prefetch_count=PREFETCH)):
+        kind_broker.lib.publish("strand", json.dumps(unreadable))
+        publish(conn)
+        drain(conn, got, PREFETCH, timeout=DEADLINE_SECONDS)
+        assert [m.payload["i"] for m in got] == list(range(PREFETCH))
+        [s] = kind_broker.lib.stats(["strand"])
+        assert (s.ready, s.in_flight, s.dead) == (0, PREFETCH, 1)
+        assert held_outside_qos(kind_broker, conn.default_channel) == set()
+        assert "kombu could not read it (Error('Incorrect padding'))" in caplog.text
+        for message in got:
+            message.ack()

@@ -174,8 +174,19 @@ class ConsumingMixin:
         while undelivered:
             delivery, no_ack = undelivered.popleft()
             payload = self._decode_or_reject(delivery, no_ack)
-            if payload is not None:
+            if payload is None:
+                continue
+            try:
                 self.connection._deliver(payload, delivery.queue)
+            except Exception as error:
+                # Raised before kombu's QoS took it (only its Message can: a body it cannot
+                # decode), nobody would hold it: rejected as a payload that is no envelope is.
+                if no_ack or payload["properties"]["delivery_tag"] in self.qos._delivered \
+                        or not KEEPER.live(self.lib, delivery.queue, delivery.id):
+                    raise
+                self._reject_unreadable(delivery, no_ack, f"message {delivery.id} in queue "
+                                        f"{delivery.queue!r}: kombu could not read it ({error!r})")
+            else:
                 delivered += 1
         return delivered
 
@@ -202,12 +213,15 @@ class ConsumingMixin:
         try:
             return delivered_envelope(delivery)
         except BadEnvelope as error:
-            logger.error("celery-redis-lua: rejected a message: %s", error)
-            if not no_ack:
-                KEEPER.release(self.lib, delivery.queue, [delivery.id])
-                reject(self.lib, delivery.queue, [delivery.id], requeue=False,
-                       counts=[delivery.delivery_count])
+            self._reject_unreadable(delivery, no_ack, str(error))
             return None
+
+    def _reject_unreadable(self, delivery: Delivery, no_ack: bool, why: str) -> None:
+        """Every delivery of it would fail the same way: dead-letter it, logged."""
+        logger.error("celery-redis-lua: rejected a message: %s", why)
+        if not no_ack:
+            KEEPER.release(self.lib, delivery.queue, [delivery.id])
+            reject(self.lib, delivery.queue, [delivery.id], requeue=False, counts=[delivery.delivery_count])
 
     # -- consumes in flight (Celery's hub) -----------------------------------------------------
 
