@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import deque
 from typing import Any
 
 import redis
@@ -20,7 +21,7 @@ from redis.cluster import RedisCluster
 
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import StaleRoute
+from ..protocol.ops import Delivery, StaleRoute
 from ..protocol.retry import DelayedRetry
 from ..protocol.unconfirmed import Send, UnconfirmedPublishError
 from ..protocol.waits import BlockingRead
@@ -74,6 +75,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         self.queue_waits: dict[int | None, BlockingRead] = {}
         self.stream_waits: dict[int | None, BlockingRead] = {}
         self._refill_due: float | None = None  # a refill held back until then (monotonic)
+        self._undelivered: deque[tuple[Delivery, bool]] = deque()  # consuming.py _deliver_all
         connection.check_server(self.client)  # connection errors surface now, as kombu expects
         connection.poller.channels.add(self)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ class ConsumingMixin:
     _active_queues: list[str]
     _no_ack_queues: set[str]
     _refill_due: float | None
+    _undelivered: deque[tuple[Delivery, bool]]  # taken, not handed kombu yet (with their no_ack)
 
     # -- the round ----------------------------------------------------------------------------
 
@@ -85,7 +87,10 @@ class ConsumingMixin:
 
     def poll_queues(self) -> int:
         """Deliver what is ready in the consumed queues whose wait is not pending, then start
-        their waits (one per slot group on a cluster)."""
+        their waits (one per slot group on a cluster). What a raising callback left undelivered
+        goes first, and alone: it was taken within the window, and the round ends there."""
+        if self._undelivered:
+            return self._deliver_undelivered()
         if not self.queues_polled or not self.qos.can_consume():
             return 0
         idle = [group for group in self.lib.slot_groups(self.queues_polled)
@@ -153,28 +158,70 @@ class ConsumingMixin:
 
     def _deliver_all(self, deliveries: list[Delivery], no_ack: bool) -> int:
         """Hand kombu each delivery, held (keeper.py) from now: kombu takes them one at a time,
-        and a solo task blocks inside the first."""
+        and a solo task blocks inside the first. They wait in ``_undelivered`` until handed
+        over: a callback that raises leaves the rest there, for the next round."""
         if not no_ack:
             KEEPER.take(self, self.lib, deliveries)
-        delivered = 0
-        for delivery in deliveries:
+        self._undelivered.extend((delivery, no_ack) for delivery in deliveries)
+        return self._deliver_undelivered()
+
+    def _deliver_undelivered(self) -> int:
+        """Hand kombu what was taken and not handed over yet, in the order taken. Each leaves
+        the buffer before its callback runs (kombu's QoS holds it from then on); what is still
+        in it is held by this channel, delivered by the next round (as kombu's own buffered
+        messages are) or handed back when its queue is no longer consumed here."""
+        delivered, undelivered = 0, self._undelivered
+        while undelivered:
+            delivery, no_ack = undelivered.popleft()
             payload = self._decode_or_reject(delivery, no_ack)
-            if payload is not None:
+            if payload is None:
+                continue
+            try:
                 self.connection._deliver(payload, delivery.queue)
+            except Exception as error:
+                # Raised before kombu's QoS took it (only its Message can: a body it cannot
+                # decode), nobody would hold it: rejected as a payload that is no envelope is.
+                if no_ack or payload["properties"]["delivery_tag"] in self.qos._delivered \
+                        or not KEEPER.live(self.lib, delivery.queue, delivery.id):
+                    raise
+                self._reject_unreadable(delivery, no_ack, f"message {delivery.id} in queue "
+                                        f"{delivery.queue!r}: kombu could not read it ({error!r})")
+            else:
                 delivered += 1
         return delivered
+
+    def _hand_back_undelivered(self, consumed: list[str]) -> None:
+        """Give back, unstarted and at once, what was taken for queues not in ``consumed`` but
+        never handed kombu (a callback raised, then the channel closed or stopped consuming):
+        else the keeper would extend it for as long as the channel lives. A no_ack one was
+        removed when taken: there is nothing to give back."""
+        back = [d for d, no_ack in self._undelivered if d.queue not in consumed and not no_ack]
+        self._undelivered = deque(item for item in self._undelivered if item[0].queue in consumed)
+        for queue in dict.fromkeys(d.queue for d in back):
+            ids = [d.id for d in back if d.queue == queue]
+            try:
+                hand_back(self.lib, queue, ids, [d.delivery_count for d in back if d.queue == queue])
+            except (redis.RedisError, OSError) as error:
+                logger.warning("celery-redis-lua: could not hand back %d message(s) of queue %r never "
+                               "delivered (%s); they come back after the visibility timeout",
+                               len(ids), queue, error)
+            finally:  # landed, or back after the visibility timeout: no longer extended
+                KEEPER.release(self.lib, queue, ids)
 
     def _decode_or_reject(self, delivery: Delivery, no_ack: bool) -> dict[str, Any] | None:
         """A payload that is not a kombu envelope is rejected (dead-lettered) and logged."""
         try:
             return delivered_envelope(delivery)
         except BadEnvelope as error:
-            logger.error("celery-redis-lua: rejected a message: %s", error)
-            if not no_ack:
-                KEEPER.release(self.lib, delivery.queue, [delivery.id])
-                reject(self.lib, delivery.queue, [delivery.id], requeue=False,
-                       counts=[delivery.delivery_count])
+            self._reject_unreadable(delivery, no_ack, str(error))
             return None
+
+    def _reject_unreadable(self, delivery: Delivery, no_ack: bool, why: str) -> None:
+        """Every delivery of it would fail the same way: dead-letter it, logged."""
+        logger.error("celery-redis-lua: rejected a message: %s", why)
+        if not no_ack:
+            KEEPER.release(self.lib, delivery.queue, [delivery.id])
+            reject(self.lib, delivery.queue, [delivery.id], requeue=False, counts=[delivery.delivery_count])
 
     # -- consumes in flight (Celery's hub) -----------------------------------------------------
 
@@ -283,6 +330,7 @@ class ConsumingMixin:
         channel closes. An in-flight consume's replies come within ms: they are read now."""
         if self.closed:
             return
+        self._hand_back_undelivered([] if closing else self.queues_polled)
         for wait in list(self.queue_waits.values()):
             if wait.batch is not None and closing:  # what it took goes back, counted
                 with contextlib.suppress(redis.RedisError, OSError):  # lost: see _consume_lost

@@ -152,6 +152,11 @@ class Keeper:
             return True
         return (lib, queue, message_id) in self._orphans
 
+    def live(self, lib: ScriptLibrary, queue: str, message_id: str) -> bool:
+        """Taken by ``lib``'s open channel, its ack or reject not asked for."""
+        taken = self._taken.get(lib)
+        return taken is not None and message_id in taken.live.get(queue, ())
+
     # -- the held table --------------------------------------------------------------------
 
     def take(self, owner: Any, lib: ScriptLibrary, deliveries: Sequence[Delivery]) -> None:
