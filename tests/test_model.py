@@ -134,7 +134,8 @@ class Msg:
     delivery_count: int = 0
     score: int | None = None  # the ready score the server stored (validated when recorded)
     timed_out_step: int | None = None  # in flight with a deadline already passed (server clock)
-    restored: bool = False  # the sweep moved it on while a consumer still held it
+    restored: bool = False  # the sweep moved it on while its last consumer still held it
+    holder: tuple[int, int] | None = None  # (consumer, count) of its last delivery, until settled
     task: str | None = None  # the Celery task id it was published with
 
     def delivery(self) -> tuple[str, str, int, bytes]:
@@ -428,6 +429,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             self.check_wake_in(consumed.wake_in_ms, wake_etas, rate_waits, t0, t1)
             for m in expected:
                 m.state, m.score, m.timed_out_step, m.restored = "unacked", None, None, False
+                m.holder = (consumer, m.delivery_count)
                 self.m.held[consumer][m.queue, m.id] = m.delivery_count
             for q in queues:  # never more in flight than a cap lets out
                 cap = self.m.queues[q].cap
@@ -525,6 +527,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 if m.delivery_count != count:
                     stale += 1
                     continue
+                m.holder = None  # settled by its last consumer
                 attempts = count + 1
                 if requeue and attempts < LIMIT and self.retry_applies(queue, cause):
                     self.record_retry(m, attempts, t0, t1)
@@ -538,6 +541,27 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                                      attempts if requeue else count)
                     dead += 1
             assert result == Rejected(requeued, dead, 0, stale)
+
+        @rule(consumer=st.integers(0, CONSUMERS - 1), then=st.sampled_from(["ack", "reject", "none"]),
+              fenced=st.booleans(), wait=st.booleans())
+        def take_over(self, consumer: int, then: str, fenced: bool, wait: bool) -> None:
+            """The lapsed-lease story in one step, which the other rules compose only rarely:
+            a consumer takes messages and hangs past its lease, the sweep restores them (or
+            puts them into a delayed retry, waited out with ``wait``), the next consumer takes
+            what is ready, and only then does the first ack (fenced or not) or reject."""
+            delivered = self.do_consume(consumer, 3, queues)
+            if not delivered:
+                return
+            self.time_out(delivered)
+            self.sweep()
+            if wait:
+                self.wait_for_delayed()
+            self.do_consume((consumer + 1) % CONSUMERS, 3, [delivered[0].queue])
+            every = list(range(len(delivered)))
+            if then == "ack":
+                self.ack(consumer, every, None, fenced)
+            elif then == "reject":
+                self.reject(consumer, every, True, False, False)
 
         @rule(picks=st.lists(st.integers(0, 63), min_size=1, max_size=4))
         def extend(self, picks: list[int]) -> None:
@@ -779,8 +803,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             for m in in_flight:
                 assert m.id not in queued, f"{m.id} is in flight and ready at once"
                 assert (index[m.id] < now) if m.timed_out_step else (index[m.id] > now + VIS // 2)
-                assert [c for c in self.m.holders(q, m.id)
-                        if self.m.held[c][q, m.id] == m.delivery_count], f"{m.id} held by nobody"
+                assert m.holder is not None and self.m.held[m.holder[0]].get((q, m.id)) == m.holder[1], \
+                    f"{m.id} is in flight, held by nobody"
             for m in ttl_indexed:  # the sweep looks at it by its TTL at the latest
                 assert index[m.id] <= m.expires_at, m
             mine = [m for m in self.m.messages.values() if m.queue == q]
@@ -792,8 +816,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             dead = [(d.id, d.reason, d.delivery_count, d.priority, d.payload) for d in self.lib.dead_list(q)]
             assert dead == self.m.dead[q]
             assert not ({d[0] for d in dead} & set(payloads)), "dead and stored at once"
-            for m in mine:
-                if m.state != "unacked" and self.m.holders(q, m.id):
+            for m in mine:  # its last consumer holds it, and it waits: only the sweep does that
+                last = m.holder
+                if m.state != "unacked" and last and self.m.held[last[0]].get((q, m.id)) == last[1]:
                     assert m.restored, f"{m.id} is held and waiting without a sweep moving it on"
 
         def check_meta(self, q: str) -> None:
