@@ -18,6 +18,7 @@ from redis.crc import key_slot
 
 from celery_redis_lua import Call, Keyspace, KeyspaceError, Policy, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol import ops
+from celery_redis_lua.protocol.bounds import MAX_DURATION_MS, MAX_LIMIT
 from conftest import Target
 from helpers import server_now_ms, wait_for_server_time
 
@@ -199,6 +200,10 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "publish-eta-beyond-2286": (arg(pub, 3, 10**13), ("eta_ms", "0..9999999999999", "'10000000000000'")),
     "publish-eta-1e20": (arg(pub, 3, "100000000000000000000"), ("eta_ms", "'100000000000000000000'")),
     "publish-visibility-zero": (arg(pub, 5, 0), ("visibility_ms", "'0'")),
+    # Issue 38: a TTL past 10 years would be added to the clock (exact to 2^53, %d to 2^63).
+    "publish-ttl-past-bound": (arg(pub, 4, MAX_DURATION_MS + 1),
+                               ("ttl_ms must be an integer in 1..315360000000 or -1", "'315360000001'")),
+    "publish-ttl-1e19": (arg(pub, 4, 10**19), ("ttl_ms", "'10000000000000000000'")),
     "publish-7-keys": (keys(pub, 7), ("expected 8 keys", "got 7")),
     "publish-9-keys": (keys(pub, 9), ("expected 8 keys", "got 9")),
     "publish-untagged": (untagged(pub), ("has no {hash tag}", "queue:bad'")),
@@ -262,6 +267,20 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "declare-retry-max-below-min": (args_at(dcl, {5: "all", 6: 1000, 7: 10}),
                                     ("x-delayed-retry-max 10 is below x-delayed-retry-min 1000",)),
     "declare-expires-word": (arg(dcl, 1, "soon"), ("expires_ms", "'soon'")),
+    # Issue 38: every duration at most 10 years, so that no later call overflows adding it.
+    "declare-retry-min-1e19": (args_at(dcl, {5: "all", 6: 10**19}),
+                               ("retry_min_ms must be an integer in 1..315360000000",
+                                "'10000000000000000000'")),
+    "declare-retry-min-past-bound": (args_at(dcl, {5: "failed", 6: MAX_DURATION_MS + 1}),
+                                     ("retry_min_ms", "'315360000001'")),
+    "declare-retry-max-past-bound": (args_at(dcl, {5: "all", 6: 1000, 7: MAX_DURATION_MS + 1}),
+                                     ("retry_max_ms must be an integer in 1..315360000000",
+                                      "'315360000001'")),
+    "declare-expires-past-bound": (arg(dcl, 1, MAX_DURATION_MS + 1),
+                                   ("expires_ms must be an integer in 1..315360000000", "'315360000001'")),
+    "declare-ttl-past-bound": (arg(dcl, 2, MAX_DURATION_MS + 1),
+                               ("message_ttl_ms must be an integer in 1..315360000000", "'315360000001'")),
+    "declare-priority-1e19": (arg(dcl, 3, 10**19), ("max_priority", "0..255", "'10000000000000000000'")),
     "declare-priority-256": (arg(dcl, 3, 256), ("max_priority", "0..255", "'256'")),
     # Refused arguments record no fanout binding either.
     "declare-other-expires": (arg(dcl, 1, 20_000), ("x-expires stored 600000, declared 20000",)),
@@ -326,6 +345,9 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     "limit-rate-unit-unknown": (arg(lim, 2, "10/d"), ("rate", "'10/d'")),
     "limit-rate-no-unit": (arg(lim, 2, "10"), ("rate", "'10'")),
     "limit-rate-huge": (arg(lim, 2, "1000001/s"), ("rate", "'1000001/s'")),
+    "limit-in-flight-past-bound": (arg(lim, 1, MAX_LIMIT + 1), ("in_flight", "1..1000000", "'1000001'")),
+    "limit-in-flight-1e19": (arg(lim, 1, 10**19), ("in_flight", "'10000000000000000000'")),
+    "limit-rate-1e19": (arg(lim, 2, f"{10**19}/h"), ("rate", "'10000000000000000000/h'")),
     # A good cap beside a bad rate: the cap must not be stored either.
     "limit-good-cap-bad-rate": (args_at(lim, {1: 7, 2: "fast"}), ("rate", "'fast'")),
     "limit-nothing": (args_at(lim, {1: "", 2: ""}), ("nothing to change",)),
