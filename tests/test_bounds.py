@@ -15,7 +15,7 @@ import logging
 import pytest
 from kombu import Exchange, Producer, Queue
 
-from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary
+from celery_redis_lua import Keyspace, Policy, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.bounds import MAX_DURATION_MS, MAX_DURATION_SECONDS
 from celery_redis_lua.protocol.retry import DISABLED, DelayedRetry
 from conftest import Target
@@ -187,3 +187,11 @@ def test_a_worker_declares_a_queue_with_a_stored_retry_min_out_of_range_and_logs
         Queue("legacy")(conn.channel()).declare()  # failed with "... needs x-delayed-retry-min"
     assert "queue 'legacy' has stored arguments out of range: x-delayed-retry-min=10000000000000000000; " \
         "past its bound one is applied as the bound" in caplog.text
+
+
+def test_a_policy_whose_visibility_is_past_the_bound_is_refused() -> None:
+    """The scripts' visibility_ms is bounded too; a ScriptLibrary built without the
+    transport's options (a producer, a tool) is refused before any call."""
+    assert Policy(visibility_ms=MAX_DURATION_MS).visibility_ms == MAX_DURATION_MS
+    with pytest.raises(ValueError, match=r"visibility_ms must be an integer in 1\.\.315360000000, got 3"):
+        Policy(visibility_ms=MAX_DURATION_MS + 1)
