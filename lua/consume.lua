@@ -54,9 +54,21 @@
 --   Writes are variadic where they can be, which keeps the server's cost per message low.
 --   visibility_ms is at most 10 years (315360000000 ms), so that now plus it stays an exact
 --   double and string.format('%d') cannot overflow (protocol/bounds.py).
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -151,7 +163,7 @@ end
 local active = {}
 for _, q in ipairs(queues) do
   local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limits')
-  q.expires, q.paused, q.limits = tonumber(meta[1]), meta[2] ~= false, meta[3]
+  q.expires, q.paused, q.limits = stored_ms(meta[1]), meta[2] ~= false, meta[3]
   if not q.paused then active[#active + 1] = q end
 end
 

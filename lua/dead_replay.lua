@@ -27,9 +27,21 @@
 --   without one: an operator who replays an expired message wants it to run. Being ready
 --   and without TTL, it needs no index entry; the wake token tells a blocked consumer.
 --   visibility_ms is bounded as every duration is (10 years, protocol/bounds.py).
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
 -- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
@@ -142,7 +154,7 @@ if #replayed > 0 then
 end
 if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 
-local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end

@@ -23,9 +23,21 @@
 --   x-expires) that a queue with a live consumer never expires, as in RabbitMQ.
 --   visibility_ms is at most 10 years (315360000000 ms), so that now plus it stays an exact
 --   double and string.format('%d') cannot overflow (protocol/bounds.py).
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: extend: ' .. message)
@@ -52,7 +64,7 @@ for i = 2, #ARGV do
   end
 end
 
-local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
+local expires = stored_ms(rcall('HGET', KEYS[4], 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end

@@ -1,6 +1,6 @@
 #!lua
 -- name: unpop
--- version: 3
+-- version: 4
 -- summary: Give back the wake token a blocked consumer's BLPOP took, when it stops before it consumes.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (decides whether the token goes back)
@@ -23,8 +23,21 @@
 --   messages. Were it lost (a consumer killed at that instant), the others would wait out
 --   their blocking_timeout, never lose a message. A queue with x-expires gets its expiry
 --   back on all keys.
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
 -- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
@@ -45,7 +58,7 @@ if #ARGV ~= 0 then return fail('expected no arguments, got ' .. #ARGV) end
 
 local back = 0
 if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and arm_wake(KEYS[8]) then back = 1 end
-local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
+local expires = stored_ms(rcall('HGET', KEYS[4], 'expires'))
 if expires then
   local time = rcall('TIME')
   local at = string.format('%d', tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + expires)

@@ -195,3 +195,30 @@ def test_a_policy_whose_visibility_is_past_the_bound_is_refused() -> None:
     assert Policy(visibility_ms=MAX_DURATION_MS).visibility_ms == MAX_DURATION_MS
     with pytest.raises(ValueError, match=r"visibility_ms must be an integer in 1\.\.315360000000, got 3"):
         Policy(visibility_ms=MAX_DURATION_MS + 1)
+
+
+@pytest.mark.parametrize("script", ["consume", "extend", "unpop", "dead_replay", "cancel"])
+def test_every_script_that_refreshes_a_stored_expires_out_of_range_keeps_the_queue(
+        lib: ScriptLibrary, script: str) -> None:
+    """Each refreshes all eight keys' expiry at now + expires: with 10^19 that time overflowed
+    string.format('%d') and the queue's keys could expire at once. Now 10 years from now."""
+    queue = "refresh"
+    lib.declare(queue)
+    lib.publish(queue, "dead", task_id="t-dead")
+    [taken] = lib.consume([queue], 1).deliveries
+    lib.reject(queue, [taken.id], requeue=False)
+    kept = lib.publish(queue, "kept", task_id="t-kept")
+    lib.client.hset(lib.keys.meta(queue), "expires", str(HUGE))  # as an older version might have left
+    if script == "consume":
+        assert [d.id for d in lib.consume([queue], 1).deliveries] == [kept]
+    elif script == "extend":
+        lib.extend(queue, [kept])
+    elif script == "unpop":
+        lib.unpop(queue)
+    elif script == "dead_replay":
+        assert len(lib.dead_replay(queue)) == 1  # published again, under a new id
+    else:
+        lib.cancel(queue, "t-kept")
+    ttl = lib.client.pttl(lib.keys.meta(queue))
+    assert MAX_DURATION_MS - 60_000 < ttl <= MAX_DURATION_MS, ttl
+    assert lib.client.exists(lib.keys.message(queue)) == (0 if script == "cancel" else 1)
