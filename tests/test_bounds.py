@@ -16,7 +16,12 @@ import pytest
 from kombu import Exchange, Producer, Queue
 
 from celery_redis_lua import Keyspace, Policy, ScriptError, ScriptLibrary
-from celery_redis_lua.protocol.bounds import MAX_DURATION_MS, MAX_DURATION_SECONDS
+from celery_redis_lua.protocol.bounds import (
+    MAX_DURATION_MS,
+    MAX_DURATION_SECONDS,
+    MAX_LIMIT,
+    MAX_STREAM_LENGTH,
+)
 from celery_redis_lua.protocol.retry import DISABLED, DelayedRetry
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time
@@ -222,3 +227,13 @@ def test_every_script_that_refreshes_a_stored_expires_out_of_range_keeps_the_que
     ttl = lib.client.pttl(lib.keys.meta(queue))
     assert MAX_DURATION_MS - 60_000 < ttl <= MAX_DURATION_MS, ttl
     assert lib.client.exists(lib.keys.message(queue)) == (0 if script == "cancel" else 1)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("delivery_limit", MAX_LIMIT + 1, r"delivery_limit must be an integer in 0\.\.1000000 or None"),
+    ("dead_letter_maxlen", MAX_STREAM_LENGTH + 1,
+     r"dead_letter_maxlen must be an integer in 0\.\.1000000000"),
+])
+def test_a_policy_whose_count_is_past_its_bound_is_refused(field: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Policy(**{field: value})

@@ -18,7 +18,7 @@ import celery_redis_lua  # noqa: F401  (registers redislua://)
 from celery_redis_lua import Keyspace, Policy
 from celery_redis_lua.kombu.transport import Transport
 from celery_redis_lua.options import OptionError, TransportOptions, parse_options
-from celery_redis_lua.protocol.bounds import MAX_DURATION_SECONDS
+from celery_redis_lua.protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
 from scripts.servers import Server
 
 # The reference API's options and defaults, plus the dead-letter and sweep options.
@@ -73,6 +73,10 @@ BAD: list[tuple[str, Any]] = [
     ("visibility_timeout", MAX_DURATION_SECONDS + 1), ("queue_expires", 1e19),
     ("message_ttl", MAX_DURATION_SECONDS + 0.5), ("binding_lifetime_floor", 10**19),
     ("delayed_retry_min", MAX_DURATION_SECONDS + 1), ("delayed_retry_max", float("inf")),
+    # Counts: a delivery limit at most the limits' 1,000,000; a stream cap at most 10^9 (XADD
+    # MAXLEN refuses 2^63 mid-script).
+    ("delivery_limit", MAX_LIMIT + 1), ("stream_maxlen", 10**14),
+    ("dead_letter_maxlen", MAX_STREAM_LENGTH + 1),
 ]
 
 GOOD: list[tuple[str, Any]] = [
@@ -86,6 +90,8 @@ GOOD: list[tuple[str, Any]] = [
     ("sep", "|"), ("dead_letter_maxlen", 0), ("sweep_interval", 0.1),
     ("visibility_timeout", MAX_DURATION_SECONDS), ("queue_expires", MAX_DURATION_SECONDS),
     ("message_ttl", MAX_DURATION_SECONDS), ("binding_lifetime_floor", MAX_DURATION_SECONDS),
+    ("delivery_limit", MAX_LIMIT), ("stream_maxlen", MAX_STREAM_LENGTH),
+    ("dead_letter_maxlen", MAX_STREAM_LENGTH),
 ]
 
 

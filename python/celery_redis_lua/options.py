@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .protocol.bounds import MAX_DURATION_SECONDS
+from .protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
 from .protocol.durability import Durability
 from .protocol.keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
@@ -52,9 +52,10 @@ class TransportOptions:
 
     visibility_timeout: float = option(
         300, "seconds an unacked message may stay with a consumer before it is redelivered "
-        "(pushed forward every third of it while the consumer lives)")
+        "(pushed forward every third of it while the consumer lives); at most 315,360,000 (10 years), "
+        "as every duration")
     delivery_limit: int | None = option(
-        20, "delivery attempts before a message is dead-lettered; `None`: no limit")
+        20, "delivery attempts before a message is dead-lettered (at most 1,000,000); `None`: no limit")
     blocking_timeout: float = option(
         10, "seconds the server holds a BLPOP (on the queues' wake lists) or XREAD open per poll "
         "(a message is delivered the instant it arrives; the block is also cut short at the next ETA)")
@@ -62,7 +63,7 @@ class TransportOptions:
         None, "seconds; default `x-expires` for queues declared without one; also a TTL on binding "
         "tables and fanout streams")
     global_keyprefix: str = option("", "prefix of every key")
-    stream_maxlen: int = option(10_000, "approximate cap of each fanout stream")
+    stream_maxlen: int = option(10_000, "approximate cap of each fanout stream (at most 10^9)")
     message_key_prefix: str = option(
         DEFAULT_MESSAGE_KEY_PREFIX, "names the hash of a queue's payloads, `P message:{Q}`")
     message_ttl: float = option(
@@ -93,7 +94,8 @@ class TransportOptions:
     sep: str = option(DEFAULT_SEPARATOR, "separator inside binding members")
     # Dead letters (docs/design.md): kept by default, bounded; 0 deletes dropped messages outright.
     dead_letter_maxlen: int = option(
-        10_000, "approximate cap of each queue's dead-letter stream; 0 deletes dropped messages outright")
+        10_000, "approximate cap of each queue's dead-letter stream (at most 10^9); 0 deletes dropped "
+        "messages outright")
     # How often a consuming channel runs the sweep script (seconds); small in tests.
     sweep_interval: float = option(
         60, "seconds between sweeps (timed-out deliveries back, due ETAs in, orphans out)")
@@ -247,11 +249,11 @@ def _node_list(name: str, value: Any) -> Any:
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "visibility_timeout": _duration(),
-    "delivery_limit": _number(1, integer=True, allow_none=True),
+    "delivery_limit": _number(1, integer=True, allow_none=True, high=MAX_LIMIT),
     "blocking_timeout": _number(0),
     "queue_expires": _duration(allow_none=True),
     "global_keyprefix": _typed(str, allow_none=False),
-    "stream_maxlen": _number(1, integer=True),
+    "stream_maxlen": _number(1, integer=True, high=MAX_STREAM_LENGTH),
     "message_key_prefix": _non_empty_str,
     "message_ttl": _duration(extra=(-1,)),
     "socket_timeout": _number(0, inclusive=False, allow_none=True),
@@ -267,7 +269,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "fanout_prefix": _typed(bool, str, allow_none=False),
     "fanout_patterns": _typed(bool, allow_none=False),
     "sep": _non_empty_str,
-    "dead_letter_maxlen": _number(0, integer=True),
+    "dead_letter_maxlen": _number(0, integer=True, high=MAX_STREAM_LENGTH),
     "sweep_interval": _number(0, inclusive=False),
     "consume_batch": _number(1, integer=True, high=10_000),  # the scripts' own cap
     "binding_lifetime_floor": _duration(),

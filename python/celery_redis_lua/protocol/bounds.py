@@ -24,5 +24,11 @@ MAX_DURATION_SECONDS = MAX_DURATION_MS // 1000  # the same bound for options giv
 # The latest ETA the publish script takes (unix ms, year 2286): one later would overflow
 # into the next priority band of the ready score.
 MAX_ETA_MS = 10**13 - 1
-# The largest in-flight cap and rate count of the limit script (N of N/s, N/m, N/h).
+# The largest in-flight cap and rate count of the limit script (N of N/s, N/m, N/h), and
+# the largest delivery_limit.
 MAX_LIMIT = 1_000_000
+# The longest cap of a stream (dead letters, fanout), far more than anyone keeps: the scripts
+# pass it to XADD MAXLEN, which refuses 2^63 or more ("value is not an integer or out of
+# range", checked on Valkey 9 and Redis 7) in the middle of a script that may have written
+# other things already (reject's earlier ids).
+MAX_STREAM_LENGTH = 1_000_000_000
