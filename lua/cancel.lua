@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 4
+-- version: 5
 -- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -28,8 +28,21 @@
 --   countdown waits in the broker (Celery workers forget revokes after 3 hours and on
 --   restart), so this is how a revoked countdown is kept from running. The dead letter can
 --   be replayed (dead_replay). allow-oom: it frees memory.
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A token wakes a consumer for something that is there; with nothing ready or delayed it
 -- would wake one in vain, and outlive the queue's messages: it goes.
@@ -103,7 +116,7 @@ if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end -- it 
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end

@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 9
+-- version: 10
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -13,7 +13,7 @@
 --   wake     LIST    P wake:{Q}            the wake token: pushed again when a call leaves ready messages behind that its limits let go
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
---   2  visibility_ms       integer > 0        visibility deadline of each delivered message, from now
+--   2  visibility_ms       integer 1..315360000000  visibility deadline of each delivered message, from now
 --   3  no_ack              0 or 1             1: delete each message as it is delivered (nothing is left behind)
 --   4  dead_letter_maxlen  integer >= 0       approximate cap of the dead-letter stream; 0 deletes expired messages outright
 -- returns: array {wake_in_ms, expired, then 4 items per delivered message: queue_position, id, delivery_count, payload}
@@ -27,7 +27,7 @@
 --   ERR celery-redis-lua: consume: expected 4 arguments, got N
 --   ERR celery-redis-lua: consume: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: consume: count must be an integer in 1..10000, got 'V'
---   ERR celery-redis-lua: consume: visibility_ms must be a positive integer, got 'V'
+--   ERR celery-redis-lua: consume: visibility_ms must be an integer in 1..315360000000, got 'V'
 --   ERR celery-redis-lua: consume: no_ack must be 0 or 1, got 'V'
 --   ERR celery-redis-lua: consume: dead_letter_maxlen must be an integer >= 0, got 'V'
 -- why: due delayed messages are promoted here (not only by the periodic sweep) so that
@@ -52,8 +52,23 @@
 --   then. Several consumers waiting on one rate each wake at that time and all but one are
 --   refused again: C consumers cost about C consume calls per token, N * C per unit.
 --   Writes are variadic where they can be, which keeps the server's cost per message low.
+--   visibility_ms is at most 10 years (315360000000 ms), so that now plus it stays an exact
+--   double and string.format('%d') cannot overflow (protocol/bounds.py).
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
@@ -120,8 +135,9 @@ if not count or count < 1 or count > 10000 then
   return fail("count must be an integer in 1..10000, got '" .. ARGV[1] .. "'")
 end
 local visibility = integer(ARGV[2])
-if not visibility or visibility <= 0 then
-  return fail("visibility_ms must be a positive integer, got '" .. ARGV[2] .. "'")
+if not visibility or visibility <= 0 or visibility > MAX_DURATION_MS then
+  return fail("visibility_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. ", got '" ..
+              ARGV[2] .. "'")
 end
 if ARGV[3] ~= '0' and ARGV[3] ~= '1' then return fail("no_ack must be 0 or 1, got '" .. ARGV[3] .. "'") end
 local no_ack = ARGV[3] == '1'
@@ -147,7 +163,7 @@ end
 local active = {}
 for _, q in ipairs(queues) do
   local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limits')
-  q.expires, q.paused, q.limits = tonumber(meta[1]), meta[2] ~= false, meta[3]
+  q.expires, q.paused, q.limits = stored_ms(meta[1]), meta[2] ~= false, meta[3]
   if not q.paused then active[#active + 1] = q end
 end
 

@@ -12,22 +12,36 @@
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
 --   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready (not in a paused queue: none is delivered)
 -- ARGV:
---   1   visibility_ms  integer > 0       unused since version 6 (no ready message sits popped); still checked
+--   1   visibility_ms  integer 1..315360000000  unused since version 6 (no ready message sits popped); still checked
 --   2   count          integer 1..10000  most entries replayed, oldest first (ignored when entry ids are given)
 --   3.. entry_id       stream id         replay exactly these entries (unknown ids are skipped)
 -- returns: array of the new message ids, in replay order
 -- errors:
 --   ERR celery-redis-lua: dead_replay: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: dead_replay: expected at least 2 arguments, got N
---   ERR celery-redis-lua: dead_replay: visibility_ms must be a positive integer, got 'V'
+--   ERR celery-redis-lua: dead_replay: visibility_ms must be an integer in 1..315360000000, got 'V'
 --   ERR celery-redis-lua: dead_replay: count must be an integer in 1..10000, got 'V'
 --   ERR celery-redis-lua: dead_replay: entry id 'V' is not a stream id
 -- why: a replayed message gets a new id (ids are never reused, and ordering by id must stay
 --   publish order), a fresh delivery count and no TTL, as if it had just been published
 --   without one: an operator who replays an expired message wants it to run. Being ready
 --   and without TTL, it needs no index entry; the wake token tells a blocked consumer.
+--   visibility_ms is bounded as every duration is (10 years, protocol/bounds.py).
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
 -- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
@@ -85,8 +99,9 @@ if #ARGV < 2 then return fail('expected at least 2 arguments, got ' .. #ARGV) en
 local queue_key, meta_key, dead_key, message_key, state_key, wake_key = KEYS[1], KEYS[4], KEYS[5], KEYS[6],
   KEYS[7], KEYS[8]
 local visibility = string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
-if not visibility or visibility == 0 then
-  return fail("visibility_ms must be a positive integer, got '" .. ARGV[1] .. "'")
+if not visibility or visibility == 0 or visibility > MAX_DURATION_MS then
+  return fail("visibility_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. ", got '" ..
+              ARGV[1] .. "'")
 end
 local count = string.match(ARGV[2], '^%d+$') and tonumber(ARGV[2])
 if not count or count < 1 or count > 10000 then
@@ -139,7 +154,7 @@ if #replayed > 0 then
 end
 if rcall('XLEN', dead_key) == 0 then rcall('DEL', dead_key) end -- streams outlive their last entry
 
-local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end

@@ -1,22 +1,22 @@
 #!lua
 -- name: fanout_bind
--- version: 2
+-- version: 3
 -- summary: Give a queue bound to a fanout exchange its own consumer group on the exchange's stream, and clear out expired groups and idle consumers.
 -- KEYS: 2
 --   stream   STREAM  P /<db>.<exchange>            fanout messages; entry fields 'payload', 'routing_key'
 --   groups   HASH    {P /<db>.<exchange>}:groups   bound queue -> 'ACTIVE_AT EXPIRES TTL' (unix ms, ms, ms; '-' for none)
 -- ARGV:
 --   1  queue              string, non-empty    the bound queue; it names the consumer group
---   2  expires_ms         integer > 0 or ''    x-expires of the queue: its group expires after this long without a consumer
---   3  message_ttl_ms     integer > 0 or ''    x-message-ttl of the queue: entries older than this are not delivered to it
---   4  stream_expires_ms  integer > 0 or ''    the stream expires after this long without a publish, bind or read; '' means never
+--   2  expires_ms         integer 1..315360000000 or ''  x-expires of the queue: its group expires after this long without a consumer
+--   3  message_ttl_ms     integer 1..315360000000 or ''  x-message-ttl of the queue: entries older than this are not delivered to it
+--   4  stream_expires_ms  integer 1..315360000000 or ''  the stream expires after this long without a publish, bind or read; '' means never
 -- returns: array {created, groups_removed, consumers_removed}: created is 1 when the queue's
 --   group was made now (at the stream's end), 0 when it existed and is kept
 -- errors:
 --   ERR celery-redis-lua: fanout_bind: expected 2 keys (stream, groups), got N
 --   ERR celery-redis-lua: fanout_bind: expected 4 arguments, got N
 --   ERR celery-redis-lua: fanout_bind: queue is missing or empty
---   ERR celery-redis-lua: fanout_bind: NAME must be a positive integer or empty, got 'V'
+--   ERR celery-redis-lua: fanout_bind: NAME must be an integer in 1..315360000000 or empty, got 'V'
 -- why: the group starts at the stream's end when the queue is bound, so the queue receives
 --   every entry published after it was bound (as with AMQP), even when its consumer starts
 --   later, and a consumer back within x-expires resumes where the group left off. A group
@@ -26,8 +26,10 @@
 --   consumers idle for a minute (entries are acked when read, so none holds anything; a
 --   live one is made again by its next read), are removed here, so neither grows with
 --   every restart.
+--   Durations are at most 10 years (315360000000 ms), as declare takes them.
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
 local IDLE_CONSUMER_MS = 60000
 
 local function fail(message)
@@ -37,8 +39,9 @@ end
 local function optional(index, name)
   if ARGV[index] == '' then return false end
   local n = string.match(ARGV[index], '^%d+$') and tonumber(ARGV[index])
-  if not n or n == 0 then
-    return nil, fail(name .. " must be a positive integer or empty, got '" .. ARGV[index] .. "'")
+  if not n or n == 0 or n > MAX_DURATION_MS then
+    return nil, fail(name .. ' must be an integer in 1..' .. string.format('%d', MAX_DURATION_MS) ..
+                     " or empty, got '" .. ARGV[index] .. "'")
   end
   return n
 end

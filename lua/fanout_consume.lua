@@ -1,6 +1,6 @@
 #!lua
 -- name: fanout_consume
--- version: 2
+-- version: 3
 -- summary: Take the next entries of a fanout stream for one bound queue (its consumer group), acknowledged at once.
 -- KEYS: 2
 --   stream   STREAM  P /<db>.<exchange>            fanout messages; entry fields 'payload', 'routing_key'
@@ -9,7 +9,7 @@
 --   1  queue              string, non-empty    the bound queue (the consumer group)
 --   2  consumer           string, non-empty    a name for this consumer within the group
 --   3  count              integer 1..10000     most entries returned
---   4  stream_expires_ms  integer > 0 or ''    the stream expires after this long without a publish, bind or read; '' means never
+--   4  stream_expires_ms  integer 1..315360000000 or ''  the stream expires after this long without a publish, bind or read; '' means never
 -- returns: array {next_id, skipped, then 3 items per entry: entry_id, routing_key, payload}
 --   next_id: block on XREAD after it to wake up exactly when there is more to read (the
 --   last entry read when the batch was full, so the rest comes at once; else the stream's
@@ -20,15 +20,17 @@
 --   ERR celery-redis-lua: fanout_consume: expected 4 arguments, got N
 --   ERR celery-redis-lua: fanout_consume: queue and consumer must be non-empty
 --   ERR celery-redis-lua: fanout_consume: count must be an integer in 1..10000, got 'V'
---   ERR celery-redis-lua: fanout_consume: stream_expires_ms must be a positive integer or empty, got 'V'
+--   ERR celery-redis-lua: fanout_consume: stream_expires_ms must be an integer in 1..315360000000 or empty, got 'V'
 -- why: broadcasts (Celery remote control, broadcast queues, events) are delivered at most
 --   once per bound queue: entries are acknowledged as they are read (in chunks, so a batch
 --   of any size is acknowledged whole), and the group keeps no pending list. Reading is
 --   consumer activity: it keeps the queue's group (and the stream) from expiring. A queue
 --   whose group expired, or that has none (its binding expired), gets one starting now:
 --   what was sent while it was gone is not delivered, as with an expired AMQP queue.
+--   stream_expires_ms is at most 10 years (315360000000 ms): now plus it stays an exact double.
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: fanout_consume: ' .. message)
@@ -43,8 +45,9 @@ if not count or count < 1 or count > 10000 then
   return fail("count must be an integer in 1..10000, got '" .. ARGV[3] .. "'")
 end
 local stream_expires = ARGV[4] ~= '' and string.match(ARGV[4], '^%d+$') and tonumber(ARGV[4])
-if ARGV[4] ~= '' and (not stream_expires or stream_expires == 0) then
-  return fail("stream_expires_ms must be a positive integer or empty, got '" .. ARGV[4] .. "'")
+if ARGV[4] ~= '' and (not stream_expires or stream_expires == 0 or stream_expires > MAX_DURATION_MS) then
+  return fail("stream_expires_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) ..
+              " or empty, got '" .. ARGV[4] .. "'")
 end
 
 local time = rcall('TIME')

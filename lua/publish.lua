@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 10
+-- version: 11
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -15,7 +15,7 @@
 --   1  payload        string, non-empty                    the kombu envelope, stored unchanged
 --   2  priority       integer 0..255                       higher is delivered first; '' means 0; capped by the queue's max_priority
 --   3  eta_ms         integer 0..9999999999999             absolute unix ms by the server's clock; '' or 0 means now
---   4  ttl_ms         integer > 0 or -1                    message TTL in ms, counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
+--   4  ttl_ms         integer 1..315360000000 or -1        message TTL in ms (at most 10 years), counted while it waits (from its ETA when delayed); '' or -1 means none; the queue's message_ttl wins when shorter
 --   5  visibility_ms  integer > 0                          unused since version 8 (no ready message sits popped); still checked, so version 7 callers need no change
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
 --   7  exchange       string, optional, with 8             the exchange a cached route to this queue came from
@@ -31,7 +31,7 @@
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
 --   ERR celery-redis-lua: publish: eta_ms must be an integer in 0..9999999999999, got 'V'
---   ERR celery-redis-lua: publish: ttl_ms must be a positive integer or -1, got 'V'
+--   ERR celery-redis-lua: publish: ttl_ms must be an integer in 1..315360000000 or -1, got 'V'
 --   ERR celery-redis-lua: publish: visibility_ms must be a positive integer, got 'V'
 --   ERR celery-redis-lua: publish: task_id must be at most 256 bytes, got N
 --   ERR celery-redis-lua: publish: exchange must be non-empty with routed_ms
@@ -50,10 +50,24 @@
 --   retries a publish whose reply a dropped connection lost, and the first copy may have
 --   landed (a Celery retry carries other headers, so it is a new message). A route looked
 --   up in the very millisecond of the change is refused too (it may have come before it).
+--   Every time it computes stays an exact double below 10^13 ms: an ETA by its bound, a TTL
+--   of at most 10 years; a queue's stored expires or message_ttl past 10 years (an older
+--   version's, or set by hand) counts as 10 years.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 local MAX_ETA_MS = PRIORITY_FACTOR - 1 -- a later ETA would overflow into the next priority band
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
 -- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
@@ -120,8 +134,9 @@ if not eta or eta < 0 or eta > MAX_ETA_MS then
   return fail("eta_ms must be an integer in 0.." .. string.format('%d', MAX_ETA_MS) .. ", got '" .. ARGV[3] .. "'")
 end
 local ttl = integer(ARGV[4], -1)
-if not ttl or (ttl <= 0 and ttl ~= -1) then
-  return fail("ttl_ms must be a positive integer or -1, got '" .. ARGV[4] .. "'")
+if not ttl or (ttl <= 0 and ttl ~= -1) or ttl > MAX_DURATION_MS then
+  return fail("ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. " or -1, got '" ..
+              ARGV[4] .. "'")
 end
 local visibility = integer(ARGV[5], nil)
 if not visibility or visibility <= 0 then
@@ -144,7 +159,7 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits'}
 if exchange then fields[7] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
-local expires, queue_ttl, max_priority, last_id = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), meta[4]
+local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
 local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
 
 -- A cached route: refused when the bindings to this queue changed since (or the queue is

@@ -38,7 +38,9 @@
 --   next consume or sweep dead-letters it with reason 'expired'. A requeue pushes the
 --   wake token, so a consumer blocked with nothing to do takes the message at once. A queue
 --   declared with x-delayed-retry-type (RabbitMQ 4.3's names) delays a requeue of that kind
---   ('all' both) by min(retry_min * delivery_count, retry_max) ms: the message waits in the
+--   ('all' both) by min(retry_min * delivery_count, retry_max or 10 years) ms (a stored
+--   retry_min or retry_max past 10 years, left by an older version or by hand, counts as 10
+--   years, so the due time never overflows): the message waits in the
 --   delayed set in state 'retry', priority and count kept, and is counted in 'retrying'
 --   until consume or the sweep makes it ready. The token is pushed then too, so a blocked
 --   consumer learns the earlier ETA. A dropped delivery frees a slot: in a queue with an
@@ -109,20 +111,31 @@ local function state_line(state, count, s)
   return line .. ' ' .. s.task
 end
 
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
+
 -- Delayed retry (RabbitMQ 4.3's x-delayed-retry-*, stored by declare): whether a requeue of
 -- kind `cause` ('failed' or 'returned') waits before it is ready again (nil: it does not),
--- and for how long: min(retry_min * delivery_count, retry_max) ms.
+-- and for how long: min(retry_min * delivery_count, retry_max or MAX_DURATION_MS) ms, so a
+-- due time never passes now + 10 years, whatever was stored or however many deliveries.
 local function retry_policy(meta_key, cause)
   local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max')
-  local min = tonumber(r[2])
+  local min = stored_ms(r[2])
   if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil end
-  return {min = min, max = tonumber(r[3])}
+  return {min = min, max = stored_ms(r[3])}
 end
 
 local function retry_delay(policy, count)
-  local delay = policy.min * count
-  if policy.max and delay > policy.max then return policy.max end
-  return delay
+  return math.min(policy.min * count, policy.max or MAX_DURATION_MS)
 end
 
 if #KEYS ~= 8 then
@@ -223,7 +236,7 @@ end
 count_in_meta(meta_key, 'redelivered', requeued)
 if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
 count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)
-local expires = tonumber(rcall('HGET', meta_key, 'expires'))
+local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end

@@ -23,8 +23,21 @@
 --   messages. Were it lost (a consumer killed at that instant), the others would wait out
 --   their blocking_timeout, never lose a message. A queue with x-expires gets its expiry
 --   back on all keys.
+--   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
+--   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
 local rcall = redis.call
+local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+
+-- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
+-- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
+-- anything waits, instead of overflowing the sums with the clock; not a positive integer:
+-- nil, not set.
+local function stored_ms(value)
+  local n = value and string.match(value, '^%d+$') and tonumber(value)
+  if not n or n < 1 then return nil end
+  return math.min(n, MAX_DURATION_MS)
+end
 
 -- A consumer with nothing to do blocks on the wake list (BLPOP); a token there wakes one,
 -- which runs consume. Pushed only into an empty list: one LLEN while a token already waits.
@@ -48,7 +61,7 @@ if rcall('ZCARD', KEYS[1]) + rcall('ZCARD', KEYS[2]) > 0 and rcall('HEXISTS', KE
     and arm_wake(KEYS[8]) then
   back = 1 -- a paused queue wakes nobody: its token stays dropped
 end
-local expires = tonumber(rcall('HGET', KEYS[4], 'expires'))
+local expires = stored_ms(rcall('HGET', KEYS[4], 'expires'))
 if expires then
   local time = rcall('TIME')
   local at = string.format('%d', tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + expires)

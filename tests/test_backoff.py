@@ -12,6 +12,7 @@ from kombu import Queue
 
 from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary
 from celery_redis_lua.options import OptionError, parse_options
+from celery_redis_lua.protocol.bounds import MAX_DURATION_MS, MAX_DURATION_SECONDS
 from celery_redis_lua.protocol.policy import Policy
 from celery_redis_lua.protocol.retry import DelayedRetry
 from conftest import Target
@@ -141,6 +142,15 @@ def test_declare_stores_the_arguments_and_refuses_other_ones(lib: ScriptLibrary)
     ({"x-delayed-retry-type": "all", "x-delayed-retry-min": "1s"}, "x-delayed-retry-min must be a positive"),
     ({"x-delayed-retry-type": "all", "x-delayed-retry-min": 100, "x-delayed-retry-max": 10},
      "x-delayed-retry-max 10 is below x-delayed-retry-min 100"),
+    # Issue 38: 10^19 ms was stored, and broke every later declare and reject.
+    ({"x-delayed-retry-type": "all", "x-delayed-retry-min": 10**19},
+     r"x-delayed-retry-min must be a positive integer \(ms\) of at most 315360000000"),
+    ({"x-delayed-retry-type": "all", "x-delayed-retry-min": MAX_DURATION_MS + 1},
+     "x-delayed-retry-min must be .* at most 315360000000 .*, got 315360000001"),
+    ({"x-delayed-retry-type": "all", "x-delayed-retry-min": 1, "x-delayed-retry-max": MAX_DURATION_MS + 1},
+     "x-delayed-retry-max must be .* at most 315360000000 .*, got 315360000001"),
+    ({"x-delayed-retry-type": "all", "x-delayed-retry-min": 1e19},  # kombu converts seconds to floats
+     "x-delayed-retry-min must be .* at most 315360000000"),
 ])
 def test_bad_queue_arguments_name_the_value_and_declare_nothing(kind_broker: Broker, arguments: dict,
                                                                  message: str) -> None:
@@ -164,12 +174,28 @@ def test_the_transport_option_is_the_default_of_queues_without_arguments(kind_br
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"delayed_retry_type": "never"}, "x-delayed-retry-type must be one of"),
-    ({"delayed_retry_type": "failed"}, "needs x-delayed-retry-min"),
-    ({"delayed_retry_type": "failed", "delayed_retry_min": 0}, "'delayed_retry_min' must be a number > 0"),
+    ({"delayed_retry_type": "never"}, "'delayed_retry_type' must be one of disabled, all, failed, returned"),
+    # Issue 42: the options' names and seconds, not the queue arguments' ms.
+    ({"delayed_retry_type": "failed"},
+     r"'delayed_retry_type' 'failed' needs 'delayed_retry_min' \(the first delay, in seconds\)"),
+    ({"delayed_retry_type": "failed", "delayed_retry_min": 0},
+     "'delayed_retry_min' must be a number of seconds > 0"),
     ({"delayed_retry_type": 1}, "'delayed_retry_type' must be str"),
-    ({"delayed_retry_type": "all", "delayed_retry_min": 2, "delayed_retry_max": 1}, "is below"),
+    ({"delayed_retry_type": "all", "delayed_retry_min": 2, "delayed_retry_max": 1},
+     r"'delayed_retry_max' \(1 seconds\) is below 'delayed_retry_min' \(2 seconds\)"),
+    # Issue 38: past 10 years, in seconds.
+    ({"delayed_retry_type": "all", "delayed_retry_min": 10**16},
+     "'delayed_retry_min' must be a number of seconds > 0 and <= 315360000 or None, got 10000000000000000"),
+    ({"delayed_retry_type": "all", "delayed_retry_min": 1, "delayed_retry_max": MAX_DURATION_SECONDS + 1},
+     "'delayed_retry_max' must be a number of seconds > 0 and <= 315360000"),
 ])
 def test_bad_options_are_refused_by_name(options: dict, message: str) -> None:
-    with pytest.raises(OptionError, match=message):
+    with pytest.raises(OptionError, match=message) as raised:
         parse_options(options)
+    assert "x-delayed-retry" not in str(raised.value) and "(ms)" not in str(raised.value)
+
+
+def test_the_option_s_bound_is_ten_years_in_seconds() -> None:
+    options = parse_options({"delayed_retry_type": "all", "delayed_retry_min": MAX_DURATION_SECONDS,
+                             "delayed_retry_max": MAX_DURATION_SECONDS})
+    assert options.delayed_retry == DelayedRetry("all", MAX_DURATION_MS, MAX_DURATION_MS)

@@ -14,6 +14,7 @@ import contextlib
 import re
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 from kombu import Consumer, Exchange, Producer, Queue
@@ -305,6 +306,12 @@ def test_the_cli_sets_shows_and_clears_limits(kind_broker: Broker) -> None:
     runner = CliRunner()
     done = runner.invoke(main, ["limit", "cli-limited", "--in-flight", "8", "--rate", "20/s", *at])
     assert done.exit_code == 0 and "'cli-limited' limits: 8 in flight, 20/s" in done.output, done.output
+    # What the cap counts, said where it is set (issue 38): unacked deliveries, so prefetch.
+    assert done.stdout.splitlines()[1] == (
+        "The in-flight cap counts unacked deliveries: with Celery's default early ack it limits "
+        "prefetch, not running tasks; to cap running tasks, set task_acks_late=True."), done.output
+    rate_only = runner.invoke(main, ["limit", "cli-limited", "--rate", "20/s", *at])
+    assert rate_only.stdout.splitlines() == ["'cli-limited' limits: 8 in flight, 20/s"], rate_only.output
     shown = runner.invoke(main, ["status", "--queue", "cli-limited", *at])
     assert shown.output.splitlines()[0].split()[-1] == "limits"
     assert "8 in flight, 20/s" in shown.output, shown.output
@@ -315,10 +322,23 @@ def test_the_cli_sets_shows_and_clears_limits(kind_broker: Broker) -> None:
     for bad, fragment in [(["--in-flight", "-2"], "got '-2'"), (["--rate", "0/s"], "got '0/s'"),
                           (["--rate", "5/d"], "got '5/d'"), (["--in-flight", "x"], "got 'x'"),
                           ([], "give --in-flight, --rate or a --clear option"),
-                          (["--clear", "--rate", "5/s"], "--clear clears both")]:
+                          (["--clear", "--rate", "5/s"], "--clear clears both"),
+                          # Absurd N: refused naming the flag it was typed with (issue 38).
+                          (["--in-flight", str(10**19)],
+                           "--in-flight must be an integer in 1..1000000, 'clear' or '', "
+                           "got '10000000000000000000'"),
+                          (["--rate", "1000001/m"], "--rate must be N/s, N/m or N/h with N an integer in "
+                                                    "1..1000000")]:
         refused = runner.invoke(main, ["limit", "cli-limited", *bad, *at])
         assert refused.exit_code != 0 and fragment in refused.stderr, (bad, refused.stderr)
         assert refused.stdout == ""
     missing = runner.invoke(main, ["limit", "no-such-queue", "--in-flight", "2", *at])
     assert missing.exit_code == 1 and "no queue" in missing.stderr
     assert kind_broker.lib.metrics(["cli-limited"])[0].limits == Limits()
+
+
+def test_the_operations_page_says_what_the_in_flight_cap_counts() -> None:
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text().split())
+    assert "What the in-flight cap counts: unacked deliveries" in page
+    assert "the cap limits prefetch (tasks delivered and not yet started), not running tasks" in page
+    assert "a cap on running tasks needs `task_acks_late=True`" in page

@@ -18,6 +18,7 @@ import celery_redis_lua  # noqa: F401  (registers redislua://)
 from celery_redis_lua import Keyspace, Policy
 from celery_redis_lua.kombu.transport import Transport
 from celery_redis_lua.options import OptionError, TransportOptions, parse_options
+from celery_redis_lua.protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
 from scripts.servers import Server
 
 # The reference API's options and defaults, plus the dead-letter and sweep options.
@@ -68,6 +69,14 @@ BAD: list[tuple[str, Any]] = [
     ("sep", ""), ("sep", 5),
     ("dead_letter_maxlen", -1), ("dead_letter_maxlen", 1.5),
     ("sweep_interval", 0), ("sweep_interval", "60"),
+    # Issue 38: durations the scripts get as ms are at most 10 years.
+    ("visibility_timeout", MAX_DURATION_SECONDS + 1), ("queue_expires", 1e19),
+    ("message_ttl", MAX_DURATION_SECONDS + 0.5), ("binding_lifetime_floor", 10**19),
+    ("delayed_retry_min", MAX_DURATION_SECONDS + 1), ("delayed_retry_max", float("inf")),
+    # Counts: a delivery limit at most the limits' 1,000,000; a stream cap at most 10^9 (XADD
+    # MAXLEN refuses 2^63 mid-script).
+    ("delivery_limit", MAX_LIMIT + 1), ("stream_maxlen", 10**14),
+    ("dead_letter_maxlen", MAX_STREAM_LENGTH + 1),
 ]
 
 GOOD: list[tuple[str, Any]] = [
@@ -79,6 +88,10 @@ GOOD: list[tuple[str, Any]] = [
     ("client_name", "worker-1"), ("ssl", True), ("ssl", {"ssl_cert_reqs": ssl.CERT_REQUIRED}),
     ("fanout_prefix", False), ("fanout_prefix", "custom."), ("fanout_patterns", False),
     ("sep", "|"), ("dead_letter_maxlen", 0), ("sweep_interval", 0.1),
+    ("visibility_timeout", MAX_DURATION_SECONDS), ("queue_expires", MAX_DURATION_SECONDS),
+    ("message_ttl", MAX_DURATION_SECONDS), ("binding_lifetime_floor", MAX_DURATION_SECONDS),
+    ("delivery_limit", MAX_LIMIT), ("stream_maxlen", MAX_STREAM_LENGTH),
+    ("dead_letter_maxlen", MAX_STREAM_LENGTH),
 ]
 
 
@@ -115,6 +128,16 @@ def test_a_bad_value_raises_naming_the_option(name: str, value: Any) -> None:
         parse_options({name: value})
     assert repr(name) in str(error.value)
     assert isinstance(error.value, ValueError)
+
+
+@pytest.mark.parametrize("name", ["visibility_timeout", "queue_expires", "message_ttl",
+                                  "binding_lifetime_floor", "delayed_retry_min", "delayed_retry_max"])
+def test_a_duration_past_ten_years_is_refused_in_the_option_s_name_and_unit(name: str) -> None:
+    with pytest.raises(OptionError) as error:
+        parse_options({name: MAX_DURATION_SECONDS + 1})
+    assert str(error.value).startswith(f"transport option {name!r} must be a number of seconds > 0 and "
+                                       f"<= {MAX_DURATION_SECONDS}"), str(error.value)
+    assert "315360001" in str(error.value)
 
 
 def test_ssl_false_means_no_tls() -> None:

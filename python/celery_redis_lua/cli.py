@@ -36,7 +36,7 @@ from .protocol.contract import load_scripts, read_manifest
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
 from .protocol.ops import QueueMetrics
-from .protocol.runner import ERROR_PREFIX
+from .protocol.runner import ERROR_PREFIX, ScriptError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 REPLAY_BATCH = 500  # dead letters per dead_replay call: a few ms of the server's time
@@ -483,9 +483,25 @@ def limit_command(queue: str, in_flight: str | None, rate: str | None, clear_all
         limits = connect(url, prefix).limit(
             queue, in_flight=in_flight, rate=rate,  # as typed: the script judges them, naming a bad one
             clear_in_flight=clear_all or clear_in_flight, clear_rate=clear_all or clear_rate)
+    except ScriptError as error:  # a value the script refused: named by the flag it came from
+        problem = str(error).removeprefix(f"{ERROR_PREFIX} limit: ")
+        for argument, flag in LIMIT_FLAGS.items():
+            if problem.startswith(f"{argument} must "):
+                raise click.UsageError(flag + problem.removeprefix(argument)) from None
+        raise
     except ValueError as error:  # set and clear of one limit at once
         raise click.UsageError(str(error).removeprefix("celery-redis-lua: limit: ")) from None
     click.echo(f"{queue!r} limits: {limits}")
+    if in_flight is not None:
+        click.echo(IN_FLIGHT_COUNTS)
+
+
+# The limit script's ARGV names, as the flags an operator typed them with.
+LIMIT_FLAGS = {"in_flight": "--in-flight", "rate": "--rate"}
+# What the in-flight cap counts (docs/operations.md says the same): an early-acked Celery
+# task is acked when it starts, so the cap holds prefetched tasks back, not running ones.
+IN_FLIGHT_COUNTS = ("The in-flight cap counts unacked deliveries: with Celery's default early ack it "
+                    "limits prefetch, not running tasks; to cap running tasks, set task_acks_late=True.")
 
 
 @main.group()

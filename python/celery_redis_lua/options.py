@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
 from .protocol.durability import Durability
 from .protocol.keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
@@ -26,6 +27,7 @@ from .protocol.keys import (
     fanout_prefix_for,
 )
 from .protocol.policy import Policy
+from .protocol.retry import TYPES as RETRY_TYPES
 from .protocol.retry import DelayedRetry
 
 
@@ -50,9 +52,10 @@ class TransportOptions:
 
     visibility_timeout: float = option(
         300, "seconds an unacked message may stay with a consumer before it is redelivered "
-        "(pushed forward every third of it while the consumer lives)")
+        "(pushed forward every third of it while the consumer lives); at most 315,360,000 (10 years), "
+        "as every duration")
     delivery_limit: int | None = option(
-        20, "delivery attempts before a message is dead-lettered; `None`: no limit")
+        20, "delivery attempts before a message is dead-lettered (at most 1,000,000); `None`: no limit")
     blocking_timeout: float = option(
         10, "seconds the server holds a BLPOP (on the queues' wake lists) or XREAD open per poll "
         "(a message is delivered the instant it arrives; the block is also cut short at the next ETA)")
@@ -60,7 +63,7 @@ class TransportOptions:
         None, "seconds; default `x-expires` for queues declared without one; also a TTL on binding "
         "tables and fanout streams")
     global_keyprefix: str = option("", "prefix of every key")
-    stream_maxlen: int = option(10_000, "approximate cap of each fanout stream")
+    stream_maxlen: int = option(10_000, "approximate cap of each fanout stream (at most 10^9)")
     message_key_prefix: str = option(
         DEFAULT_MESSAGE_KEY_PREFIX, "names the hash of a queue's payloads, `P message:{Q}`")
     message_ttl: float = option(
@@ -91,7 +94,8 @@ class TransportOptions:
     sep: str = option(DEFAULT_SEPARATOR, "separator inside binding members")
     # Dead letters (docs/design.md): kept by default, bounded; 0 deletes dropped messages outright.
     dead_letter_maxlen: int = option(
-        10_000, "approximate cap of each queue's dead-letter stream; 0 deletes dropped messages outright")
+        10_000, "approximate cap of each queue's dead-letter stream (at most 10^9); 0 deletes dropped "
+        "messages outright")
     # How often a consuming channel runs the sweep script (seconds); small in tests.
     sweep_interval: float = option(
         60, "seconds between sweeps (timed-out deliveries back, due ETAs in, orphans out)")
@@ -192,7 +196,7 @@ class TransportOptions:
 
 def _number(low: float, *, allow_none: bool = False, integer: bool = False,
             inclusive: bool = True, extra: tuple[Any, ...] = (),
-            high: float | None = None) -> Callable[[str, Any], Any]:
+            high: float | None = None, unit: str = "") -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
         if value is None and allow_none:
             return None
@@ -203,12 +207,20 @@ def _number(low: float, *, allow_none: bool = False, integer: bool = False,
         if ok:
             ok = (value >= low if inclusive else value > low) and (high is None or value <= high)
         if not ok:
-            what = "an integer" if integer else "a number"
+            what = ("an integer" if integer else "a number") + (f" of {unit}" if unit else "")
             bound = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
             also = "".join(f" or {e!r}" for e in extra) + (" or None" if allow_none else "")
             raise OptionError(f"transport option {name!r} must be {what} {bound}{also}, got {value!r}")
         return value
     return check
+
+
+def _duration(*, allow_none: bool = False, extra: tuple[Any, ...] = ()) -> Callable[[str, Any], Any]:
+    """Seconds the scripts get as ms: positive, and at most the longest duration they take
+    (protocol/bounds.py), so the option's own name and unit are in the error, not the ms
+    argument the scripts would have refused."""
+    return _number(0, inclusive=False, allow_none=allow_none, extra=extra, high=MAX_DURATION_SECONDS,
+                   unit="seconds")
 
 
 def _typed(*types: type, allow_none: bool = True) -> Callable[[str, Any], Any]:
@@ -236,14 +248,14 @@ def _node_list(name: str, value: Any) -> Any:
 
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "visibility_timeout": _number(0, inclusive=False),
-    "delivery_limit": _number(1, integer=True, allow_none=True),
+    "visibility_timeout": _duration(),
+    "delivery_limit": _number(1, integer=True, allow_none=True, high=MAX_LIMIT),
     "blocking_timeout": _number(0),
-    "queue_expires": _number(0, inclusive=False, allow_none=True),
+    "queue_expires": _duration(allow_none=True),
     "global_keyprefix": _typed(str, allow_none=False),
-    "stream_maxlen": _number(1, integer=True),
+    "stream_maxlen": _number(1, integer=True, high=MAX_STREAM_LENGTH),
     "message_key_prefix": _non_empty_str,
-    "message_ttl": _number(0, inclusive=False, extra=(-1,)),
+    "message_ttl": _duration(extra=(-1,)),
     "socket_timeout": _number(0, inclusive=False, allow_none=True),
     "socket_connect_timeout": _number(0, inclusive=False, allow_none=True),
     "socket_keepalive": _typed(bool),
@@ -257,10 +269,10 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "fanout_prefix": _typed(bool, str, allow_none=False),
     "fanout_patterns": _typed(bool, allow_none=False),
     "sep": _non_empty_str,
-    "dead_letter_maxlen": _number(0, integer=True),
+    "dead_letter_maxlen": _number(0, integer=True, high=MAX_STREAM_LENGTH),
     "sweep_interval": _number(0, inclusive=False),
     "consume_batch": _number(1, integer=True, high=10_000),  # the scripts' own cap
-    "binding_lifetime_floor": _number(0, inclusive=False),
+    "binding_lifetime_floor": _duration(),
     "master_name": _non_empty_str,
     "sentinel_kwargs": _typed(dict),
     "min_other_sentinels": _number(0, integer=True),
@@ -273,8 +285,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "cluster": _typed(bool, allow_none=False),
     "cluster_nodes": _node_list,
     "delayed_retry_type": _typed(str, allow_none=False),
-    "delayed_retry_min": _number(0, inclusive=False, allow_none=True),
-    "delayed_retry_max": _number(0, inclusive=False, allow_none=True),
+    "delayed_retry_min": _duration(allow_none=True),
+    "delayed_retry_max": _duration(allow_none=True),
 }
 
 
@@ -315,6 +327,21 @@ def warn_unknown(raw: Mapping[str, Any], known: set[str]) -> None:
                       stacklevel=4)
 
 
+def _check_delayed_retry(options: TransportOptions) -> None:
+    """DelayedRetry's rules in the options' terms (their names, in seconds), not in the queue
+    arguments' (x-delayed-retry-min, in ms) that DelayedRetry would name."""
+    kind, low, high = options.delayed_retry_type, options.delayed_retry_min, options.delayed_retry_max
+    if kind not in RETRY_TYPES:
+        raise OptionError(f"transport option 'delayed_retry_type' must be one of {', '.join(RETRY_TYPES)}, "
+                          f"got {kind!r}")
+    if kind != "disabled" and low is None:
+        raise OptionError(f"transport option 'delayed_retry_type' {kind!r} needs 'delayed_retry_min' "
+                          "(the first delay, in seconds)")
+    if low is not None and high is not None and high < low:
+        raise OptionError(f"transport option 'delayed_retry_max' ({high} seconds) is below "
+                          f"'delayed_retry_min' ({low} seconds)")
+
+
 def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     """Validate the options this transport knows; ``polling_interval`` is read as
     ``blocking_timeout`` with a deprecation warning (there is no sleep between polls)."""
@@ -341,10 +368,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         options.durability_setting  # noqa: B018  (its rules, reported as this option's error)
     except ValueError as error:
         raise OptionError(f"transport option 'durability': {error}") from None
-    try:
-        options.delayed_retry  # noqa: B018  (its rules, reported as these options' error)
-    except ValueError as error:
-        raise OptionError(f"transport options 'delayed_retry_*': {error}") from None
+    _check_delayed_retry(options)
     try:
         options.keyspace(0)  # the keyspace's rules, reported as this option's error
     except KeyspaceError as error:

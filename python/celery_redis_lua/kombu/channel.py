@@ -19,6 +19,7 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
 
+from ..protocol.bounds import MAX_DURATION_MS
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery, StaleRoute
@@ -185,9 +186,19 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             retry = DelayedRetry.from_arguments(arguments) or self.options.delayed_retry
         except ValueError as error:
             raise ValueError(f"queue {queue!r}: {error}") from None
-        self.connection.declared[queue] = self.lib.declare(
-            queue, expires_ms=expires, message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
-            max_priority=_ms_argument(queue, arguments, "x-max-priority"), retry=retry)
+        self._declare(queue, expires_ms=expires,
+                      message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
+                      max_priority=_ms_argument(queue, arguments, "x-max-priority"), retry=retry)
+
+    def _declare(self, queue: str, **kwargs: Any) -> None:
+        """Declare ``queue``; stored arguments out of range (an older version's, or set by
+        hand) do not stop it: the scripts apply them as their bound, and the log names them."""
+        declared = self.connection.declared[queue] = self.lib.declare(queue, **kwargs)
+        if declared.out_of_range:
+            logger.warning("celery-redis-lua: queue %r has stored arguments out of range: %s; past its "
+                           "bound one is applied as the bound (10 years, priority 255), one that is no "
+                           "number as not set (delete the queue and declare it again to set them)",
+                           queue, ", ".join(declared.out_of_range))
 
     def _expires_ms(self, queue: str) -> int | None:
         declared = self.connection.declared.get(queue)
@@ -256,7 +267,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         if self.typeof(exchange).type == "fanout":
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             # Recorded with the queue before the group is made: a delete from anywhere finds it.
-            self.connection.declared[queue] = self.lib.declare(queue, fanout_exchange=exchange)
+            self._declare(queue, fanout_exchange=exchange)
             self.lib.run(self.fanout_bind_call(queue))
         member = self._binding_member(exchange, routing_key, pattern, queue)
         added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
@@ -413,12 +424,20 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
 
 
 
+# The largest value of each numeric RabbitMQ queue argument (x-delayed-retry-* are
+# DelayedRetry's): a duration at most the longest the scripts take (protocol/bounds.py).
+ARGUMENT_BOUNDS = {"x-expires": (MAX_DURATION_MS, "ms"), "x-message-ttl": (MAX_DURATION_MS, "ms"),
+                   "x-max-priority": (Channel.max_priority, "")}
+
+
 def _ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:
-    """A RabbitMQ queue argument (ms, or a priority), checked so a bad one names itself."""
+    """A RabbitMQ queue argument (ms, or a priority), checked so a bad one names itself (its
+    own name and unit, before the script would name its ARGV)."""
     value = arguments.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"queue {queue!r}: argument {name!r} must be a non-negative number, "
-                         f"got {value!r}")
+    high, unit = ARGUMENT_BOUNDS[name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
+        what = f"a number of {unit}" if unit else "a number"
+        raise ValueError(f"queue {queue!r}: argument {name!r} must be {what} in 0..{high}, got {value!r}")
     return int(value)

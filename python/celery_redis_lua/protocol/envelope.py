@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from .bounds import MAX_DURATION_MS, MAX_ETA_MS
 from .ops import Delivery
 
 TAG_SEPARATOR = "@"
 FANOUT_MARK = "fanout:"  # a fanout entry's tag: read at most once, nothing to ack
-# The latest ETA the publish script takes (unix ms, year 2286): one later would overflow
-# into the next priority band of the ready score.
-MAX_ETA_MS = 10**13 - 1
 
 
 class BadEnvelope(ValueError):
@@ -102,6 +100,9 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
         except (TypeError, ValueError) as error:
             raise BadEnvelope(f"{_describe(message)}: property 'expiration' must be ms, "
                               f"got {expiration!r}") from error
+        if own > MAX_DURATION_MS:
+            raise BadEnvelope(f"{_describe(message)}: property 'expiration' must be at most "
+                              f"{MAX_DURATION_MS} ms (10 years), got {expiration!r}")
         ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
     eta = eta_ms(message)
     expires = _header_time_ms(message, "expires")
@@ -109,6 +110,9 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
         # Celery's expires is a time, sent as 'expiration' ms from now; a message's TTL counts
         # from its ETA, so a countdown's is what is left after it: dead-lettered at expires.
         own = max(1, expires - eta)
+        if own > MAX_DURATION_MS:
+            raise BadEnvelope(f"{_describe(message)}: header 'expires' is more than {MAX_DURATION_MS} "
+                              "ms (10 years) after its 'eta', the longest a message may wait")
         ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
     return PublishArguments(priority, eta, ttl_ms, task_id(message))
 

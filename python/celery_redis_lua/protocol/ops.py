@@ -143,6 +143,9 @@ class Declared:
     message_ttl_ms: int | None
     max_priority: int | None
     retry: DelayedRetry = DISABLED
+    # Stored arguments out of range (an older version's, or set by hand): 'x-name=VALUE'
+    # each; in force (above) as their bound when past it, as not set when no number.
+    out_of_range: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -445,7 +448,8 @@ def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None
         retry = DelayedRetry(_text(reply[6]), _argument(reply[7]), _argument(reply[8]))
         ready, delayed, in_flight = (int(n) for n in reply[:3])
         expires, ttl, max_priority = (_argument(n) for n in reply[3:6])
-        return Declared(ready, delayed, in_flight, expires, ttl, max_priority, retry)
+        out_of_range = tuple(_text(item) for item in reply[9]) if len(reply) > 9 else ()
+        return Declared(ready, delayed, in_flight, expires, ttl, max_priority, retry, out_of_range)
 
     return Call("declare", k.queue_keys(queue), args, decode)
 

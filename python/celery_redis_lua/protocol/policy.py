@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .bounds import MAX_DURATION_MS, MAX_LIMIT, MAX_STREAM_LENGTH
 from .durability import Durability
 
 
@@ -21,14 +22,17 @@ class Policy:
 
     def __post_init__(self) -> None:
         if isinstance(self.visibility_ms, bool) or not isinstance(self.visibility_ms, int) \
-                or self.visibility_ms <= 0:
-            raise ValueError(f"visibility_ms must be a positive integer, got {self.visibility_ms!r}")
+                or not 0 < self.visibility_ms <= MAX_DURATION_MS:
+            raise ValueError(f"visibility_ms must be an integer in 1..{MAX_DURATION_MS}, "
+                             f"got {self.visibility_ms!r}")
         if self.delivery_limit is not None and (isinstance(self.delivery_limit, bool) or not isinstance(
-                self.delivery_limit, int) or self.delivery_limit < 0):
-            raise ValueError(f"delivery_limit must be an integer >= 0 or None, got {self.delivery_limit!r}")
+                self.delivery_limit, int) or not 0 <= self.delivery_limit <= MAX_LIMIT):
+            raise ValueError(f"delivery_limit must be an integer in 0..{MAX_LIMIT} or None, "
+                             f"got {self.delivery_limit!r}")
         if isinstance(self.dead_letter_maxlen, bool) or not isinstance(self.dead_letter_maxlen, int) \
-                or self.dead_letter_maxlen < 0:
-            raise ValueError(f"dead_letter_maxlen must be an integer >= 0, got {self.dead_letter_maxlen!r}")
+                or not 0 <= self.dead_letter_maxlen <= MAX_STREAM_LENGTH:
+            raise ValueError(f"dead_letter_maxlen must be an integer in 0..{MAX_STREAM_LENGTH}, "
+                             f"got {self.dead_letter_maxlen!r}")
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -14,11 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .bounds import MAX_DURATION_MS
+
 TYPES = ("disabled", "all", "failed", "returned")
 # The queue arguments, as RabbitMQ names them.
 TYPE_ARGUMENT = "x-delayed-retry-type"
 MIN_ARGUMENT = "x-delayed-retry-min"
 MAX_ARGUMENT = "x-delayed-retry-max"
+WHAT = f"a positive integer (ms) of at most {MAX_DURATION_MS} (10 years)"
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,9 @@ class DelayedRetry:
         if self.type not in TYPES:
             raise ValueError(f"{TYPE_ARGUMENT} must be one of {', '.join(TYPES)}, got {self.type!r}")
         for name, value in ((MIN_ARGUMENT, self.min_ms), (MAX_ARGUMENT, self.max_ms)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer (ms), got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 < value <= MAX_DURATION_MS):
+                raise ValueError(f"{name} must be {WHAT}, got {value!r}")
         if self.enabled and self.min_ms is None:
             raise ValueError(f"{TYPE_ARGUMENT} {self.type!r} needs {MIN_ARGUMENT} (ms)")
         if self.min_ms is not None and self.max_ms is not None and self.max_ms < self.min_ms:
@@ -43,10 +47,11 @@ class DelayedRetry:
         return self.type != "disabled"
 
     def delay_ms(self, delivery_count: int) -> int:
-        """How long a requeue that makes ``delivery_count`` waits (the scripts' formula)."""
+        """How long a requeue that makes ``delivery_count`` waits (the scripts' formula: never
+        longer than the longest duration, so that a high count cannot push the due time out of
+        range)."""
         assert self.min_ms is not None, "a disabled delayed retry has no delay"
-        delay = self.min_ms * delivery_count
-        return delay if self.max_ms is None else min(delay, self.max_ms)
+        return min(self.min_ms * delivery_count, MAX_DURATION_MS if self.max_ms is None else self.max_ms)
 
     def arguments(self) -> list[str | int]:
         """declare's ARGV 5-7."""
@@ -73,5 +78,5 @@ def _ms(name: str, value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name} must be a positive integer (ms), got {value!r}")
+        raise ValueError(f"{name} must be {WHAT}, got {value!r}")
     return value
