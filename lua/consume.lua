@@ -16,12 +16,13 @@
 --   2  visibility_ms       integer 1..315360000000  visibility deadline of each delivered message, from now
 --   3  no_ack              0 or 1             1: delete each message as it is delivered (nothing is left behind)
 --   4  dead_letter_maxlen  integer >= 0       approximate cap of the dead-letter stream; 0 deletes expired messages outright
--- returns: array {wake_in_ms, expired, then 4 items per delivered message: queue_position, id, delivery_count, payload}
+-- returns: array {wake_in_ms, expired, then 4 items per delivered message: queue_position, id, delivery_count, payload[, rate_in_ms]}
 --   wake_in_ms is -1 when none of the queues holds a delayed message or waits for its
 --   rate, else the ms until the earliest ETA (0 when one is due) or until the next token
 --   of a rate that holds back ready messages (at least 1); expired counts messages whose TTL had passed,
 --   dead-lettered (reason 'expired') instead of delivered; queue_position is 1-based in
---   the order of KEYS.
+--   the order of KEYS. rate_in_ms, last and only when a rate holds back ready messages:
+--   the ms until its next token (at least 1), which the consumer times itself.
 -- errors:
 --   ERR celery-redis-lua: consume: expected 8 keys per queue, got N
 --   ERR celery-redis-lua: consume: expected 4 arguments, got N
@@ -45,12 +46,15 @@
 --   less what is in flight (stored - ready - delayed), per queue in a call over several,
 --   the merge by priority kept; a queue with a rate delivers the tokens of its bucket
 --   (GCRA: 'limit_tat' is when the bucket is full again; burst max(1, N / 10)), judged by
---   the server's clock. What a limit holds back costs nothing: no delivery count, no
---   index entry, no token spent. A queue its limit stops drops the wake token instead of
---   pushing it: a freed slot (ack, reject, the sweep) pushes it again, and a rate answers
---   with wake_in_ms = the time to its next token, so the refused consumer blocks until
---   then. Several consumers waiting on one rate each wake at that time and all but one are
---   refused again: C consumers cost about C consume calls per token, N * C per unit.
+--   the server's clock; a consumer late for a token by less than half an interval keeps
+--   its place in the schedule, so a late wake does not lower the rate. What a limit holds
+--   back costs nothing: no delivery count, no index entry, no token spent. A queue its
+--   limit stops drops the wake token instead of pushing it: a freed slot (ack, reject, the sweep) pushes it again, and a rate answers
+--   with the time to its next token (rate_in_ms, and in wake_in_ms), so the refused
+--   consumer comes back then, timed by itself: the server checks a block's timeout only
+--   every 1/hz (100 ms by default), which would hold 10/s to about 6/s. Several consumers
+--   waiting on one rate each wake at that time and all but one are refused again: C
+--   consumers cost about C consume calls per token, N * C per unit.
 --   Writes are variadic where they can be, which keeps the server's cost per message low.
 --   visibility_ms is at most 10 years (315360000000 ms), so that now plus it stays an exact
 --   double and string.format('%d') cannot overflow (protocol/bounds.py).
@@ -174,7 +178,7 @@ local deadline = now + visibility
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.
 --    The common case (nothing due) costs one ZRANGE per queue.
-local wake_in = -1
+local wake_in, rate_in = -1, -1
 for _, q in ipairs(active) do
   local first = rcall('ZRANGE', q.delayed, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now then
@@ -205,7 +209,7 @@ end
 
 -- 2. Limits (the limit script): how many each queue may deliver now (q.room; nil: no
 --    limit). In flight is stored - ready - delayed, as stats counts it; a rate's bucket
---    holds burst - (tat - now) / interval tokens, tat never below now. A call where no
+--    holds burst - (tat - now) / interval tokens, at most burst. A call where no
 --    queue has a limit (limited = false) takes as if limits did not exist.
 local limited = false
 for _, q in ipairs(active) do
@@ -224,7 +228,13 @@ for _, q in ipairs(active) do
     limited = true
     q.interval = (unit == 's' and 1000000 or unit == 'm' and 60000000 or 3600000000) / tonumber(n) -- us
     q.burst = math.max(1, math.floor(tonumber(n) / 10))
-    q.tat = math.max(tonumber(rcall('HGET', q.meta, 'limit_tat')) or 0, now_us)
+    -- A consumer late for its token by less than half an interval keeps the token's place
+    -- (tat is left in the past): with a burst of 1, moving tat up to now would lose every
+    -- wake's lateness for good. The bucket still holds at most `burst` tokens, and no
+    -- window more than one token beyond the strict bucket's count; one idle longer starts
+    -- afresh at now.
+    q.tat = tonumber(rcall('HGET', q.meta, 'limit_tat')) or 0
+    if q.tat <= now_us - q.interval / 2 then q.tat = now_us end
     q.tokens = math.max(0, math.floor(q.burst - (q.tat - now_us) / q.interval + 1e-9))
     q.room = math.min(q.room or q.tokens, q.tokens)
   end
@@ -365,12 +375,14 @@ for _, q in ipairs(queues) do
     if q.interval and q.tokens <= (q.delivered or 0) then
       local wait = math.max(1, math.ceil((q.tat - (q.burst - 1) * q.interval - now_us) / 1000))
       if wake_in < 0 or wait < wake_in then wake_in = wait end
+      if rate_in < 0 or wait < rate_in then rate_in = wait end
     end
   else
     arm_wake(q.wake)
   end
 end
 reply[1] = wake_in
+if rate_in >= 0 then reply[#reply + 1] = rate_in end
 
 -- 5. Consuming keeps a queue with x-expires alive, all eight keys at once.
 for _, q in ipairs(queues) do

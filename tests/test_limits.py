@@ -14,6 +14,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,42 @@ def test_a_slow_rate_tells_how_long_until_the_next_token(lib: ScriptLibrary) -> 
     lib.limit("hourly", rate="100/s")  # a new rate starts with a full bucket
     assert lib.client.llen(lib.keys.wake("hourly")) == 1  # and wakes a consumer
     assert len(lib.consume(["hourly"], 3).deliveries) == 2
+
+
+def test_a_rate_replies_its_wait_again_last_for_the_consumer_to_time(lib: ScriptLibrary) -> None:
+    # rate_in_ms: the consumer times a rate's wait itself (the server ends a block up to
+    # 1/hz late); an ETA's wait stays the block's (wake_in_ms only).
+    rated, soon = same_slot_names(2, lib.keys, "timed")
+    declared(lib, rated, 3)
+    declared(lib, soon, 1, eta_ms=server_now_ms(lib.client) + 60_000)
+    assert lib.consume([soon], 1).rate_in_ms is None  # an ETA, no rate
+    lib.limit(rated, rate="2/h")
+    took = lib.consume([rated], 3)
+    assert len(took.deliveries) == 1 and took.rate_in_ms is not None
+    assert took.rate_in_ms == took.wake_in_ms and 1_799_000 <= took.rate_in_ms <= 1_800_000
+    both = lib.consume([rated, soon], 3)  # the ETA comes first: both waits, each its own
+    assert both.deliveries == [] and both.wake_in_ms is not None and both.wake_in_ms <= 60_000
+    assert both.rate_in_ms is not None and both.rate_in_ms > 1_799_000
+    lib.purge(rated)
+    assert lib.consume([rated], 3).rate_in_ms is None  # nothing held back: no wait
+
+
+def test_a_consumer_late_for_its_token_keeps_its_place(lib: ScriptLibrary) -> None:
+    declared(lib, "late", 4)
+    lib.limit("late", rate="2/s")  # burst 1, a token every 500 ms
+    meta = lib.keys.meta("late")
+    assert len(lib.consume(["late"], 4).deliveries) == 1
+    due = int(lib.client.hget(meta, "limit_tat"))  # the next token's time, unix us
+    # 100 ms late (less than half an interval): the token after stays 500 ms after this one's
+    # due time, not after the late consume, so the wake's lateness is not lost.
+    wait_for_server_time(lib.client, due // 1000 + 100)
+    assert len(lib.consume(["late"], 4).deliveries) == 1
+    assert int(lib.client.hget(meta, "limit_tat")) == due + 500_000
+    # Idle past half an interval: the bucket starts afresh at now (one token, no more).
+    wait_for_server_time(lib.client, (due + 500_000) // 1000 + 300)
+    before_us = server_now_ms(lib.client) * 1000
+    assert len(lib.consume(["late"], 4).deliveries) == 1
+    assert int(lib.client.hget(meta, "limit_tat")) >= before_us + 500_000
 
 
 def test_refused_consumes_spend_no_tokens(lib: ScriptLibrary) -> None:
@@ -293,6 +330,47 @@ def test_a_prefetching_consumer_holds_no_more_than_the_cap(kind_broker: Broker) 
         for c in consumers:
             c.cancel()
     assert lib.stats(["capq"])[0].ready == 0
+
+
+def test_a_kombu_consumer_times_a_rates_wait_itself(kind_broker: Broker) -> None:
+    """drain_events (no event loop), blocked with blocking_timeout 60: a consumer the rate
+    refused consumes at the next token on its own clock (the server ends a block up to 1/hz,
+    100 ms by default, late), and its block still wakes it at once for another queue."""
+    rated = Queue("rateq", Exchange("rateq"), routing_key="rateq")
+    free = Queue("freeq", Exchange("freeq"), routing_key="freeq")
+    lib = kind_broker.lib
+    arrived: list[tuple[str, float]] = []
+
+    def keep(body: object, message: Message) -> None:
+        arrived.append((message.delivery_info["routing_key"], time.monotonic()))
+        message.ack()
+
+    def drain_until(count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(arrived) < count and time.monotonic() < deadline:
+            with contextlib.suppress(socket.timeout, TimeoutError):
+                conn.drain_events(timeout=0.2)  # type: ignore[attr-defined]
+        assert len(arrived) >= count, arrived
+
+    with kind_broker.connection(blocking_timeout=60) as conn:
+        consumer = Consumer(conn, [rated, free], callbacks=[keep], prefetch_count=10)
+        consumer.consume()
+        lib.limit("rateq", rate="10/s")  # burst 1: a token every 100 ms, and no more
+        to_rated = Producer(conn, exchange=rated.exchange, routing_key="rateq")
+        for _ in range(21):
+            to_rated.publish({})
+        drain_until(21, timeout=10)
+        times = [at for _, at in arrived]
+        assert 10 * 0.95 <= 20 / (times[-1] - times[0]) <= 10 * 1.05, times[-1] - times[0]
+        lib.limit("rateq", rate="1/m")  # one token, then the next in a minute
+        to_rated.publish({})
+        to_rated.publish({})
+        drain_until(22, timeout=5)
+        published = time.monotonic()
+        Producer(conn, exchange=free.exchange, routing_key="freeq").publish({})
+        drain_until(23, timeout=5)
+        assert arrived[-1][0] == "freeq" and arrived[-1][1] - published < 2
+        consumer.cancel()
 
 
 def test_the_cli_sets_shows_and_clears_limits(kind_broker: Broker) -> None:

@@ -50,7 +50,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
-from celery_redis_lua import Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
+from celery_redis_lua import Consumed, Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.retry import DelayedRetry
 from celery_redis_lua.protocol.runner import Call
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
@@ -426,7 +426,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             for q in queues:  # within a queue: priority never rises
                 priorities = [priority[d.id] for d in consumed.deliveries if d.queue == q]
                 assert priorities == sorted(priorities, reverse=True)
-            self.check_wake_in(consumed.wake_in_ms, wake_etas, rate_waits, t0, t1)
+            self.check_wake_in(consumed, wake_etas, rate_waits, t0, t1)
             for m in expected:
                 m.state, m.score, m.timed_out_step, m.restored = "unacked", None, None, False
                 m.holder = (consumer, m.delivery_count)
@@ -438,18 +438,27 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     assert now_in_flight <= cap, (q, now_in_flight, cap)
             return expected
 
-        def check_wake_in(self, wake_in: int | None, etas: list[int], rate_waits: list[str],
+        def check_wake_in(self, consumed: Consumed, etas: list[int], rate_waits: list[str],
                           t0: int, t1: int) -> None:
-            """The ms until the earliest ETA, or until a rate that holds back ready messages
-            gives its next token (limit_tat, less the burst, by the server's clock)."""
+            """wake_in_ms: the ms until the earliest ETA, or until a rate that holds back
+            ready messages gives its next token (limit_tat, less the burst, by the server's
+            clock); rate_in_ms: the latter alone."""
+            wake_in = consumed.wake_in_ms
             bounds = [(max(0, eta - t1), max(0, eta - t0)) for eta in etas]
+            rates: list[tuple[int, int]] = []
             for q in rate_waits:
                 rate = self.m.queues[q].rate
                 assert rate is not None
                 interval_us = 3600 * 10**6 / int(rate.partition("/")[0])
                 tat = int(client.hget(k.meta(q), "limit_tat"))
                 free_at = (tat - (burst(rate) - 1) * interval_us) / 1000
-                bounds.append((max(1, math.floor(free_at) - t1 - 1), max(1, math.ceil(free_at) - t0 + 1)))
+                rates.append((max(1, math.floor(free_at) - t1 - 1), max(1, math.ceil(free_at) - t0 + 1)))
+            if rates:
+                assert consumed.rate_in_ms is not None
+                assert min(b[0] for b in rates) <= consumed.rate_in_ms <= min(b[1] for b in rates)
+            else:
+                assert consumed.rate_in_ms is None
+            bounds += rates
             if not bounds:
                 assert wake_in is None
                 return

@@ -119,7 +119,7 @@ class TransportOptions:
         "[Durable writes](deployment.md#durable-writes-opt-in)")
     durability_timeout: float = option(
         1.0, "seconds a write waits for `durability` before a publish raises `NotDurable`")
-    # Acks are batched (kombu/outbox.py): one waits at most this long (seconds) for the next
+    # Acks are batched (protocol/outbox.py): one waits at most this long (seconds) for the next
     # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
     # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
     ack_flush_delay: float = option(

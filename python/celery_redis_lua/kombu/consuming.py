@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,11 +22,11 @@ from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope
 from ..protocol.ops import Consumed, Delivery
+from ..protocol.outbox import Batch
 from ..protocol.runner import Call
+from ..protocol.settle import hand_back, reject
 from ..protocol.waits import BlockingRead
 from .keeper import KEEPER
-from .outbox import Batch
-from .settle import hand_back, reject
 
 logger = logging.getLogger(__name__)
 
@@ -93,24 +94,32 @@ class ConsumingMixin:
             return self._deliver_undelivered()
         if not self.queues_polled or not self.qos.can_consume():
             return 0
-        idle = [group for group in self.lib.slot_groups(self.queues_polled)
-                if self._wait(self.queue_waits, self.keys.queue(group[0])).pending is None]
-        if not idle:
+        waits = [(group, self._wait(self.queue_waits, self.keys.queue(group[0])))
+                 for group in self.lib.slot_groups(self.queues_polled)]
+        idle = [group for group, wait in waits if wait.pending is None]
+        # A rate's next token is due (start_queue_wait): consume now, alongside the block.
+        now = time.monotonic()
+        due = [group for group, wait in waits if (wait.block_due or math.inf) <= now]
+        if not idle and not due:
             self._refill_due = None  # the pending waits refill the window
             return 0
         if self._gathering():
             return 0
-        if self._consumes_in_flight(idle):
+        if not due and self._consumes_in_flight(idle):
             self._send_consume(idle[0])
             return 0
-        delivered, wake_in_ms, full = self.consume_now([queue for group in idle for queue in group])
+        delivered, wake_in_ms, rate_in_ms, full = self.consume_now([q for group in idle + due for q in group])
         if self.qos.can_consume() and not full:  # a full take: more may be ready, consume again first
-            for group in idle:
-                self.start_queue_wait(group, wake_in_ms)
+            for group in idle + due:
+                self.start_queue_wait(group, wake_in_ms, rate_in_ms)
         return delivered
 
     def refill_due(self) -> float | None:
-        """When a refill held back is due (monotonic): the loop must come back by then."""
+        """When a refill held back, or a rate's next token, is due (monotonic): the loop must
+        come back by then."""
+        dues = [due for wait in self.queue_waits.values() if (due := wait.block_due) is not None]
+        if dues and self.qos.can_consume():  # a full window: the rate waits for room first
+            return min(dues) if self._refill_due is None else min(self._refill_due, *dues)
         return self._refill_due
 
     def _gathering(self) -> bool:
@@ -128,11 +137,11 @@ class ConsumingMixin:
         self._refill_due = None
         return False
 
-    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None, bool]:
+    def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None, int | None, bool]:
         """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms,
-        whether every call took all it asked for)."""
+        rate_in_ms, whether every call took all it asked for)."""
         queues = self.queues_polled if queues is None else queues
-        delivered, wake, calls, short = 0, None, 0, False
+        delivered, wake, rate, calls, short = 0, None, None, 0, False
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
             room = self.headroom()
@@ -144,7 +153,9 @@ class ConsumingMixin:
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
                 wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
-        return delivered, wake, calls > 0 and not short
+            if consumed.rate_in_ms is not None:
+                rate = consumed.rate_in_ms if rate is None else min(rate, consumed.rate_in_ms)
+        return delivered, wake, rate, calls > 0 and not short
 
     def _run_with_acks(self, call: Call[Consumed]) -> Consumed:
         """A consume carrying the gathered acks (outbox.py): no round trip of their own."""
@@ -263,7 +274,8 @@ class ConsumingMixin:
             hand_back(self.lib, queue, [d.id for d in back], [d.delivery_count for d in back])
         delivered = self._deliver_all([d for d in consumed.deliveries if d.queue in polled], False)
         if then_wait and not closing and len(consumed.deliveries) < sent.room and self.qos.can_consume():
-            self.start_queue_wait([q for q in sent.group if q in polled], consumed.wake_in_ms)
+            self.start_queue_wait([q for q in sent.group if q in polled], consumed.wake_in_ms,
+                                  consumed.rate_in_ms)
         return delivered
 
     def _consume_lost(self, sent: InFlight) -> None:
@@ -275,19 +287,23 @@ class ConsumingMixin:
 
     # -- the blocking waits -----------------------------------------------------------------------
 
-    def start_queue_wait(self, queues: list[str], wake_in_ms: int | None) -> bool:
+    def start_queue_wait(self, queues: list[str], wake_in_ms: int | None,
+                         rate_in_ms: int | None = None) -> bool:
         """BLPOP on the wake lists of ``queues`` (one slot), bounded by blocking_timeout and the
         next ETA: it pops a token, never a message, so nothing is in limbo if this consumer
-        dies. Returns whether a wait is now pending."""
+        dies. A rate's next token is timed here instead (the wait's ``due``; poll_queues
+        consumes then, the block going on): the server ends a block up to 1/hz late, and a
+        late consumer leaves its token unused. Returns whether a wait is now pending."""
         if not queues or self.headroom() <= 0:
             return False
-        timeout = self.options.blocking_timeout
-        if wake_in_ms is not None:
-            timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
-            timeout = max(timeout, MIN_BLOCK_SECONDS)
-        keys = [self.keys.wake(q) for q in queues]
-        self._wait(self.queue_waits, self.keys.queue(queues[0])).send("BLPOP", *keys, f"{timeout:.3f}",
-                                                                      timeout=timeout)
+        wait = self._wait(self.queue_waits, self.keys.queue(queues[0]))
+        if wait.pending is None:
+            timeout = self.options.blocking_timeout
+            if wake_in_ms is not None and (rate_in_ms is None or wake_in_ms < rate_in_ms):  # an ETA first
+                timeout = min(timeout, wake_in_ms / 1000) if timeout else wake_in_ms / 1000
+                timeout = max(timeout, MIN_BLOCK_SECONDS)
+            wait.send("BLPOP", *[self.keys.wake(q) for q in queues], f"{timeout:.3f}", timeout=timeout)
+        wait.due = None if rate_in_ms is None else time.monotonic() + rate_in_ms / 1000
         return True
 
     def on_wait_readable(self, wait: BlockingRead) -> int:

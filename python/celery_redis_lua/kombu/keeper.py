@@ -39,9 +39,9 @@ from typing import Any
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery
+from ..protocol.outbox import Outbox
 from ..protocol.runner import Call
-from .outbox import Outbox
-from .settle import hand_back
+from ..protocol.settle import hand_back
 
 logger = logging.getLogger(__name__)
 

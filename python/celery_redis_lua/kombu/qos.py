@@ -13,8 +13,8 @@ from typing import Any
 from kombu.transport import virtual
 
 from ..protocol.envelope import DeliveryTag
+from ..protocol.settle import hand_back
 from .keeper import KEEPER
-from .settle import hand_back
 
 
 class QoS(virtual.QoS):

@@ -169,6 +169,7 @@ class ScriptLibrary:
         gathered meanwhile)."""
         deliveries: list[ops.Delivery] = []
         wake: list[int] = []
+        rate: list[int] = []
         expired = 0
         run = run or self.run
         for group in self.slot_groups(queues):
@@ -177,9 +178,11 @@ class ScriptLibrary:
             expired += consumed.expired
             if consumed.wake_in_ms is not None:
                 wake.append(consumed.wake_in_ms)
+            if consumed.rate_in_ms is not None:
+                rate.append(consumed.rate_in_ms)
             if len(deliveries) >= count:
                 break
-        return Consumed(deliveries, min(wake) if wake else None, expired)
+        return Consumed(deliveries, min(wake) if wake else None, expired, min(rate) if rate else None)
 
     def sweep(self, queues: Sequence[str], *, batch: int = ops.SWEEP_BATCH, report_limit: int = 10,
               max_rounds: int = SWEEP_ROUNDS) -> SweepReport:

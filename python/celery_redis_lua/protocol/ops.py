@@ -84,6 +84,9 @@ class Consumed:
     deliveries: list[Delivery]
     wake_in_ms: int | None  # ms until the earliest ETA or a rate's next token; None: neither
     expired: int = 0  # messages whose TTL had passed: dead-lettered (reason 'expired') instead
+    # ms until the next token of a rate that holds back ready messages (also in wake_in_ms):
+    # the consumer times this wait itself, the server's block timeouts being 1/hz coarse
+    rate_in_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -282,8 +285,10 @@ def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
 
 
 def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
-    wake = int(reply[0])
-    return Consumed(_deliveries(queues, reply[2:]), None if wake < 0 else wake, int(reply[1]))
+    wake, flat = int(reply[0]), reply[2:]
+    rate = int(flat[-1]) if len(flat) % 4 else None  # a last item past the messages: rate_in_ms
+    return Consumed(_deliveries(queues, flat[:len(flat) - len(flat) % 4]), None if wake < 0 else wake,
+                    int(reply[1]), rate)
 
 
 # -- the queue scripts (the eight keys of each queue) --------------------------------------

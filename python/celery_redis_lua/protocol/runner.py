@@ -147,7 +147,7 @@ class HeldConnection:
     def execute_many(self, client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """``commands`` in one write, their replies in order (:func:`read_replies`). Without
         redis-py's Pipeline object, its retry wrapper and a pool checkout: the event loop's
-        consume that carries the acks gathered meanwhile (kombu/outbox.py) goes this way."""
+        consume that carries the acks gathered meanwhile (protocol/outbox.py) goes this way."""
         if not self._acquire():
             pipe = client.pipeline(transaction=False)
             for command in commands:

@@ -2,7 +2,7 @@
 
 Plain script calls on the runner, no kombu: a publish returns once its call is in the
 pipeline, which goes in one write when it holds ``size`` calls or when its owner says (the
-kombu channel's outbox, kombu/outbox.py: when the oldest has waited ``delay``, before the
+kombu channel's outbox, protocol/outbox.py: when the oldest has waited ``delay``, before the
 channel reads queue state or consumes, at close and at exit). With a batch writer
 (runner.BatchWriter: a standalone server or a Sentinel primary without durability) a
 batch's replies are read when the next batch goes (the server stores one while the caller

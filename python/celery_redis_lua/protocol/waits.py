@@ -46,6 +46,10 @@ class BlockingRead:
         self._replies = 0  # how many replies the pending batch has
         self.sent_at = 0.0
         self.timeout = 0.0
+        # When the owner acts on its own while the block goes on (monotonic; None: at its
+        # reply): the server checks a block's timeout only every 1/hz (100 ms by default),
+        # too coarse for a rate's next token (:attr:`block_due`).
+        self.due: float | None = None
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
 
@@ -70,9 +74,14 @@ class BlockingRead:
             except redis.ResponseError:  # not allowed (ACL): cancel() closes the connection
                 self.can_unblock = False
         connection.send_command(*command)
-        self.pending = command
+        self.pending, self.due = command, None
         self.sent_at = time.monotonic()
         self.timeout = timeout
+
+    @property
+    def block_due(self) -> float | None:
+        """``due`` while the block it was set for is pending (a reply or a batch ends it)."""
+        return self.due if self.pending is not None and self.batch is None else None
 
     def send_batch(self, wire: Callable[[Any], bytes], replies: int, batch: Any, *, timeout: float) -> None:
         """Write the ``replies`` commands ``wire(connection)`` packs without waiting for their

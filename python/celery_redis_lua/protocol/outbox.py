@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.library import ScriptLibrary
-from ..protocol.runner import Call
-from ..protocol.unconfirmed import Pipeline
+from .library import ScriptLibrary
+from .runner import Call
 from .settle import report
+from .unconfirmed import Pipeline
 
 logger = logging.getLogger(__name__)
 

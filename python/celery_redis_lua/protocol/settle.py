@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Rejected
+from .library import ScriptLibrary
+from .ops import Rejected
 
 logger = logging.getLogger(__name__)
 
