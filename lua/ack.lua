@@ -82,6 +82,22 @@ local function parse_state(value)
           task = task}
 end
 
+-- ARGV[first..] as 'id' or 'id:delivery_count' (the count fences the call to that one
+-- delivery): the ids and their counts (nil: not fenced), or nil and the first bad one.
+local function fenced_ids(first)
+  local ids, counts = {}, {}
+  for i = first, #ARGV do
+    local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
+    if not id then
+      if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then return nil, ARGV[i] end
+      id = ARGV[i]
+    end
+    local n = #ids + 1
+    ids[n], counts[n] = id, count and tonumber(count)
+  end
+  return ids, counts
+end
+
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: ack: ' .. message)
 end
@@ -92,17 +108,8 @@ end
 if #ARGV < 1 then return fail('expected at least one id') end
 
 -- Validate every id before changing anything: a bad one must not leave a half-done batch.
-local ids, expected = {}, {}
-for i = 1, #ARGV do
-  local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
-  if not id then
-    if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then
-      return fail("id '" .. ARGV[i] .. "' must be an id or id:delivery_count")
-    end
-    id = ARGV[i]
-  end
-  ids[i], expected[i] = id, count and tonumber(count)
-end
+local ids, expected = fenced_ids(1)
+if not ids then return fail("id '" .. expected .. "' must be an id or id:delivery_count") end
 
 -- One command over many arguments, in chunks that Lua's unpack() can take.
 local function variadic(command, key, items)

@@ -80,6 +80,22 @@ local function forget_task(state_key, id, s)
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 
+-- ARGV[first..] as 'id' or 'id:delivery_count' (the count fences the call to that one
+-- delivery): the ids and their counts (nil: not fenced), or nil and the first bad one.
+local function fenced_ids(first)
+  local ids, counts = {}, {}
+  for i = first, #ARGV do
+    local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
+    if not id then
+      if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then return nil, ARGV[i] end
+      id = ARGV[i]
+    end
+    local n = #ids + 1
+    ids[n], counts[n] = id, count and tonumber(count)
+  end
+  return ids, counts
+end
+
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: reject: ' .. message)
 end
@@ -158,18 +174,8 @@ if not visibility or visibility == 0 then
 end
 
 -- Validate every id before changing anything: a bad one must not leave a half-done batch.
-local ids, expected = {}, {}
-for i = 5, #ARGV do
-  local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
-  if not id then
-    if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then
-      return fail("id '" .. ARGV[i] .. "' must be an id or id:delivery_count")
-    end
-    id = ARGV[i]
-  end
-  ids[#ids + 1] = id
-  expected[#ids] = count and tonumber(count)
-end
+local ids, expected = fenced_ids(5)
+if not ids then return fail("id '" .. expected .. "' must be an id or id:delivery_count") end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
