@@ -789,8 +789,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.check_wake(q)
                 names = [key for key in k.queue_keys(q) if key in present]
                 if q == expiring:  # every key of the queue expires at one time, messages included
-                    assert len({client.pexpiretime(name) for name in names}) == 1, names
-                    assert all(client.pexpiretime(name) > now for name in names)
+                    expiry = {name: client.pexpiretime(name) for name in names}
+                    assert len(set(expiry.values())) == 1, expiry
+                    assert all(at > now for at in expiry.values())
                 else:
                     assert all(client.pttl(name) == -1 for name in names)
             assert present <= {key for q in queues for key in k.queue_keys(q)}
