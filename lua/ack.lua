@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 7
+-- version: 8
 -- summary: Acknowledge messages of one queue: delete them and every trace of them, fenced by the delivery's count.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
---   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued; pushed when it frees a slot of a capped queue)
+--   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued; pushed when it frees a slot of a capped queue, expiring with meta)
 -- ARGV:
 --   1.. id  string   message ids to acknowledge, each optionally as id:delivery_count
 -- returns: array {acked, then the id of each stale ack}: acked counts the messages that still
@@ -46,13 +46,12 @@ end
 -- 'IN_FLIGHT RATE', '-' for unset) wakes a consumer the cap held back (consume dropped the
 -- token when it stopped at the cap), when something is ready or delayed (it learns the
 -- ETA) and the queue is not paused. A queue without a cap pays one HGET of one field.
+-- Returns whether it pushed the token.
 local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
   local limits = redis.call('HGET', meta_key, 'limits')
-  if not limits or not string.match(limits, '^%d') then return end
-  if redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
-      and redis.call('HEXISTS', meta_key, 'paused') == 0 then
-    arm_wake(wake_key)
-  end
+  if not limits or not string.match(limits, '^%d') then return false end
+  return redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
+    and redis.call('HEXISTS', meta_key, 'paused') == 0 and arm_wake(wake_key)
 end
 
 -- A token wakes a consumer for something that is there; with nothing ready or delayed it
@@ -96,6 +95,14 @@ local function fenced_ids(first)
     ids[n], counts[n] = id, count and tonumber(count)
   end
   return ids, counts
+end
+
+-- A wake list made here expires with the queue (x-expires): at meta's expiry time, which
+-- all of the queue's keys share; not refreshed, as an operator's change is no consumer's
+-- activity.
+local function expire_with_meta(meta_key, key)
+  local at = redis.call('PEXPIRETIME', meta_key)
+  if at > 0 then redis.call('PEXPIREAT', key, at) end
 end
 
 local function fail(message)
@@ -149,5 +156,7 @@ if retries > 0 then rcall('HINCRBY', KEYS[4], 'retrying', -retries) end
 if unqueued > 0 then drop_idle_wake(KEYS[1], KEYS[2], KEYS[8]) end -- its wake may be idle now
 variadic('HDEL', KEYS[7], acked)
 reply[1] = variadic('HDEL', KEYS[6], acked)
-if reply[1] > 0 then wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) end
+if reply[1] > 0 and wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) then
+  expire_with_meta(KEYS[4], KEYS[8]) -- an ack is no consumer activity: the queue's expiry stays
+end
 return reply

@@ -71,13 +71,12 @@ end
 -- 'IN_FLIGHT RATE', '-' for unset) wakes a consumer the cap held back (consume dropped the
 -- token when it stopped at the cap), when something is ready or delayed (it learns the
 -- ETA) and the queue is not paused. A queue without a cap pays one HGET of one field.
+-- Returns whether it pushed the token.
 local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
   local limits = redis.call('HGET', meta_key, 'limits')
-  if not limits or not string.match(limits, '^%d') then return end
-  if redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
-      and redis.call('HEXISTS', meta_key, 'paused') == 0 then
-    arm_wake(wake_key)
-  end
+  if not limits or not string.match(limits, '^%d') then return false end
+  return redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
+    and redis.call('HEXISTS', meta_key, 'paused') == 0 and arm_wake(wake_key)
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message

@@ -188,3 +188,18 @@ def test_a_token_pushed_by_resume_or_limit_expires_with_the_queue(lib: ScriptLib
     assert lib.client.llen(lib.keys.wake("brief")) == 1
     expiry = lib.client.pexpiretime(lib.keys.meta("brief"))
     assert lib.client.pexpiretime(lib.keys.wake("brief")) == expiry > 0
+
+
+def test_a_token_an_ack_pushes_for_a_freed_slot_expires_with_the_queue(lib: ScriptLibrary) -> None:
+    """Found by the model: an ack that freed a capped queue's slot pushed the wake token into
+    a list of no expiry, which outlived the x-expires queue's other keys."""
+    lib.declare("brief", expires_ms=600_000)
+    lib.publish("brief", "m")
+    lib.publish("brief", "n")
+    lib.limit("brief", in_flight=1)
+    [taken] = lib.consume(["brief"], 10).deliveries
+    assert lib.client.exists(lib.keys.wake("brief")) == 0  # the cap dropped it
+    assert lib.ack("brief", [taken.id], counts=[taken.delivery_count]) == 1
+    assert lib.client.llen(lib.keys.wake("brief")) == 1
+    expiry = lib.client.pexpiretime(lib.keys.meta("brief"))
+    assert lib.client.pexpiretime(lib.keys.wake("brief")) == expiry > 0
