@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
@@ -75,8 +76,14 @@ while len(got) < count:
     conn.drain_events(timeout=10)
 print(" ".join(DeliveryTag.parse(m.delivery_tag).id for m in got), flush=True)
 sys.stdin.readline()  # the server is frozen now
-for message in got if mode != "held" else ():
+for message in {"held": [], "close": got[:-1]}.get(mode, got):
     message.ack()
+if mode == "close":  # the last delivery stays unacked: the close hands it back
+    print("exiting", flush=True)
+    started = time.monotonic()
+    conn.release()
+    print(f"closed in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    sys.exit()
 if mode == "mid-send":
     outbox = consumer.channel.outbox
     deadline = time.monotonic() + 10
@@ -112,6 +119,27 @@ def test_an_exit_while_the_broker_hangs_ends_within_the_budget_and_names_what_is
     sends them; the exit waits for it), deliveries never acked (the exit hands them back),
     unconfirmed publishes waiting in their pipeline (the exit sends them): the exit ends
     within its budget, and what did not land is named at ERROR."""
+    ids, err, took = exit_while_frozen(server, mode, EXIT_BUDGET_SECONDS)
+    assert took < EXIT_BUDGET_SECONDS + SLACK_SECONDS
+    named = [line for line in err.splitlines()
+             if line.startswith("ERROR ") and repr(NAME) in line and all(i in line for i in ids)]
+    assert named, f"no ERROR line names the {mode} deliveries {ids} of queue {NAME!r} (stderr: {err!r})"
+
+
+def test_a_close_while_the_broker_hangs_ends_within_the_budget(server: Server) -> None:
+    """A channel closing with acks gathered (it sends them) and a delivery unacked (it hands
+    it back): the close ends within the budget, and the exit after it within its own."""
+    ids, err, took = exit_while_frozen(server, "close", 2 * EXIT_BUDGET_SECONDS)
+    closed = re.search(r"closed in ([0-9.]+) s", err)
+    assert closed and float(closed[1]) < EXIT_BUDGET_SECONDS + SLACK_SECONDS, err
+    assert took < 2 * EXIT_BUDGET_SECONDS + SLACK_SECONDS
+    named = [line for line in err.splitlines() if line.startswith("ERROR ") and repr(NAME) in line]
+    assert all(any(i in line for line in named) for i in ids), err
+
+
+def exit_while_frozen(server: Server, mode: str, budget: float) -> tuple[list[str], str, float]:
+    """Run CHILD in ``mode`` and freeze the server before "go": the ids it printed, its
+    stderr, and how long it took to end after it said "exiting" (it must within ``budget``)."""
     url = f"redislua://127.0.0.1:{server.port}/0"
     assert server.process is not None
     child = subprocess.Popen([sys.executable, "-c", CHILD, url, NAME, str(COUNT), mode], cwd=ROOT,
@@ -128,12 +156,12 @@ def test_an_exit_while_the_broker_hangs_ends_within_the_budget_and_names_what_is
             assert next_line(child).strip() == "exiting"
             exiting = time.monotonic()
             try:
-                _, err = child.communicate(timeout=EXIT_BUDGET_SECONDS + SLACK_SECONDS)
+                _, err = child.communicate(timeout=budget + SLACK_SECONDS)
             except subprocess.TimeoutExpired:
                 child.kill()
                 _, err = child.communicate()
-                pytest.fail(f"the process did not end within {EXIT_BUDGET_SECONDS + SLACK_SECONDS} s "
-                            f"of its exit (stderr: {err!r})")
+                pytest.fail(f"the process did not end within {budget + SLACK_SECONDS} s of its exit "
+                            f"(stderr: {err!r})")
             took = time.monotonic() - exiting
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
@@ -141,10 +169,7 @@ def test_an_exit_while_the_broker_hangs_ends_within_the_budget_and_names_what_is
         if child.poll() is None:
             child.kill()
             child.communicate()
-    assert took < EXIT_BUDGET_SECONDS + SLACK_SECONDS
-    named = [line for line in err.splitlines()
-             if line.startswith("ERROR ") and repr(NAME) in line and all(i in line for i in ids)]
-    assert named, f"no ERROR line names the {mode} deliveries {ids} of queue {NAME!r} (stderr: {err!r})"
+    return ids, err, took
 
 
 # -- an exception in a keeper tick ---------------------------------------------------------

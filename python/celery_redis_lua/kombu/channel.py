@@ -377,6 +377,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         deadline = KEEPER.deadline()
         refused = self._close_unconfirmed(deadline)
         self.connection.poller.channels.discard(self)
+        for wait in self.waits():
+            wait.bound(deadline)
         self._restart_waits(closing=True)
         self._leave_fanout(list(self._fanout_read))
         KEEPER.withdraw(self)

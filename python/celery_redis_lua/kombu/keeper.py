@@ -18,7 +18,8 @@ deadlines, never reading a kombu object, the thread:
 - sends each channel's outbox (outbox.py) when due.
 
 It sleeps until the earliest deadline and ends when there is none. At exit what is held is
-handed back and the outboxes sent (one budget); a forked child starts empty. A SIGKILLed
+handed back and the outboxes sent (one budget, EXIT_BUDGET_SECONDS, which bounds the calls
+too, not only the waits), then it ticks no more; a forked child starts empty. A SIGKILLed
 process takes it along, so the visibility timeout still returns a dead worker's messages.
 """
 
@@ -211,10 +212,18 @@ class Keeper:
 
     def orphan(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         """``lib``'s channel closes: its (queue, id, Message) deliveries stay held by their
-        Messages; what it took but never handed kombu is handed back now."""
+        Messages; what it took but never handed kombu is handed back now, within the exit
+        budget (a close must not hang on a broker that does). The thread, woken, does the
+        rest; so it does the hand-back if it is ticking now."""
         self._adopt(lib, unacked)
         del unacked  # our references must not keep the Messages alive
-        self.tick()
+        if os.getpid() != self._pid or self._exit_deadline < math.inf or \
+                not self._ticking.acquire(blocking=False):
+            return
+        try:
+            self._check_orphans(time.monotonic(), self.deadline())
+        finally:
+            self._ticking.release()
 
     def _adopt(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         now = time.monotonic()
@@ -328,8 +337,8 @@ class Keeper:
 
     # -- what a tick does ------------------------------------------------------------------
 
-    def _check_orphans(self, now: float) -> None:
-        """Hand back the orphans nobody holds any more."""
+    def _check_orphans(self, now: float, deadline: float = math.inf) -> None:
+        """Hand back the orphans nobody holds any more (by ``deadline``, if any)."""
         if now >= self._next_gc:
             self._next_gc = now + self._gc_gap
             self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
@@ -337,7 +346,7 @@ class Keeper:
         with self._lock:
             dropped = [h for h in self._orphans.values() if not h.settling and h.holder() is None]
             self._orphans_due = math.inf  # _hand_back sets it again while orphans remain
-        self._hand_back(dropped, now)
+        self._hand_back(dropped, now, deadline)
 
     def _extend(self, now: float) -> None:
         """Push every held deadline forward; hand back what a dropped channel held."""
@@ -396,8 +405,8 @@ class Keeper:
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
         """Give ``dropped`` orphans back, counted; what fails stays until GIVE_UP_SECONDS."""
         for (lib, queue), group in _grouped(dropped).items():
-            if time.monotonic() > deadline:
-                return
+            if time.monotonic() > deadline:  # the rest stays (and is tried again, or reported)
+                break
             ids = [h.id for h in group]
             timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
             try:

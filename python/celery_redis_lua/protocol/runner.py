@@ -117,18 +117,29 @@ def dedicated_connection(pool: Any) -> Any:
     return pool.connection_class(**pool.connection_kwargs)
 
 
-def bounded_client(client: Any, timeout: float) -> redis.Redis:
-    """A client with ``client``'s connection settings (address, credentials, TLS, db, a
+def bounded_client(pool: Any, timeout: float) -> redis.Redis:
+    """A client with ``pool``'s connection settings (address, credentials, TLS, db, a
     Sentinel pool's primary lookup) on a pool of its own, whose every socket operation
     (connect, write, read) gives up after ``timeout`` seconds, raising redis-py's
     TimeoutError, and is never retried (a script whose reply timed out may have run). A
     broker that hangs without a reset (a host gone, a black-holed network) then cannot hold
     a close or an exit past its budget, whatever ``socket_timeout`` says."""
-    pool, timeout = client.connection_pool, max(timeout, LEAST_TIMEOUT_SECONDS)
+    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
     kwargs = {**pool.connection_kwargs, "socket_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
     if "socket_connect_timeout" in kwargs:  # TCP (a Unix socket connects at once or fails)
         kwargs["socket_connect_timeout"] = timeout
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def bound_connection(connection: Any, timeout: float) -> None:
+    """From now on every socket operation on ``connection`` (one of our own, closed next: a
+    close's or the exit's) gives up after ``timeout`` seconds, raising redis-py's
+    TimeoutError; for replies that are due on this very connection, where a bounded client
+    of their own would not do. redis-py set the socket's timeout when it connected."""
+    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
+    connection.socket_timeout = connection.socket_connect_timeout = timeout
+    if connection._sock is not None:
+        connection._sock.settimeout(timeout)
 
 
 class HeldConnection:
@@ -200,10 +211,17 @@ class HeldConnection:
         return self._connection
 
     def close(self) -> None:
-        with self._lock:
+        """Disconnect. A call another thread has under way (the keeper's, on a broker that
+        hangs) is not waited for: a close must not hang with it; the disconnect ends it as
+        a lost connection, which that thread handles as any other."""
+        locked = self._lock.acquire(blocking=False)
+        try:
             if self._connection is not None:
                 self._connection.disconnect()
                 self._connection = None
+        finally:
+            if locked:
+                self._lock.release()
 
 
 class BatchWriter:
@@ -253,19 +271,14 @@ class BatchWriter:
 
     def _ready(self, timeout: float | None = None) -> Any:
         """The connection, connected; with a ``timeout`` (what is left of a close's or the
-        exit's budget: the batch on the wire must be read on this connection, a bounded one
-        of its own would not do) every socket operation on it gives up after that long from
-        now on (redis-py's TimeoutError, which loses the connection). Nothing restores the
-        connection's own setting: the writer is closed next."""
+        exit's budget) bounded from now on (:func:`bound_connection`; the writer is closed
+        next, nothing restores the connection's own setting)."""
         if self._pid != os.getpid():  # forked: the parent's socket and replies are not ours
             self._connection, self._pending, self._pid = None, (), os.getpid()
         if self._connection is None:
             self._connection = dedicated_connection(self.runner.client.connection_pool)
         if timeout is not None:
-            connection, timeout = self._connection, max(timeout, LEAST_TIMEOUT_SECONDS)
-            connection.socket_timeout = connection.socket_connect_timeout = timeout
-            if connection._sock is not None:  # connected: redis-py set the timeout at connect
-                connection._sock.settimeout(timeout)
+            bound_connection(self._connection, timeout)
         self._connection.connect()  # as HeldConnection: Sentinel finds the primary here
         return self._connection
 
@@ -381,7 +394,7 @@ class ScriptRunner:
         for name, indexes in groups.items():
             node = self.client if name is None else self.client.get_redis_connection(
                 self.client.get_node(node_name=name))
-            client = bounded_client(node, deadline - time.monotonic())
+            client = bounded_client(node.connection_pool, deadline - time.monotonic())
             try:
                 runner = ScriptRunner(client, self.scripts, durability=self.durability)
                 got = runner.run_many([calls[i] for i in indexes], raise_on_error=raise_on_error)
