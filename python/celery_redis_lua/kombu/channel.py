@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections import deque
 from typing import Any
 
@@ -35,8 +36,6 @@ from .routes import Publishing, RouteCache
 
 logger = logging.getLogger(__name__)
 
-# A closing channel waits at most this long for a batch of its acks already on the wire.
-CLOSE_ACK_TIMEOUT_SECONDS = 10.0
 # The pattern field of a fanout binding (kombu leaves it empty; fanout lookups ignore it).
 FANOUT_PATTERN = "fanout"
 
@@ -129,14 +128,14 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         finally:
             self._publishing = None
 
-    def settle_unconfirmed(self, *, flush: bool = True) -> None:
-        """Unconfirmed publishes: send what is pending (``flush``), publish again those a stale
-        route refused (synchronously, skipping queues that stored them), raise what the server
-        refused (protocol/unconfirmed.py)."""
+    def settle_unconfirmed(self, *, flush: bool = True, timeout: float | None = None) -> None:
+        """Unconfirmed publishes: send what is pending (``flush``; its socket operations give
+        up after ``timeout``), publish again those a stale route refused (synchronously,
+        skipping queues that stored them), raise what the server refused (protocol/unconfirmed.py)."""
         if self.unconfirmed is None:
             return
         if flush:
-            self.unconfirmed.flush()
+            self.unconfirmed.flush(timeout)
         for send in self.unconfirmed.take_stale():
             self._deliver(send.message, send.exchange, send.routing_key,
                           Publishing(fresh=True, stored=send.stored), **send.kwargs)
@@ -386,12 +385,17 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     def close(self) -> None:
         if self.closed:
             return
-        refused = self._close_unconfirmed()
+        # Its publishes and acks go before it does (acks after a batch on the wire), the
+        # waits and the calls within the exit budget: a broker that hangs must not hang a close.
+        deadline = KEEPER.deadline()
+        refused = self._close_unconfirmed(deadline)
         self.connection.poller.channels.discard(self)
+        for wait in self.waits():
+            wait.bound(deadline)
         self._restart_waits(closing=True)
         self._leave_fanout(list(self._fanout_read))
         KEEPER.withdraw(self)
-        self.outbox.send(timeout=CLOSE_ACK_TIMEOUT_SECONDS)  # its acks go before it does
+        self.outbox.send(deadline=deadline)
         try:
             super().close()
         finally:
@@ -403,12 +407,12 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         if refused is not None:
             raise refused
 
-    def _close_unconfirmed(self) -> UnconfirmedPublishError | None:
+    def _close_unconfirmed(self, deadline: float) -> UnconfirmedPublishError | None:
         """Send the unconfirmed publishes; what was refused (or lost) is raised once closed."""
         if self.unconfirmed is None:
             return None
         try:
-            self.settle_unconfirmed()
+            self.settle_unconfirmed(timeout=max(0.0, deadline - time.monotonic()))
         except UnconfirmedPublishError as error:
             return error
         except Exception as error:  # a lost connection: the flush recorded what it took

@@ -18,7 +18,8 @@ deadlines, never reading a kombu object, the thread:
 - sends each channel's outbox (outbox.py) when due.
 
 It sleeps until the earliest deadline and ends when there is none. At exit what is held is
-handed back and the outboxes sent (one budget); a forked child starts empty. A SIGKILLed
+handed back and the outboxes sent (one budget, EXIT_BUDGET_SECONDS, which bounds the calls
+too, not only the waits), then it ticks no more; a forked child starts empty. A SIGKILLed
 process takes it along, so the visibility timeout still returns a dead worker's messages.
 """
 
@@ -53,7 +54,9 @@ BUSY_SECONDS = 0.01  # the thread's pause when another thread is ticking
 RETRY_SECONDS = 1.0  # a failed extend or keep-alive is tried again this soon at most
 # A hand-back failing this long is given up (logged): the sweep restores the message anyway.
 GIVE_UP_SECONDS = 3600.0
-# At exit, everything left gets this long together: a dead broker must not hang the exit.
+# At exit, everything left gets this long together, and a closing channel its acks: the
+# waits for other threads and the calls themselves (their sockets give up), so a broker that
+# hangs without a reset cannot hang a close or the exit. The one bound of both.
 EXIT_BUDGET_SECONDS = 10.0
 
 Key = tuple[ScriptLibrary, str, str]  # (the library it came through, queue, message id)
@@ -129,6 +132,8 @@ class Keeper:
         self._sending: set[Outbox] = set()  # those with something to send (held until empty)
         self._extend_due = self._orphans_due = math.inf
         self._next_gc, self._gc_gap = math.inf, GC_FIRST_SECONDS
+        self._paused = 0.0  # after a tick's part failed, no tick before this (monotonic)
+        self._exit_deadline = math.inf  # set by at_exit: no tick after it, closes end by then
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -212,10 +217,18 @@ class Keeper:
 
     def orphan(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         """``lib``'s channel closes: its (queue, id, Message) deliveries stay held by their
-        Messages; what it took but never handed kombu is handed back now."""
+        Messages; what it took but never handed kombu is handed back now, within the exit
+        budget (a close must not hang on a broker that does). The thread, woken, does the
+        rest; so it does the hand-back if it is ticking now."""
         self._adopt(lib, unacked)
         del unacked  # our references must not keep the Messages alive
-        self.tick()
+        if os.getpid() != self._pid or self._exit_deadline < math.inf or \
+                not self._ticking.acquire(blocking=False):
+            return
+        try:
+            self._check_orphans(time.monotonic(), self.deadline())
+        finally:
+            self._ticking.release()
 
     def _adopt(self, lib: ScriptLibrary, unacked: Iterable[tuple[str, str, Any]]) -> None:
         now = time.monotonic()
@@ -279,7 +292,7 @@ class Keeper:
             self._hooks = True
             os.register_at_fork(after_in_child=self.reset)  # the parent's are the parent's
             atexit.register(self.at_exit)
-        if self._thread is None and os.getpid() == self._pid:
+        if self._thread is None and os.getpid() == self._pid and self._exit_deadline == math.inf:
             self._thread = threading.Thread(target=self._run, name="celery-redis-lua-keeper", daemon=True)
             self._thread.start()
         self._wake.notify()
@@ -289,9 +302,11 @@ class Keeper:
             with self._wake:
                 due = min(self._extend_due, self._orphans_due, *(o.due for o in self._sending),
                           *(alive.due for alive in self._alive.values()))
-                if due == math.inf:  # nothing to keep: the thread ends, _start makes another
+                # Nothing to keep: the thread ends, _start makes another (not after the exit).
+                if due == math.inf or self._exit_deadline < math.inf:
                     self._thread = None
                     return
+                due = max(due, self._paused)  # a failing part must not spin the thread
                 if due > time.monotonic():
                     self._wake.wait(due - time.monotonic())
                     continue
@@ -299,25 +314,36 @@ class Keeper:
                 time.sleep(BUSY_SECONDS)
 
     def tick(self) -> bool:
-        """Do what is due, unless another thread is (False); an error stays in its part."""
-        if os.getpid() != self._pid or not self._ticking.acquire(blocking=False):
+        """Do what is due, unless another thread is (False). An error stays in its part: it
+        is logged, the other parts run, and the thread pauses RETRY_SECONDS before the next
+        tick (an exception escaping would end the thread, and every extension with it)."""
+        # After the exit nothing more: kombu's own exit hooks, which run after ours, hand
+        # deliveries here (QoS.restore_unacked), and the exit has reported what is left.
+        if os.getpid() != self._pid or self._exit_deadline < math.inf or \
+                not self._ticking.acquire(blocking=False):
             return False
         try:
             now = time.monotonic()
-            self._send_outboxes(now)
+            parts: list[Callable[[float], None]] = [self._send_outboxes]
             if now >= self._orphans_due:
-                self._check_orphans(now)
+                parts.append(self._check_orphans)
             if now >= self._extend_due:
-                self._extend(now)
-            self._run_keep_alives(now)
+                parts.append(self._extend)
+            parts.append(self._run_keep_alives)
+            for part in parts:
+                try:
+                    part(now)
+                except Exception:
+                    logger.exception("celery-redis-lua: the keeper's %s failed; going on", part.__name__)
+                    self._paused = now + RETRY_SECONDS
         finally:
             self._ticking.release()
         return True
 
     # -- what a tick does ------------------------------------------------------------------
 
-    def _check_orphans(self, now: float) -> None:
-        """Hand back the orphans nobody holds any more."""
+    def _check_orphans(self, now: float, deadline: float = math.inf) -> None:
+        """Hand back the orphans nobody holds any more (by ``deadline``, if any)."""
         if now >= self._next_gc:
             self._next_gc = now + self._gc_gap
             self._gc_gap = min(self._gc_gap * 2, GC_MAX_SECONDS)
@@ -325,7 +351,7 @@ class Keeper:
         with self._lock:
             dropped = [h for h in self._orphans.values() if not h.settling and h.holder() is None]
             self._orphans_due = math.inf  # _hand_back sets it again while orphans remain
-        self._hand_back(dropped, now)
+        self._hand_back(dropped, now, deadline)
 
     def _extend(self, now: float) -> None:
         """Push every held deadline forward; hand back what a dropped channel held."""
@@ -384,11 +410,12 @@ class Keeper:
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
         """Give ``dropped`` orphans back, counted; what fails stays until GIVE_UP_SECONDS."""
         for (lib, queue), group in _grouped(dropped).items():
-            if time.monotonic() > deadline:
-                return
+            if time.monotonic() > deadline:  # the rest stays (and is tried again, or reported)
+                break
             ids = [h.id for h in group]
+            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
             try:
-                result = hand_back(lib, queue, ids, [h.count for h in group])
+                result = hand_back(lib, queue, ids, [h.count for h in group], timeout)
             except Exception as error:  # connection trouble, or a refusal (READONLY, OOM)
                 if now - min(h.since for h in group) < GIVE_UP_SECONDS:
                     logger.warning("celery-redis-lua: could not hand back %d message(s) of queue %r "
@@ -409,20 +436,28 @@ class Keeper:
                 self._orphans_due = min(self._orphans_due, now + ORPHAN_CHECK_SECONDS)
 
     def at_exit(self) -> None:
-        """Send every outbox, hand back what is held (one budget); log what is left."""
+        """Send every outbox, hand back what is held, and log what is left, all within
+        EXIT_BUDGET_SECONDS: the waits for a send on the wire or a tick under way end then, and
+        so do the calls made here (their sockets give up), even if the broker hangs."""
         if not (self._taken or self._orphans or self._outboxes) or os.getpid() != self._pid:
             return
-        if not self._ticking.acquire(timeout=5):  # the thread is mid-tick; do not hang the exit
-            return
-        try:
-            now = time.monotonic()
-            deadline = now + EXIT_BUDGET_SECONDS
-            for outbox in {*self._sending, *self._outboxes}:  # with replies unread too
-                outbox.send(max(0.0, deadline - time.monotonic()), everything=True)
-            self._hand_back(self._unsettled(now), now, deadline)
-            self._report_at_exit(now)
-        finally:
-            self._ticking.release()
+        now = time.monotonic()
+        deadline = self._exit_deadline = now + EXIT_BUDGET_SECONDS
+        for outbox in {*self._sending, *self._outboxes}:  # with replies unread too
+            outbox.send(everything=True, deadline=deadline)
+        # The hand-backs are the ticks': one still under way (its calls may hang) keeps them.
+        if self._ticking.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                self._hand_back(self._unsettled(now), now, deadline)
+            finally:
+                self._ticking.release()
+        self._report_at_exit(now)
+
+    def deadline(self) -> float:
+        """When a close starting now must be done (monotonic): EXIT_BUDGET_SECONDS from now,
+        or the exit's own deadline once it began (a close that the exit sets off, kombu's
+        hooks run after ours, shares its budget)."""
+        return min(time.monotonic() + EXIT_BUDGET_SECONDS, self._exit_deadline)
 
     def _unsettled(self, now: float) -> list[Held]:
         """Everything held whose ack or reject was not asked for, all orphans now (the exit:

@@ -105,8 +105,9 @@ class ScriptLibrary:
     def run(self, call: Call[T]) -> T:
         return self.runner.run(call)
 
-    def run_many(self, batch: Sequence[Call[Any]], *, raise_on_error: bool = True) -> list[Any]:
-        return self.runner.run_many(batch, raise_on_error=raise_on_error)
+    def run_many(self, batch: Sequence[Call[Any]], *, raise_on_error: bool = True,
+                 timeout: float | None = None) -> list[Any]:
+        return self.runner.run_many(batch, raise_on_error=raise_on_error, timeout=timeout)
 
     # -- one call each ----------------------------------------------------------------------
 

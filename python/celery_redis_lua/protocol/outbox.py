@@ -79,7 +79,7 @@ class Outbox:
         if self.publishes is not None:
             self.publishes.forked()
         self._pending = Batch()
-        self._sent = 0  # how many calls send() has on the wire (counted as not landed yet)
+        self._on_wire = Batch()  # what send() has on the wire (not landed yet: the exit names it)
         self._failing: set[tuple[Group, str]] = set()  # warned about once already
         self._retry_in = FIRST_RETRY_SECONDS
         self._due = math.inf  # monotonic time at which the keeper sends the pending acks
@@ -93,7 +93,7 @@ class Outbox:
     def __len__(self) -> int:
         """Acks and rejects not landed yet: pending, or on the wire from :meth:`send` (not
         those a consume took: they are the consume's until it settles them)."""
-        return len(self._pending) + self._sent
+        return len(self._pending) + len(self._on_wire)
 
     def add_ack(self, queue: str, message_id: str, count: int | None = None) -> None:
         """Gather one ack, fenced by ``count`` (the delivery's); it goes within ``delay``
@@ -193,48 +193,56 @@ class Outbox:
         if sooner:  # the keeper may sleep past it
             self._on_due(self)
 
-    def send(self, timeout: float = -1, *, everything: bool = False) -> bool:
+    def send(self, timeout: float = -1, *, everything: bool = False, deadline: float | None = None) -> bool:
         """Send the pending acks now, from this thread, after any send already on the wire
         (waited for at most ``timeout`` seconds; -1: as long as it takes), and the unconfirmed
-        publishes when due (``everything``: in any case). Returns whether it got its turn."""
+        publishes when due (``everything``: in any case). With a ``deadline`` (monotonic: a
+        close's or the exit's budget) the wait and the acks' calls end by then. Returns
+        whether it got its turn."""
+        if deadline is not None:
+            timeout = max(0.0, deadline - time.monotonic())
         if not self._wire.acquire(timeout=timeout):
             return False
         try:
             with self._lock:
                 batch, self._pending, self._due = self._pending, Batch(), math.inf
-                self._sent = len(batch)
+                self._on_wire = batch
             if batch:
-                self.run(batch)
+                self.run(batch, deadline=deadline)
         finally:
-            self._sent = 0
+            self._on_wire = Batch()
             self._wire.release()
-        self._send_publishes(everything)
+        self._send_publishes(everything, deadline)
         return True
 
-    def _send_publishes(self, everything: bool) -> None:
+    def _send_publishes(self, everything: bool, deadline: float | None) -> None:
         due = self.publishes.due() if self.publishes is not None else None
         if self.publishes is None or due is None or not (everything or due <= time.monotonic()):
             return
         try:
-            self.publishes.flush()
+            self.publishes.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except Exception as error:  # a lost connection: the channel's next call meets it too
             logger.warning("celery-redis-lua: unconfirmed publishes could not be sent (%s)", error)
 
-    def run(self, batch: Batch, after: Sequence[Call[Any]] = ()) -> list[Any]:
-        """``batch``'s calls, then ``after``, in one pipeline; the batch settled, the results
-        of ``after`` returned (the exception in place of a failed one)."""
+    def run(self, batch: Batch, after: Sequence[Call[Any]] = (), deadline: float | None = None) -> list[Any]:
+        """``batch``'s calls, then ``after``, in one pipeline (ending by ``deadline``, if any);
+        the batch settled, the results of ``after`` returned (the exception in place of a
+        failed one)."""
         settling = self.calls(batch)
         calls = [*settling, *after]
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            results = self.lib.run_many(calls, raise_on_error=False)
+            results = self.lib.run_many(calls, raise_on_error=False, timeout=timeout)
         except Exception as error:  # a lost connection: every call failed with it
             results = [error] * len(calls)
         self.settle(batch, results[:len(settling)])
         return results[len(settling):]
 
     def unsent(self) -> list[str]:
-        """What has not landed, one line per queue and kind (the exit's report)."""
+        """What has not landed, one line per queue and kind (the exit's report): pending, or
+        on the wire from another thread whose reply did not come within the exit's budget."""
         with self._lock:
-            lines = [f"{len(ids)} {kind}(s) of queue {queue!r} unsent: {', '.join(ids)}"
-                     for (kind, queue, _), ids in self._pending.groups.items() if ids]
+            lines = [f"{len(ids)} {kind}(s) of queue {queue!r} {state}: {', '.join(ids)}"
+                     for batch, state in ((self._pending, "unsent"), (self._on_wire, "sent, not confirmed"))
+                     for (kind, queue, _), ids in batch.groups.items() if ids]
         return lines + (self.publishes.unsent() if self.publishes is not None else [])

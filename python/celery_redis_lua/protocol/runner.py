@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -29,6 +31,7 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.retry import Retry
 
 from .contract import Script, load_scripts
 from .durability import CONFIRMED_SCRIPTS, RAISE_WHEN_SHORT, Durability
@@ -39,6 +42,9 @@ ERROR_PREFIX = "celery-redis-lua:"
 REDIRECT_ATTEMPTS = 20
 REDIRECT_PAUSE_SECONDS = 0.05
 REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
+# The least socket timeout a bounded call gets (a budget already spent): 0 would make the
+# socket non-blocking, not fail at once.
+LEAST_TIMEOUT_SECONDS = 0.001
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -111,6 +117,31 @@ def dedicated_connection(pool: Any) -> Any:
     return pool.connection_class(**pool.connection_kwargs)
 
 
+def bounded_client(pool: Any, timeout: float) -> redis.Redis:
+    """A client with ``pool``'s connection settings (address, credentials, TLS, db, a
+    Sentinel pool's primary lookup) on a pool of its own, whose every socket operation
+    (connect, write, read) gives up after ``timeout`` seconds, raising redis-py's
+    TimeoutError, and is never retried (a script whose reply timed out may have run). A
+    broker that hangs without a reset (a host gone, a black-holed network) then cannot hold
+    a close or an exit past its budget, whatever ``socket_timeout`` says."""
+    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
+    kwargs = {**pool.connection_kwargs, "socket_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
+    if "socket_connect_timeout" in kwargs:  # TCP (a Unix socket connects at once or fails)
+        kwargs["socket_connect_timeout"] = timeout
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def bound_connection(connection: Any, timeout: float) -> None:
+    """From now on every socket operation on ``connection`` (one of our own, closed next: a
+    close's or the exit's) gives up after ``timeout`` seconds, raising redis-py's
+    TimeoutError; for replies that are due on this very connection, where a bounded client
+    of their own would not do. redis-py set the socket's timeout when it connected."""
+    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
+    connection.socket_timeout = connection.socket_connect_timeout = timeout
+    if connection._sock is not None:
+        connection._sock.settimeout(timeout)
+
+
 class HeldConnection:
     """A runner's own connection for its single calls, on a standalone server or a Sentinel
     primary. redis-py's way through the client and its pool (a lock and a poll of the socket
@@ -180,10 +211,17 @@ class HeldConnection:
         return self._connection
 
     def close(self) -> None:
-        with self._lock:
+        """Disconnect. A call another thread has under way (the keeper's, on a broker that
+        hangs) is not waited for: a close must not hang with it; the disconnect ends it as
+        a lost connection, which that thread handles as any other."""
+        locked = self._lock.acquire(blocking=False)
+        try:
             if self._connection is not None:
                 self._connection.disconnect()
                 self._connection = None
+        finally:
+            if locked:
+                self._lock.release()
 
 
 class BatchWriter:
@@ -202,10 +240,11 @@ class BatchWriter:
         self._pending: Sequence[Call[Any]] = ()  # written, replies unread
         self._pid = os.getpid()
 
-    def send(self, calls: Sequence[Call[Any]]) -> list[Any]:
+    def send(self, calls: Sequence[Call[Any]], timeout: float | None = None) -> list[Any]:
         """Write ``calls``; return the results of the batch written before them (see
-        :meth:`ScriptRunner.run_many` with ``raise_on_error=False``), or [] if none."""
-        connection = self._ready()
+        :meth:`ScriptRunner.run_many` with ``raise_on_error=False``), or [] if none. With a
+        ``timeout`` see :meth:`_ready`."""
+        connection = self._ready(timeout)
         previous, self._pending = self._pending, calls
         try:
             # No health check: its PING would read a reply of the batch on the wire as PONG.
@@ -215,9 +254,9 @@ class BatchWriter:
             self._lose()
             raise
 
-    def finish(self) -> list[Any]:
-        """The results of the batch on the wire ([] if none)."""
-        self._ready()
+    def finish(self, timeout: float | None = None) -> list[Any]:
+        """The results of the batch on the wire ([] if none). With a ``timeout`` see :meth:`_ready`."""
+        self._ready(timeout)
         previous, self._pending = self._pending, ()
         try:
             return self._results(previous)
@@ -230,11 +269,16 @@ class BatchWriter:
             self._connection.disconnect()
         self._connection, self._pending = None, ()
 
-    def _ready(self) -> Any:
+    def _ready(self, timeout: float | None = None) -> Any:
+        """The connection, connected; with a ``timeout`` (what is left of a close's or the
+        exit's budget) bounded from now on (:func:`bound_connection`; the writer is closed
+        next, nothing restores the connection's own setting)."""
         if self._pid != os.getpid():  # forked: the parent's socket and replies are not ours
             self._connection, self._pending, self._pid = None, (), os.getpid()
         if self._connection is None:
             self._connection = dedicated_connection(self.runner.client.connection_pool)
+        if timeout is not None:
+            bound_connection(self._connection, timeout)
         self._connection.connect()  # as HeldConnection: Sentinel finds the primary here
         return self._connection
 
@@ -303,7 +347,8 @@ class ScriptRunner:
             raise to_script_error(call.script, error) from None
         return call.decode(reply)
 
-    def run_many(self, calls: Sequence[Call[Any]], *, raise_on_error: bool = True) -> list[Any]:
+    def run_many(self, calls: Sequence[Call[Any]], *, raise_on_error: bool = True,
+                 timeout: float | None = None) -> list[Any]:
         """Run ``calls`` in one pipeline; calls that met NOSCRIPT are loaded and re-run.
 
         Only the calls that failed with NOSCRIPT run again (the server did not run
@@ -312,10 +357,14 @@ class ScriptRunner:
         or what its ``decode`` raised: publish's StaleRoute). With a
         durability setting and a confirmed script among ``calls``, the pipeline ends with
         one wait; a wait that falls short raises NotDurable (its ``results`` attribute holds
-        what the calls returned) when a publish is among them, else it is logged.
+        what the calls returned) when a publish is among them, else it is logged. With a
+        ``timeout`` (seconds) they go over connections of their own (:func:`bounded_client`)
+        and every socket operation gives up after that long.
         """
         if not calls:
             return []
+        if timeout is not None:
+            return self._run_bounded(calls, raise_on_error, timeout)
         wait = self._wait_for(calls)
         replies, waited = self._pipeline(calls, wait)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
@@ -329,6 +378,30 @@ class ScriptRunner:
         results = self._decode(calls, replies, raise_on_error)
         if wait is not None:
             self._check_wait(calls, waited, results)
+        return results
+
+    def _run_bounded(self, calls: Sequence[Call[Any]], raise_on_error: bool, timeout: float) -> list[Any]:
+        """``run_many`` on bounded clients: one, or on a cluster one per node owning the calls'
+        slots (each given what is left of ``timeout``); NOSCRIPT and durability as usual."""
+        if not hasattr(self.client, "get_node_from_key"):
+            groups = {None: list(range(len(calls)))}
+        else:
+            groups = {}
+            for i, call in enumerate(calls):
+                groups.setdefault(self.client.get_node_from_key(call.keys[0]).name, []).append(i)
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * len(calls)
+        for name, indexes in groups.items():
+            node = self.client if name is None else self.client.get_redis_connection(
+                self.client.get_node(node_name=name))
+            client = bounded_client(node.connection_pool, deadline - time.monotonic())
+            try:
+                runner = ScriptRunner(client, self.scripts, durability=self.durability)
+                got = runner.run_many([calls[i] for i in indexes], raise_on_error=raise_on_error)
+            finally:
+                client.connection_pool.disconnect()
+            for i, result in zip(indexes, got, strict=True):
+                results[i] = result
         return results
 
     def rerun_noscript(self, calls: Sequence[Call[Any]], replies: list[Any], *,

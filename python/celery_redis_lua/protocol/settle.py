@@ -13,11 +13,17 @@ logger = logging.getLogger(__name__)
 
 
 def reject(lib: ScriptLibrary, queue: str, ids: Sequence[str], *, requeue: bool,
-           counts: Sequence[int | None] | None = None, returned: bool = False) -> Rejected:
+           counts: Sequence[int | None] | None = None, returned: bool = False,
+           timeout: float | None = None) -> Rejected:
     """Reject through the script; with ``counts`` (the x-delivery-count each was delivered
     with) a message delivered again since is left alone (counted stale). ``returned``: handed
-    back unstarted, which x-delayed-retry-type tells from a failed delivery."""
-    result = lib.reject(queue, list(ids), requeue=requeue, counts=counts, returned=returned)
+    back unstarted, which x-delayed-retry-type tells from a failed delivery. With a
+    ``timeout`` (what is left of the exit's budget) its socket operations give up by then."""
+    if timeout is None:
+        result = lib.reject(queue, list(ids), requeue=requeue, counts=counts, returned=returned)
+    else:
+        call = lib.calls.reject(queue, list(ids), requeue=requeue, counts=counts, returned=returned)
+        [result] = lib.run_many([call], timeout=timeout)
     report(lib, queue, ids, result, requeue=requeue)
     return result
 
@@ -30,7 +36,7 @@ def report(lib: ScriptLibrary, queue: str, ids: Sequence[str], result: Rejected,
 
 
 def hand_back(lib: ScriptLibrary, queue: str, ids: Sequence[str],
-              counts: Sequence[int | None]) -> Rejected:
+              counts: Sequence[int | None], timeout: float | None = None) -> Rejected:
     """Give deliveries nobody will finish back to their queue, counted as a delivery (a
     returned one: its retry delay is x-delayed-retry-type 'returned' or 'all')."""
-    return reject(lib, queue, ids, requeue=True, counts=counts, returned=True)
+    return reject(lib, queue, ids, requeue=True, counts=counts, returned=True, timeout=timeout)

@@ -97,31 +97,33 @@ class Pipeline:
                 return self._oldest + self.delay
         return self._written_at + self.delay if self._on_wire else None
 
-    def push(self) -> None:
+    def push(self, timeout: float | None = None) -> None:
         """Write what is pending. With a batch writer, read the replies of the batch before
         it; else read its own. A lost connection is raised as it is: the calls whose replies
-        were not read are lost with it (they may or may not be stored)."""
+        were not read are lost with it (they may or may not be stored). With a ``timeout``
+        (a close's or the exit's budget) every socket operation gives up after that long."""
         with self._wire:
             with self._lock:
                 calls, self._calls = self._calls, []
             if not calls:
                 return
             if self._writer is None:
-                self._settle(calls, lambda: self.lib.run_many([c for _, _, c in calls], raise_on_error=False))
+                self._settle(calls, lambda: self.lib.run_many([c for _, _, c in calls], raise_on_error=False,
+                                                              timeout=timeout))
                 return
             previous, self._on_wire = self._on_wire, []
             self._written_at = time.monotonic()
-            self._settle(previous + calls, lambda: self._writer.send([c for _, _, c in calls]),
+            self._settle(previous + calls, lambda: self._writer.send([c for _, _, c in calls], timeout),
                          settled=previous)
             self._on_wire = calls
 
-    def flush(self) -> None:
-        """Write what is pending and read every reply."""
-        self.push()
+    def flush(self, timeout: float | None = None) -> None:
+        """Write what is pending and read every reply (``timeout``: see :meth:`push`)."""
+        self.push(timeout)
         with self._wire:
             if self._on_wire:
                 previous, self._on_wire = self._on_wire, []
-                self._settle(previous, self._writer.finish)
+                self._settle(previous, lambda: self._writer.finish(timeout))
 
     def close(self) -> None:
         """The batch writer's connection goes (after a flush)."""
@@ -174,7 +176,7 @@ class Pipeline:
         for queue in dict.fromkeys(q for q, _, _ in refused):
             mine = [(error, task_id or "-") for q, error, task_id in refused if q == queue]
             first = mine[0][0]
-            lines.append(f"{len(mine)} unconfirmed publish(es) to {queue!r} refused by the server "
+            lines.append(f"{len(mine)} unconfirmed publish(es) to {queue!r} refused by the server or lost "
                          f"({type(first).__name__}: {first}); task ids: {', '.join(i for _, i in mine)}")
         return lines + [f"{pending.count(q)} unconfirmed publish(es) to {q!r} never sent"
                         for q in dict.fromkeys(pending)]

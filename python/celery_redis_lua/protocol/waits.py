@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from .runner import REDIRECTED, dedicated_connection, read_replies
+from .runner import REDIRECTED, bound_connection, bounded_client, dedicated_connection, read_replies
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
 UNBLOCK_GRACE_SECONDS = 0.5
@@ -52,6 +52,7 @@ class BlockingRead:
         self.due: float | None = None
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
+        self._deadline: float | None = None  # a close's (monotonic): see bound()
 
     def _connect(self) -> Any:
         if self.connection is None or self.connection._sock is None:
@@ -137,6 +138,14 @@ class BlockingRead:
         finally:
             self.pending = None
 
+    def bound(self, deadline: float) -> None:
+        """A close (the connection goes next): every socket operation of the wait, and of
+        the CLIENT UNBLOCK that cancels it, gives up by ``deadline`` (monotonic), so a
+        broker that hangs without a reset cannot hang the close."""
+        self._deadline = deadline
+        if self.connection is not None:
+            bound_connection(self.connection, deadline - time.monotonic())
+
     def cancel(self) -> Any:
         """End a pending wait now; returns whatever the server had already popped (or None).
         CLIENT UNBLOCK goes to the wait's own server (on a cluster, the node of its slot).
@@ -146,9 +155,11 @@ class BlockingRead:
         if self._client_id is None or not self.can_unblock:
             self.disconnect()
             return None
+        pool = self._pool_of()
+        client = redis.Redis(connection_pool=pool) if self._deadline is None else \
+            bounded_client(pool, self._deadline - time.monotonic())
         try:
-            unblocked = redis.Redis(connection_pool=self._pool_of()).execute_command(
-                "CLIENT", "UNBLOCK", self._client_id)
+            unblocked = client.execute_command("CLIENT", "UNBLOCK", self._client_id)
         except redis.ResponseError:  # NOPERM, or a service without it: close from now on
             self.can_unblock = False
             self.disconnect()
@@ -156,6 +167,9 @@ class BlockingRead:
         except (redis.RedisError, OSError):
             self.disconnect()
             return None
+        finally:
+            if self._deadline is not None:  # its own pool: nobody else will close it
+                client.connection_pool.disconnect()
         try:
             # 0: the wait had just ended (its reply is on the way), or the server does not
             # know the id (a proxy in front of several servers): do not wait out its block.
