@@ -84,15 +84,20 @@ end
 -- ARGV[first..] as 'id' or 'id:delivery_count' (the count fences the call to that one
 -- delivery): the ids and their counts (nil: not fenced), or nil and the first bad one.
 local function fenced_ids(first)
-  local ids, counts = {}, {}
+  local ids, counts, n = {}, {}, 0
   for i = first, #ARGV do
-    local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
-    if not id then
-      if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then return nil, ARGV[i] end
-      id = ARGV[i]
+    local arg = ARGV[i]
+    local colon = string.find(arg, ':', 1, true) -- a plain find: most ids come without a count
+    local id, count = arg, nil
+    if colon then
+      id, count = string.sub(arg, 1, colon - 1), string.match(arg, '^%d+$', colon + 1)
+      if id == '' or not count then return nil, arg end
+      count = tonumber(count)
+    elseif arg == '' then
+      return nil, arg
     end
-    local n = #ids + 1
-    ids[n], counts[n] = id, count and tonumber(count)
+    n = n + 1
+    ids[n], counts[n] = id, count
   end
   return ids, counts
 end
@@ -127,27 +132,35 @@ local function variadic(command, key, items)
   return total
 end
 
--- Each state tells whether the ack is stale, where a copy waits, and its task id.
-local acked, stale, waiting, retries = {}, {}, {}, 0
+-- Each state tells whether the ack is stale, where a copy waits, and its task id. What is
+-- not stale is acked: the ids themselves, unless some are (the common path copies nothing).
+local stale, waiting, retries = {}, {}, 0
 for first = 1, #ids, 4000 do
   local states = rcall('HMGET', KEYS[7], unpack(ids, first, math.min(first + 3999, #ids)))
   for i, raw in ipairs(states) do
     local n = first + i - 1
     local s = raw and parse_state(raw)
     if s and expected[n] and s.state == 'unacked' and s.count ~= expected[n] then
-      stale[#stale + 1] = ids[n] -- delivered again since: that consumer's now
-    else
-      acked[#acked + 1] = ids[n]
-      if s then
-        forget_task(KEYS[7], ids[n], s)
-        if s.state == 'retry' or s.state == 'delayed' then waiting[#waiting + 1] = ids[n] end
-        if s.state == 'retry' then retries = retries + 1 end
-      end
+      stale[#stale + 1] = n -- delivered again since: that consumer's now
+    elseif s then
+      forget_task(KEYS[7], ids[n], s)
+      if s.state == 'retry' or s.state == 'delayed' then waiting[#waiting + 1] = ids[n] end
+      if s.state == 'retry' then retries = retries + 1 end
     end
   end
 end
-local reply = {0}
-for _, id in ipairs(stale) do reply[#reply + 1] = id end
+local reply, acked = {0}, ids
+if #stale > 0 then
+  local skip = {}
+  for _, n in ipairs(stale) do
+    skip[n] = true
+    reply[#reply + 1] = ids[n]
+  end
+  acked = {}
+  for n, id in ipairs(ids) do
+    if not skip[n] then acked[#acked + 1] = id end
+  end
+end
 if #acked == 0 then return reply end
 variadic('ZREM', KEYS[3], acked)
 local unqueued = variadic('ZREM', KEYS[1], acked) -- a copy the sweep had put back

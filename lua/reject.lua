@@ -82,15 +82,20 @@ local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years
 -- ARGV[first..] as 'id' or 'id:delivery_count' (the count fences the call to that one
 -- delivery): the ids and their counts (nil: not fenced), or nil and the first bad one.
 local function fenced_ids(first)
-  local ids, counts = {}, {}
+  local ids, counts, n = {}, {}, 0
   for i = first, #ARGV do
-    local id, count = string.match(ARGV[i], '^([^:]+):(%d+)$')
-    if not id then
-      if string.find(ARGV[i], ':', 1, true) or ARGV[i] == '' then return nil, ARGV[i] end
-      id = ARGV[i]
+    local arg = ARGV[i]
+    local colon = string.find(arg, ':', 1, true) -- a plain find: most ids come without a count
+    local id, count = arg, nil
+    if colon then
+      id, count = string.sub(arg, 1, colon - 1), string.match(arg, '^%d+$', colon + 1)
+      if id == '' or not count then return nil, arg end
+      count = tonumber(count)
+    elseif arg == '' then
+      return nil, arg
     end
-    local n = #ids + 1
-    ids[n], counts[n] = id, count and tonumber(count)
+    n = n + 1
+    ids[n], counts[n] = id, count
   end
   return ids, counts
 end
