@@ -27,13 +27,7 @@ class QoS(virtual.QoS):
         (outbox.py) instead of failing: the task is done, it must not run again."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
-            # Settling from now: the caller may drop its Message before the batch is sent, and
-            # a keeper tick would take it for dropped unacked and hand it back. Fenced by the
-            # count this delivery carried, as a reject is.
-            count = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
-            if count is None:
-                count = _count_of(self._delivered.get(delivery_tag))
-            self.channel.outbox.add_ack(tag.queue, tag.id, count)
+            self.channel.outbox.add_ack(tag.queue, tag.id, self._settling(delivery_tag, tag))
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -41,12 +35,16 @@ class QoS(virtual.QoS):
         fails is kept and sent again until its lease would lapse (outbox.py)."""
         tag = DeliveryTag.parse(delivery_tag)
         if not tag.fanout:
-            # Fenced by the count this delivery carried.
-            count = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
-            if count is None:
-                count = _count_of(self._delivered.get(delivery_tag))
-            self.channel.outbox.reject(tag.queue, tag.id, requeue=requeue, count=count)
+            self.channel.outbox.reject(tag.queue, tag.id, requeue=requeue,
+                                       count=self._settling(delivery_tag, tag))
         super().ack(delivery_tag)  # forget it locally: the script requeued or dropped it (or will)
+
+    def _settling(self, delivery_tag: str, tag: DeliveryTag) -> int | None:
+        """Its ack or reject is asked for: settling from now (the caller may drop its Message
+        before the call is sent, and a keeper tick would take it for dropped unacked and
+        hand it back). Returns the count the delivery carried, which fences the call."""
+        count = KEEPER.settling(self.channel.lib, tag.queue, tag.id)
+        return _count_of(self._delivered.get(delivery_tag)) if count is None else count
 
     def _take_unacked(self) -> list[tuple[str, str, Any]]:
         """(queue, id, Message) of every unacked delivery; forgets them here."""
