@@ -13,9 +13,9 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_redis_lua.cli import main as cli_main
 from celery_redis_lua.protocol.acl import commands_for, script_commands, setuser
 from celery_redis_lua.protocol.contract import load_scripts
+from celery_redis_lua.tools.cli import main as cli_main
 from helpers import ROOT
 from kombu_support import drain
 from scripts.servers import Server

@@ -11,8 +11,8 @@ import pytest
 from kombu import Queue
 
 from celery_redis_lua import Keyspace, ScriptError, ScriptLibrary
-from celery_redis_lua.options import OptionError, parse_options
 from celery_redis_lua.protocol.bounds import MAX_DURATION_MS, MAX_DURATION_SECONDS
+from celery_redis_lua.protocol.options import OptionError, parse_options
 from celery_redis_lua.protocol.policy import Policy
 from celery_redis_lua.protocol.retry import DelayedRetry
 from conftest import Target

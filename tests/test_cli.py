@@ -17,8 +17,10 @@ import redis
 from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.cli import DEFAULT_URL, broker_of, main, mask, redis_url
 from celery_redis_lua.protocol.producer import decode_body
+from celery_redis_lua.tools.cli import main
+from celery_redis_lua.tools.cli.broker import DEFAULT_URL, broker_of, redis_url
+from celery_redis_lua.tools.cli.output import mask
 from helpers import message_state, server_now_ms
 from scripts.servers import Server, free_port
 
@@ -193,7 +195,7 @@ def run_in(directory: Path, *args: str,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The command as a user runs it, from ``directory``, without CELERY_BROKER_URL."""
     environment = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"} | (env or {})
-    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], cwd=directory,
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua", *args], cwd=directory,
                           env=environment, capture_output=True, text=True, timeout=60)
 
 

@@ -14,9 +14,9 @@ import redis
 from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary, load_scripts
-from celery_redis_lua.cli import main
 from celery_redis_lua.protocol.contract import read_manifest
 from celery_redis_lua.protocol.producer import build_envelope, dumps
+from celery_redis_lua.tools.cli import main
 from scripts.servers import Server
 
 
@@ -152,7 +152,7 @@ def test_a_long_replay_draws_a_progress_bar_on_a_terminal(url: str, standalone: 
                                              "priority": 0, "payload": f"m{i}"})
     pipe.execute()
     main_fd, terminal = pty.openpty()
-    command = [sys.executable, "-m", "celery_redis_lua.cli", "dead", "replay", "barred", "--count", "3000"]
+    command = [sys.executable, "-m", "celery_redis_lua", "dead", "replay", "barred", "--count", "3000"]
     done = subprocess.Popen([*command, "--url", url], stdout=subprocess.PIPE, stderr=terminal)
     os.close(terminal)
     drawn = b""

@@ -178,7 +178,7 @@ def test_the_cli_covers_every_primary(cluster: Cluster) -> None:
     """status finds queues on every node; publish and dead list route to the queue's node."""
     from click.testing import CliRunner
 
-    from celery_redis_lua.cli import main
+    from celery_redis_lua.tools.cli import main
 
     names = one_queue_per_primary(cluster, "cli")
     cli_url = url(cluster)
@@ -198,8 +198,8 @@ def test_the_cli_loads_the_scripts_on_every_primary_and_lists_dead_letters_anywh
         cluster: Cluster) -> None:
     from click.testing import CliRunner
 
-    from celery_redis_lua.cli import main
     from celery_redis_lua.protocol.contract import load_scripts
+    from celery_redis_lua.tools.cli import main
 
     client = cluster.client()
     client.script_flush()

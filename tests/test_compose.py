@@ -230,7 +230,7 @@ def test_the_image_installs_the_project_from_the_build_context(config: dict[str,
     ignored = [line.strip() for line in (EXAMPLE / "Dockerfile.dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")]
     for needed in ("pyproject.toml", "README.md", "python", "lua", "examples/compose/tasks.py",
-                   "python/celery_redis_lua/cli.py", "lua/publish.lua"):
+                   "python/celery_redis_lua/tools/cli/__init__.py", "lua/publish.lua"):
         assert not any(fnmatch(needed, pattern) or needed.startswith(pattern.rstrip("/") + "/")
                        for pattern in ignored), needed
     assert {".venv", ".git"} <= set(ignored)
@@ -269,7 +269,7 @@ def test_exporter_command_follows_the_docs(config: dict[str, Any]) -> None:
 def test_every_exporter_flag_is_in_its_help(config: dict[str, Any]) -> None:
     script = Path(sys.executable).with_name("celery-redis-lua")
     command = [str(script)] if script.exists() else \
-        [sys.executable, "-c", "from celery_redis_lua.cli import main; main()"]
+        [sys.executable, "-c", "from celery_redis_lua.tools.cli import main; main()"]
     done = subprocess.run([*command, "exporter", "--help"], capture_output=True, text=True, timeout=60,
                           check=False)
     assert done.returncode == 0, done.stderr

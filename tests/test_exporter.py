@@ -24,9 +24,9 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_redis_lua import Keyspace, Policy, ScriptLibrary
-from celery_redis_lua.exporter import QueueCollector, serve
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.retry import DelayedRetry
+from celery_redis_lua.tools.exporter import QueueCollector, serve
 from helpers import same_slot_names, server_now_ms, wait_for_server_time, wait_until
 from scripts.servers import Server, free_port
 
@@ -220,7 +220,7 @@ def test_an_unreachable_broker_is_up_0_not_an_error_page() -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -238,7 +238,7 @@ def test_the_exporter_command_serves_and_stops_on_sigterm(valkey_server: Server)
     port = free_port()
     url = f"redis://:{'s3cret'}@127.0.0.1:{valkey_server.port}/0"
     valkey_server.client().config_set("requirepass", "s3cret")
-    process = subprocess.Popen([sys.executable, "-m", "celery_redis_lua.cli", "exporter", "--url", url,
+    process = subprocess.Popen([sys.executable, "-m", "celery_redis_lua", "exporter", "--url", url,
                                 "--port", str(port), "--address", "127.0.0.1"],
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -369,7 +369,7 @@ def test_no_queue_under_the_prefix_is_said_once(valkey_server: Server,
     client.flushall()
     ScriptLibrary(client).publish("unprefixed", "m")
     collector = QueueCollector(ScriptLibrary(client, Keyspace("app:")), discover_interval=0)
-    with caplog.at_level(logging.WARNING, logger="celery_redis_lua.exporter"):
+    with caplog.at_level(logging.WARNING, logger="celery_redis_lua.tools.exporter"):
         assert collector.queues() == [] and collector.queues() == []
     warnings = [r.getMessage() for r in caplog.records if "no queues found" in r.getMessage()]
     assert warnings == ["celery-redis-lua exporter: no queues found under the key prefix 'app:'; "
@@ -379,7 +379,7 @@ def test_no_queue_under_the_prefix_is_said_once(valkey_server: Server,
 
 
 def test_the_exporter_listens_on_loopback_unless_told() -> None:
-    from celery_redis_lua.cli import exporter as command
+    from celery_redis_lua.tools.cli.exporter import exporter as command
 
     [address] = [p for p in command.params if p.name == "address"]
     assert address.default == "127.0.0.1"

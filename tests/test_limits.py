@@ -376,7 +376,7 @@ def test_a_kombu_consumer_times_a_rates_wait_itself(kind_broker: Broker) -> None
 def test_the_cli_sets_shows_and_clears_limits(kind_broker: Broker) -> None:
     from click.testing import CliRunner
 
-    from celery_redis_lua.cli import main
+    from celery_redis_lua.tools.cli import main
 
     url = f"redis://127.0.0.1:{kind_broker.server.port}/0"
     at = ["--url", url, "--prefix", kind_broker.prefix]

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from celery_redis_lua import ScriptLibrary
-from celery_redis_lua.locate import cancel_task, locate_task
 from celery_redis_lua.protocol.retry import DelayedRetry
+from celery_redis_lua.tools.locate import cancel_task, locate_task
 from helpers import server_now_ms, wait_for_server_time
 from scripts.servers import Server
 
@@ -195,7 +195,7 @@ def test_a_bad_task_id_is_refused_by_name(lib: ScriptLibrary, script: str) -> No
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua", *args], capture_output=True,
                           text=True, timeout=60)
 
 

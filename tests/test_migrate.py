@@ -20,7 +20,7 @@ from celery import Celery
 from kombu import Connection, Consumer, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.migrate import Migration
+from celery_redis_lua.tools.migrate import Migration
 from conftest import require_kind
 from helpers import wait_until
 from scripts.servers import Server
@@ -107,7 +107,7 @@ def test_a_killed_migration_run_again_moves_each_message_once(stock_and_ours: tu
     expected = {json.loads(raw)["headers"]["id"] for key in ("celery", "celery\x06\x169")
                 for raw in source.lrange(key, 0, -1)}
     assert len(expected) == 3000
-    command = [sys.executable, "-m", "celery_redis_lua.cli", "migrate",
+    command = [sys.executable, "-m", "celery_redis_lua", "migrate",
                "--from", f"redis://127.0.0.1:{stock.port}/0", "--url", ours.url]
     lib = ScriptLibrary(ours.client(), Keyspace())
     for kill_at in (400, 1500):
@@ -188,7 +188,7 @@ def test_stock_and_ours_share_one_database(stock_and_ours: tuple[Server, Server]
 
 
 def test_bad_migrate_arguments_name_themselves(valkey_server: Server) -> None:
-    cli = [sys.executable, "-m", "celery_redis_lua.cli", "migrate"]
+    cli = [sys.executable, "-m", "celery_redis_lua", "migrate"]
     done = subprocess.run([*cli, "--url", valkey_server.url], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--from" in done.stderr
     done = subprocess.run([*cli, "--from", "redis://:hunter2@127.0.0.1:1/0", "--url", valkey_server.url],

@@ -17,8 +17,8 @@ from kombu import Connection
 import celery_redis_lua  # noqa: F401  (registers redislua://)
 from celery_redis_lua import Keyspace, Policy
 from celery_redis_lua.kombu.transport import Transport
-from celery_redis_lua.options import OptionError, TransportOptions, parse_options
 from celery_redis_lua.protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
+from celery_redis_lua.protocol.options import OptionError, TransportOptions, parse_options
 from scripts.servers import Server
 
 # The reference API's options and defaults, plus the dead-letter and sweep options.

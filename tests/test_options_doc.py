@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from celery_redis_lua.options import TransportOptions
+from celery_redis_lua.protocol.options import TransportOptions
 from scripts import optionsdoc
 
 

@@ -136,7 +136,7 @@ def test_resume_wakes_a_blocked_kombu_consumer_at_once(kind_broker: Broker) -> N
 def test_the_cli_pauses_resumes_and_shows_it(kind_broker: Broker) -> None:
     from click.testing import CliRunner
 
-    from celery_redis_lua.cli import main
+    from celery_redis_lua.tools.cli import main
 
     url = f"redis://127.0.0.1:{kind_broker.server.port}/0"
     prefix = kind_broker.prefix

@@ -15,8 +15,8 @@ import redis
 from kombu import Connection, Consumer, Producer, Queue
 
 import celery_redis_lua
-from celery_redis_lua.options import OptionError
-from celery_redis_lua.sentinel import SentinelConfigError
+from celery_redis_lua.protocol.options import OptionError
+from celery_redis_lua.protocol.sentinel import SentinelConfigError
 from conftest import require_kind
 from helpers import wait_until
 from scripts.servers import SentinelGroup, Server, free_port
@@ -179,7 +179,7 @@ def test_bad_sentinel_urls_name_the_problem(url: str, message: str) -> None:
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    from celery_redis_lua.cli import main
+    from celery_redis_lua.tools.cli import main
     with pytest.raises(SystemExit) as done:
         main(list(args))
     out, err = capsys.readouterr()

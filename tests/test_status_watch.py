@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "celery_redis_lua.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "celery_redis_lua", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -75,7 +75,7 @@ def test_status_watch_follows_the_broker_and_ctrl_c_leaves_the_terminal_usable(
         valkey_server: Server, lib: ScriptLibrary, tmux: tuple[str, str]) -> None:
     binary, session = tmux
     lib.publish("watched", "first")
-    command = f"cd {ROOT} && {sys.executable} -m celery_redis_lua.cli status --watch --interval 0.3 " \
+    command = f"cd {ROOT} && {sys.executable} -m celery_redis_lua status --watch --interval 0.3 " \
               f"--url {valkey_server.url}; echo exited-$?"
     subprocess.run([binary, "send-keys", "-t", session, command, "Enter"], check=True)
     wait_until(lambda: "watched" in screen(tmux) and "ready/s" in screen(tmux), timeout=30,

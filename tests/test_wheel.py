@@ -24,18 +24,14 @@ from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "python" / "celery_redis_lua"
-# What runs in production: the package (its protocol/ and kombu/ layers, the scripts in lua/,
-# the CLI, the transport options, Sentinel discovery, cluster URLs, the exporter, where/cancel,
-# pause/resume, the migration) and
-# the two files that register the URL schemes where nothing imports it.
-PRODUCTION_FILES = {"celery_redis_lua/__init__.py", "celery_redis_lua/cli.py",
-                    "celery_redis_lua/sentinel.py", "celery_redis_lua/cluster.py",
-                    "celery_redis_lua/options.py", "celery_redis_lua/exporter.py",
-                    "celery_redis_lua/locate.py", "celery_redis_lua/flow.py", "celery_redis_lua/migrate.py",
-                    "celery_redis_lua/watch.py",
+# What runs in production: the package (its three layers: protocol/, kombu/ and the operator's
+# tools/, and the scripts in lua/) and the two files that register the URL schemes where
+# nothing imports it.
+PRODUCTION_FILES = {"celery_redis_lua/__init__.py", "celery_redis_lua/__main__.py",
                     "_celery_redis_lua_alias.py", "celery_redis_lua_alias.pth",
                     "celery_redis_lua/py.typed"}  # PEP 561: type checkers read the package's annotations
-PRODUCTION_DIRS = ("celery_redis_lua/protocol/", "celery_redis_lua/kombu/", "celery_redis_lua/lua/")
+PRODUCTION_DIRS = ("celery_redis_lua/protocol/", "celery_redis_lua/kombu/", "celery_redis_lua/tools/",
+                   "celery_redis_lua/lua/")
 DEVELOPMENT_ONLY = {"servers.py", "docgen.py"}
 
 

@@ -4,9 +4,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from _celery_redis_lua_alias import ALIASES
 
-from .flow import clear_limits, limit, pause, resume
 from .kombu.transport import Transport
-from .locate import cancel, where
 from .protocol.contract import Script, load_scripts
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
@@ -25,6 +23,8 @@ from .protocol.ops import (
 )
 from .protocol.policy import Policy
 from .protocol.runner import Call, ScriptError, ScriptRunner
+from .tools.flow import clear_limits, limit, pause, resume
+from .tools.locate import cancel, where
 
 __version__ = "0.2.0.dev0"
 

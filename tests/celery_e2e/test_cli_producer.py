@@ -16,7 +16,7 @@ from celery import Celery
 from click.testing import CliRunner
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.cli import main
+from celery_redis_lua.tools.cli import main
 from scripts.servers import Server
 
 from .harness import Broker, Worker, running, wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from celery_redis_lua.locate import locate_task
+from celery_redis_lua.tools.locate import locate_task
 from helpers import server_now_ms, wait_for_server_time
 
 from .harness import Broker, Worker, running, wait_for

@@ -164,7 +164,7 @@ def test_foreign_countdown_waits_in_the_broker_and_args_reach_the_task(
 def test_where_finds_a_foreign_task_ready_then_delayed(publish: Publish,
                                                        servers: tuple[Server, Server]) -> None:
     """The foreign producers pass the task id to publish, so the index knows their tasks."""
-    from celery_redis_lua.locate import locate_task
+    from celery_redis_lua.tools.locate import locate_task
 
     lib = ScriptLibrary(servers[0].client(), Keyspace())
     ready = publish("celery_e2e.app.note", '["now"]', priority=3)

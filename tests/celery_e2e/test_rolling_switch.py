@@ -48,7 +48,7 @@ def test_a_stock_worker_and_ours_share_one_database(servers: tuple[Server, Serve
     # Tasks sent to the stock side after its worker stopped: migrated into ours, then run.
     for i in range(5):
         producers["stock"].send_task("celery_e2e.app.note", (f"late-{i}",))
-    command = [sys.executable, "-m", "celery_redis_lua.cli", "migrate", "--from", stock.broker_url,
+    command = [sys.executable, "-m", "celery_redis_lua", "migrate", "--from", stock.broker_url,
                "--url", ours.broker_url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "moved 5 message(s)" in done.stdout, done.stderr

@@ -22,7 +22,7 @@ from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
-from ..cluster import (
+from ..protocol.cluster import (
     ClusterConfigError,
     ClusterUrl,
     is_cluster_host,
@@ -30,9 +30,9 @@ from ..cluster import (
     remember_nodes,
     startup_nodes,
 )
-from ..options import OptionError, TransportOptions, parse_options
 from ..protocol.ops import Declared
-from ..sentinel import (
+from ..protocol.options import OptionError, TransportOptions, parse_options
+from ..protocol.sentinel import (
     SentinelConfigError,
     SentinelUrls,
     explain_master_not_found,

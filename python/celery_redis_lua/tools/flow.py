@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocol.ops import Limits
 from .locate import library_of
-from .protocol.ops import Limits
 
 
 def pause(app: Any, queue: str, reason: str = "") -> bool:

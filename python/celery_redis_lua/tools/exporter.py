@@ -21,8 +21,8 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .protocol.library import ScriptLibrary
-from .protocol.ops import QueueMetrics
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import QueueMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from .protocol.library import ScriptLibrary
-from .protocol.ops import QueueMetrics
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import QueueMetrics
 
 COLUMNS = ("queue", "ready", "delayed", "retrying", "in flight", "dead", "paused", "limits",
            "ready/s", "redelivered/s", "dropped/s")

@@ -17,18 +17,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .protocol.bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
-from .protocol.durability import Durability
-from .protocol.keys import (
+from .bounds import MAX_DURATION_SECONDS, MAX_LIMIT, MAX_STREAM_LENGTH
+from .durability import Durability
+from .keys import (
     DEFAULT_MESSAGE_KEY_PREFIX,
     DEFAULT_SEPARATOR,
     Keyspace,
     KeyspaceError,
     fanout_prefix_for,
 )
-from .protocol.policy import Policy
-from .protocol.retry import TYPES as RETRY_TYPES
-from .protocol.retry import DelayedRetry
+from .policy import Policy
+from .retry import TYPES as RETRY_TYPES
+from .retry import DelayedRetry
 
 
 class OptionError(ValueError):

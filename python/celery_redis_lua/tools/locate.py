@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .protocol.library import ScriptLibrary
-from .protocol.ops import Cancelled
+from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Cancelled
 
 DEAD_PAGE = 1000  # dead letters read per call while searching a queue's stream
 

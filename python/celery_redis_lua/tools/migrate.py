@@ -33,8 +33,8 @@ from typing import Any
 
 import redis
 
-from .protocol.envelope import BadEnvelope, publish_arguments
-from .protocol.library import ScriptLibrary
+from ..protocol.envelope import BadEnvelope, publish_arguments
+from ..protocol.library import ScriptLibrary
 
 STOCK_SEP = "\x06\x16"
 STOCK_STEPS = (0, 3, 6, 9)  # kombu's default priority_steps
