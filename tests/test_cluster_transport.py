@@ -220,3 +220,28 @@ def test_the_cli_loads_the_scripts_on_every_primary_and_lists_dead_letters_anywh
         listed = CliRunner().invoke(main, ["dead", "list", name, "--url", url(cluster)])
         assert listed.exit_code == 0, listed.output
         assert message_id in listed.stdout and "rejected" in listed.stdout, listed.stdout
+
+
+def test_the_cli_reaches_a_cluster_the_way_the_apps_workers_do(cluster: Cluster, tmp_path: Any) -> None:
+    """-A an app whose broker is a cluster by its transport options (a plain URL naming one
+    seed, the class route): the CLI's client is the transport's own, so it sees every primary."""
+    import os
+    import subprocess
+    import sys
+
+    names = one_queue_per_primary(cluster, "app")
+    lib = ScriptLibrary(cluster.client(), Keyspace())
+    for name in names:
+        lib.publish(name, "m")
+    seed = cluster.nodes[0].port
+    (tmp_path / "proj.py").write_text(
+        "from celery import Celery\n"
+        f"app = Celery('proj', broker='redislua://127.0.0.1:{seed}/0')\n"
+        "app.conf.broker_transport_options = {'cluster': True}\n")
+    env = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"}
+    done = subprocess.run([sys.executable, "-m", "celery_redis_lua", "status", "--json", "-A", "proj"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    import json
+    found = {row["queue"]: row["ready"] for row in json.loads(done.stdout)["queues"]}
+    assert {name: found.get(name) for name in names} == {name: 1 for name in names}

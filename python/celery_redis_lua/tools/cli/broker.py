@@ -3,20 +3,21 @@ or the local default; and the client of it, made as the transport makes its own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import click
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from kombu.connection import Connection
+from redis.cluster import RedisCluster
 
 from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
 
-from ...protocol import cluster, sentinel
+from ...protocol import sentinel
 from ...protocol.keys import Keyspace, KeyspaceError
 from ...protocol.library import ScriptLibrary
 from .output import CliError, _asked, _secrets, mask, scrub
@@ -24,86 +25,52 @@ from .output import CliError, _asked, _secrets, mask, scrub
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
-# URL schemes as redis-py knows them: redis-py's own, kombu's socket forms, and ours.
-SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "redis+socket": "unix",
-           "socket": "unix", **OUR_SCHEMES}
+# The URL schemes a command takes, each as the transport's scheme that means the same: the
+# transport makes the command's client, so a command reaches a broker exactly as a worker does.
+SCHEMES = {"redis": "redislua", "rediss": "redisluas", "unix": "redislua+socket",
+           "redis+socket": "redislua+socket", "socket": "redislua+socket",
+           "sentinel": "redislua+sentinel", "sentinels": "redisluas+sentinel",
+           **{ours: ours for ours in (*OUR_SCHEMES, "redislua+sentinel", "redisluas+sentinel",
+                                      "redislua+cluster", "redisluas+cluster")}}
+EXPECTED = ("expected redis://, rediss://, redislua://, redisluas://, unix:// (a Unix socket), "
+            "sentinel:// or redislua+cluster://")
+# Transport options the CLI sets from its own flags: an error naming one names the flag.
+FLAGS = {"transport option 'master_name'": "--master-name",
+         "transport option 'sentinel_kwargs'": "--sentinel-password"}
+# The transport options of an app (-A) that say how to reach its broker; the others (a stock
+# kombu app's among them) are the workers' business.
+APP_CONNECTION_OPTIONS = ("sentinel_kwargs", "min_other_sentinels", "cluster", "cluster_nodes",
+                          "credential_provider", "ssl", "socket_keepalive", "socket_keepalive_options")
+# A command's client waits less than a worker's for a server that does not answer.
+CLI_TIMEOUTS = {"socket_connect_timeout": 5, "socket_timeout": 30}
 
 
-def redis_url(url: str) -> str:
-    """A broker URL as redis-py's ``from_url`` takes it; :class:`CliError` if it is not one."""
-    url = url.split(";")[0].strip()  # Celery's failover list: the first one
-    scheme, sep, rest = url.partition("://")
-    expected = "expected redis://, rediss://, redislua://, redisluas:// or unix:// (a Unix socket)"
-    if not sep:  # not even a scheme: do not echo it, it may hold anything
-        raise CliError(f"bad URL (no scheme): {expected}")
-    if scheme.lower() not in SCHEMES:
-        raise CliError(f"bad URL {mask(url)!r}: {expected}")
-    mapped = SCHEMES[scheme.lower()]
-    try:
-        parts = urlsplit(url)
-        if parts.password:
-            _secrets.add(parts.password)
-        parts.port  # noqa: B018  (raises ValueError on a bad port)
-    except ValueError as error:
-        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
-    db = parts.path.strip("/")
-    if mapped != "unix" and db and not db.isdigit():  # redis-py would quietly use db 0
-        raise CliError(f"bad URL {mask(url)!r}: the database must be a number, got {db!r}")
-    return f"{mapped}://{rest}"
-
-
-CLUSTER_URL_SCHEMES = ("redislua+cluster://", "redisluas+cluster://")
-
-
-def cluster_client(url: str) -> RedisCluster:
-    """A cluster client from a seed node's ``redislua+cluster://`` URL (the rest are
-    discovered); commands that cover queues go to every primary."""
-    scheme, _, rest = url.partition("+cluster://")
-    try:
-        parsed = cluster.parse_cluster_host(f"cluster://{rest}")
-    except cluster.ClusterConfigError as error:
-        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
-    if parsed.password:
-        _secrets.add(parsed.password)
-    client = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
-                          username=parsed.username, password=parsed.password,
-                          ssl=scheme.lower() == "redisluas", socket_connect_timeout=5, socket_timeout=30)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError) as error:
-        raise CliError(f"cannot reach the cluster at {mask(url)}: {scrub(str(error))}") from None
-    return client
-
-
-def sentinel_client(url: str) -> redis.Redis:
-    """A client of the primary the sentinels named in ``url`` (';'-joined) point to."""
-    urls = [part.strip() for part in url.split(";") if part.strip()]
-    for part in urls:
-        with contextlib.suppress(ValueError):
-            if urlsplit(part).password:
-                _secrets.add(urlsplit(part).password or "")
-    meta = click.get_current_context().meta
-    if not meta.get("master_name"):
-        raise CliError("--master-name is required with a sentinel URL")
-    try:
-        parsed = sentinel.parse_sentinel_urls(urls)
-    except sentinel.SentinelConfigError as error:
-        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
-    password = meta.get("sentinel_password")
-    if password:
-        _secrets.add(password)
-    params: dict[str, Any] = {"db": parsed.db, "username": parsed.username, "password": parsed.password,
-                              "socket_connect_timeout": 5, "socket_timeout": 30}
-    if parsed.tls:
-        params["connection_class"] = redis.SSLConnection
-    pool = sentinel.master_pool(parsed, meta["master_name"],
-                                sentinel_kwargs={"password": password} if password else None, **params)
-    client = redis.Redis(connection_pool=pool)
-    try:
-        client.ping()
-    except redis.sentinel.MasterNotFoundError as error:
-        raise CliError(scrub(str(sentinel.explain_master_not_found(pool, error)))) from None
-    return client
+def transport_url(url: str) -> str:
+    """``url`` (';'-joined for sentinels; else Celery's failover list, whose first one is
+    asked) in the transport's schemes; :class:`CliError` if it is not a broker URL."""
+    parts = [part.strip() for part in url.split(";") if part.strip()] or [url]
+    if not sentinel.is_sentinel_url(parts[0]):
+        parts = parts[:1]
+    mapped = []
+    for part in parts:
+        scheme, sep, rest = part.partition("://")
+        if not sep:  # not even a scheme: do not echo it, it may hold anything
+            raise CliError(f"bad URL (no scheme): {EXPECTED}")
+        if scheme.lower() not in SCHEMES:
+            raise CliError(f"bad URL {mask(part)!r}: {EXPECTED}")
+        try:
+            split = urlsplit(part)
+        except ValueError as error:
+            raise CliError(f"bad URL {mask(part)!r}: {scrub(str(error))}") from None
+        if split.password:
+            _secrets.add(split.password)
+        if "password=" in split.query:  # kombu's parse_url fails on it with a TypeError
+            _secrets.update(value for key, _, value in (q.partition("=") for q in split.query.split("&"))
+                            if key == "password")
+            raise CliError(f"bad URL {mask(part)!r}: a password goes in the URL's userinfo "
+                           "(redis://:PASSWORD@host), as kombu reads it, not in ?password=")
+        mapped.append(f"{SCHEMES[scheme.lower()]}://{rest}")
+    return ";".join(mapped)
 
 
 def broker_of(url: str | None, prefix: str) -> tuple[str, str, str]:
@@ -123,8 +90,11 @@ def broker_of(url: str | None, prefix: str) -> tuple[str, str, str]:
     if not found:
         raise CliError(f"the Celery app {app_name!r} names no broker_url")
     options = app.conf.broker_transport_options or {}
-    if ctx is not None and not ctx.meta.get("master_name") and options.get("master_name"):
-        ctx.meta["master_name"] = options["master_name"]
+    if ctx is not None:  # the app's way to its broker is the command's too
+        if not ctx.meta.get("master_name") and options.get("master_name"):
+            ctx.meta["master_name"] = options["master_name"]
+        ctx.meta["transport_options"] = {k: v for k, v in options.items() if k in APP_CONNECTION_OPTIONS}
+        ctx.meta["ssl"] = app.conf.broker_use_ssl
     return str(found), prefix or str(options.get("global_keyprefix") or ""), f"the Celery app {app_name}"
 
 
@@ -156,22 +126,48 @@ def _connect(url: str, prefix: str) -> ScriptLibrary:
         keyspace = Keyspace(prefix)
     except KeyspaceError as error:
         raise CliError(f"bad --prefix: {error}") from None
-    if sentinel.is_sentinel_url(url.strip()):
-        return ScriptLibrary(sentinel_client(url), keyspace)
-    if url.strip().lower().startswith(CLUSTER_URL_SCHEMES):
-        return ScriptLibrary(cluster_client(url.strip()), keyspace)
-    mapped = redis_url(url)
+    return ScriptLibrary(client_of(url), keyspace)  # the transport's default policy
+
+
+def client_of(url: str) -> redis.Redis | RedisCluster:
+    """A client of the broker ``url`` names that answered PING, made by the transport itself
+    (URL schemes, Sentinel, cluster, TLS and sockets are the transport's, in one place)."""
+    target = transport_url(url)
+    meta = click.get_current_context().meta
+    options: dict[str, Any] = {**meta.get("transport_options", {}), **CLI_TIMEOUTS}
+    if sentinel.is_sentinel_url(target):
+        if not meta.get("master_name"):
+            raise CliError("--master-name is required with a sentinel URL")
+        options["master_name"] = meta["master_name"]
+        if meta.get("sentinel_password"):
+            _secrets.add(meta["sentinel_password"])
+            options["sentinel_kwargs"] = {"password": meta["sentinel_password"]}
+    # rediss:// verifies the server's certificate, as redis-py does, unless the app says how.
+    secure = target.lower().startswith(("redisluas", "rediss"))
+    ssl = meta.get("ssl") or ({"ssl_cert_reqs": "required"} if secure else None)
     try:
-        client = redis.Redis.from_url(mapped, socket_connect_timeout=5, socket_timeout=30)
-    except ValueError as error:
-        raise CliError(f"bad URL {mask(url)!r}: {scrub(str(error))}") from None
-    try:
-        client.ping()
+        with warnings.catch_warnings():  # an app's options for another broker kind: not ours to warn
+            warnings.simplefilter("ignore", RuntimeWarning)
+            transport = Connection(target, ssl=ssl or False, transport_options=options).transport
+        client: redis.Redis | RedisCluster = transport.new_client()
+        transport.check_server(client)
     except redis.AuthenticationError as error:
         raise CliError(f"cannot log in to {mask(url)}: {scrub(str(error))}") from None
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
-        raise CliError(f"cannot reach {mask(url)}: {scrub(str(error))}") from None
-    return ScriptLibrary(client, keyspace)  # the transport's default policy
+    except (redis.ConnectionError, redis.TimeoutError, OSError,
+            redis.exceptions.RedisClusterException) as error:
+        raise CliError(f"cannot reach {mask(url)}: {_in_flags(error)}") from None
+    except sentinel.SentinelConfigError as error:  # a master name no sentinel monitors
+        raise CliError(_in_flags(error)) from None
+    except (ValueError, TypeError) as error:  # a bad URL or option, told as the transport tells it
+        raise CliError(f"bad URL {mask(url)!r}: {_in_flags(error)}") from None
+    return client
+
+
+def _in_flags(error: BaseException) -> str:
+    text = scrub(str(error))
+    for option, flag in FLAGS.items():
+        text = text.replace(option, flag)
+    return text
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
