@@ -114,3 +114,30 @@ def _docstring(tree: ast.Module, node: ast.Constant) -> bool:
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and body[0].value is node:
             return True
     return False
+
+
+# The three layers, bottom up; each imports only from the layers below it (and itself).
+LAYERS = ("celery_redis_lua.protocol", "celery_redis_lua.kombu", "celery_redis_lua.tools")
+# At the package root: only what names the layers' public parts (the import paths users type).
+ROOT_MODULES = {"celery_redis_lua", "celery_redis_lua.__main__"}
+
+
+def _layer(name: str) -> int | None:
+    return next((i for i, layer in enumerate(LAYERS) if name == layer or name.startswith(layer + ".")), None)
+
+
+def test_every_module_is_in_one_of_the_three_layers() -> None:
+    assert {name for name in modules() if _layer(name) is None} == ROOT_MODULES
+
+
+def test_the_layers_import_downward_only() -> None:
+    found = modules()
+    upward = []
+    for name, tree in found.items():
+        level = _layer(name)
+        if level is None:
+            continue
+        for target in imports(name, tree, set(found)):
+            if (_layer(target) or 0) > level:
+                upward.append(f"{name} imports {target}")
+    assert upward == []
