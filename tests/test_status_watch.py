@@ -42,7 +42,9 @@ def test_status_json_has_a_stable_shape(valkey_server: Server, lib: ScriptLibrar
     done = cli("status", "--json", "--url", valkey_server.url)
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
-    assert set(shown) == {"server_time_ms", "queues"} and isinstance(shown["server_time_ms"], int)
+    assert set(shown) == {"server_time_ms", "queues", "maxmemory_policy", "eviction_warning"}
+    assert isinstance(shown["server_time_ms"], int)
+    assert (shown["maxmemory_policy"], shown["eviction_warning"]) == ("noeviction", None)
     jobs, quiet = sorted(shown["queues"], key=lambda q: q["queue"])
     assert set(jobs) == {"queue", "ready", "delayed", "retrying", "in_flight", "dead", "paused", "limits",
                          "redelivered", "dropped", "oldest_ready_age_ms", "next_eta_in_ms"}

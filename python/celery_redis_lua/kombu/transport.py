@@ -30,6 +30,7 @@ from ..protocol.cluster import (
     remember_nodes,
     startup_nodes,
 )
+from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.ops import Declared
 from ..protocol.options import OptionError, TransportOptions, parse_options
 from ..protocol.sentinel import (
@@ -49,6 +50,18 @@ logger = logging.getLogger(__name__)
 POOL_WAIT_SECONDS = 20.0
 # URL schemes that mean TLS without certificate checks when no ssl options are given.
 SECURE_SCHEMES = frozenset({"rediss", *(s for s, target in SCHEMES.items() if target == "rediss")})
+
+
+# The servers (and their policies) already warned of: a worker opens several connections.
+_warned_of_eviction: set[tuple[str, str]] = set()
+
+
+def warn_of_eviction(eviction: Eviction, server: str) -> None:
+    warning = eviction.warning(server)
+    if warning is None or (server, str(eviction.policy)) in _warned_of_eviction:
+        return
+    _warned_of_eviction.add((server, str(eviction.policy)))
+    logger.warning("celery-redis-lua: %s", warning)
 
 
 class Transport(virtual.Transport):
@@ -95,7 +108,7 @@ class Transport(virtual.Transport):
         # its binding state: the arguments in force (from declare) and the fanout bindings.
         self.declared: dict[str, Declared] = {}
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
-        self._server_checked = False  # the durability setting, once per connection
+        self._server_checked = False  # eviction and the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
         self.cluster  # noqa: B018  (bad cluster URLs or options: an error now)
         self.poller = Poller(sweep_interval=self.options.sweep_interval,
@@ -254,13 +267,18 @@ class Transport(virtual.Transport):
 
     def check_server(self, client: redis.Redis) -> None:
         """A new channel's first command: connection errors surface now, as kombu expects; an
-        unknown master name or a durability the server cannot honour is a clear error."""
+        unknown master name or a durability the server cannot honour is a clear error; a server
+        that may evict our keys is warned of (once per process and server)."""
         try:
             client.ping()
         except MasterNotFoundError as error:
             raise explain_master_not_found(self.pool, error) from None
+        if self._server_checked:
+            return
+        warn_of_eviction(read_eviction(client), self.client.as_uri())
         durability = self.options.policy.durability
-        if durability is None or self._server_checked:
+        self._server_checked = durability is None
+        if durability is None:
             return
         replicas = durability.check_server(client)
         self._server_checked = True

@@ -19,13 +19,14 @@ ROLES = ("worker", "producer", "exporter")
 # db other than 0; CLIENT ID and UNBLOCK end a blocking wait at once (without UNBLOCK the
 # wait's connection is closed instead). Not CLIENT SETINFO: redis-py sends it on connect and
 # ignores a refusal, and Redis 7.0 does not know it (ACL SETUSER would fail there); granting
-# it on 7.2+ keeps those refusals out of ACL LOG.
+# it on 7.2+ keeps those refusals out of ACL LOG. INFO: the eviction guard reads maxmemory_policy
+# (protocol/eviction.py); refused, the policy reads as unknown.
 DIRECT: Mapping[str, tuple[str, ...]] = {
-    "worker": ("ping", "evalsha", "script|load", "select", "client|setname", "blpop", "xread",
+    "worker": ("ping", "info", "evalsha", "script|load", "select", "client|setname", "blpop", "xread",
                "client|id", "client|unblock"),
-    "producer": ("ping", "evalsha", "script|load", "select", "client|setname"),
+    "producer": ("ping", "info", "evalsha", "script|load", "select", "client|setname"),
     # celery-redis-lua exporter: the metrics script, and SCAN and ZRANGE to discover queues.
-    "exporter": ("ping", "evalsha", "script|load", "select", "client|setname", "scan", "zrange"),
+    "exporter": ("ping", "info", "evalsha", "script|load", "select", "client|setname", "scan", "zrange"),
 }
 DURABILITY_COMMANDS = ("wait", "waitaof")
 # The scripts a producer runs: kombu declares the queue (declare, and its size), binds it,

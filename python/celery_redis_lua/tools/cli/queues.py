@@ -8,10 +8,11 @@ from typing import Any
 
 import click
 
+from ...protocol.eviction import Eviction, read_eviction
 from ...protocol.ops import QueueMetrics
 from ...protocol.runner import ERROR_PREFIX, ScriptError
 from .broker import connect, connection_options
-from .output import table
+from .output import PROG, table
 from .root import main
 
 STATUS_COLUMNS = ["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"]
@@ -39,14 +40,24 @@ def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float,
         return
     names = list(queues) or lib.queue_names()
     found = lib.metrics(names) if names else []
+    eviction = read_eviction(lib.client)
     if as_json:
-        click.echo(json.dumps(status_json(found)))
+        click.echo(json.dumps({**status_json(found), "maxmemory_policy": eviction.policy,
+                               "eviction_warning": eviction.warning("the broker")}))
         return
+    warn_of_eviction(eviction)
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
     rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused), m.limits) for m in found]
     click.echo(table(STATUS_COLUMNS, rows))
+
+
+def warn_of_eviction(eviction: Eviction) -> None:
+    """On stderr, so that stdout stays the table a script may parse."""
+    warning = eviction.warning("the broker")
+    if warning:
+        click.echo(f"{PROG}: warning: {warning}", err=True)
 
 
 def status_json(found: Sequence[QueueMetrics]) -> dict[str, Any]:
