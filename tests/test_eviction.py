@@ -102,3 +102,22 @@ def test_status_names_the_policy_on_stderr_and_in_json(valkey_server: Server) ->
         assert "x-expires queues" in payload["eviction_warning"]
     finally:
         admin.config_set("maxmemory-policy", "noeviction")
+
+
+def test_the_exporter_serves_the_policy(valkey_server: Server) -> None:
+    from celery_redis_lua import Keyspace, ScriptLibrary
+    from celery_redis_lua.tools.exporter import QueueCollector
+
+    admin = valkey_server.client()
+    collector = QueueCollector(ScriptLibrary(valkey_server.client(), Keyspace()), ["guarded"])
+
+    def samples() -> list[tuple[dict[str, str], float]]:
+        [family] = [f for f in collector.collect() if f.name == "celery_redis_lua_eviction_policy"]
+        return [(s.labels, s.value) for s in family.samples]
+
+    assert samples() == [({"policy": "noeviction"}, 0)]
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        assert samples() == [({"policy": "allkeys-lru"}, 1)]
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")

@@ -21,6 +21,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import QueueMetrics
 
@@ -62,11 +63,15 @@ class QueueCollector(Collector):
             try:
                 names = self.queues()
                 found = self.lib.metrics(names) if names else []
+                eviction = read_eviction(self.lib.client)
                 up = 1
             except (redis.RedisError, OSError) as error:
                 logger.warning("celery-redis-lua exporter: scrape failed: %s", error)
-                found, up = [], 0
+                found, up, eviction = [], 0, Eviction(None)
         yield from families(found)
+        yield _gauge("eviction_policy", "1 when the broker's maxmemory-policy may evict its keys (any "
+                     "policy but noeviction: docs/managed.md), 0 for noeviction; absent: not known.",
+                     ["policy"], [([eviction.policy], int(eviction.risky))] if eviction.policy else [])
         yield _gauge("up", "1 when the last scrape reached the broker.", [], [([], up)])
         yield _gauge("scrape_duration_seconds", "How long the last scrape took.", [],
                      [([], time.perf_counter() - began)])
