@@ -1,6 +1,6 @@
 #!lua flags=no-writes
 -- name: metrics
--- version: 5
+-- version: 6
 -- summary: What a dashboard shows per queue: counts, the oldest ready message, the next ETA, and the counters.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
@@ -12,14 +12,17 @@
 --   state    HASH    P state:{Q}           id -> state (not read)
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV: none
--- returns: array: the server's time (unix ms), then 12 items per queue: ready, delayed,
+-- returns: array: the server's time (unix ms), then 13 items per queue: ready, delayed,
 --   in_flight, dead, oldest_ready_at (unix ms at which the oldest ready message became
 --   ready, -1 for none), next_eta (unix ms of the earliest delayed message, -1 for none),
 --   redelivered (counter), and an array of reason, count pairs of messages dropped
 --   (dead-lettered, or deleted when dead_letter_maxlen is 0) since the queue was created,
 --   the 'paused' field ('<unix ms> <reason>', or '' when the queue is not paused), and
 --   retrying: how many of the delayed messages wait for a delayed retry (x-delayed-retry-type),
---   the in-flight limit and the rate (from 'limits', as the limit script stored them; '' when unset)
+--   the in-flight limit and the rate (from 'limits', as the limit script stored them; '' when unset),
+--   and exists: 1 while the queue's meta hash exists (what makes a queue exist), 0 when it
+--   does not (its keys expired or were deleted, or nothing declared it): a caller that
+--   found the queue earlier learns here that it is gone, and every count is then 0
 -- errors:
 --   ERR celery-redis-lua: metrics: expected 8 keys per queue, got N
 -- why: one call answers a scrape for a group of queues, from one consistent snapshot.
@@ -90,5 +93,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
   reply[#reply + 1] = retrying
   reply[#reply + 1] = cap
   reply[#reply + 1] = rate
+  reply[#reply + 1] = #fields > 0 and 1 or 0 -- an empty hash does not exist
 end
 return reply

@@ -135,6 +135,41 @@ def test_one_snapshot_under_load_equals_stats(request: pytest.FixtureRequest, ki
     assert len(set(snapshots)) > 1  # the load really moved the numbers
 
 
+def test_discovery_lists_the_queues_that_exist(lib: ScriptLibrary) -> None:
+    """Issue 42 §1.1: a binding with a stale-at time belongs to an expiring queue, which
+    exists while its keys do; neither a live nor a stale one brings back a queue whose keys
+    are gone. A binding for good (no lifetime) still names a queue never declared."""
+    member = lib.keys.binding_member
+    lib.declare("declared", expires_ms=60_000)
+    lib.bind("ex", [member("rk", "", "declared")], lifetime_ms=60_000)
+    lib.bind("ex", [member("rk", "", "expired")], lifetime_ms=60_000)  # its keys gone, binding live
+    lib.bind("ex", [member("rk", "", "stale")], lifetime_ms=1)  # gone stale, not pruned yet
+    lib.bind("ex", [member("rk", "", "for-good")])
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 5)
+    assert lib.client.zcard(lib.keys.binding("ex")) == 4
+    assert lib.queue_names() == ["declared", "for-good"]
+
+
+def exported(collector: QueueCollector) -> set[str]:
+    """The queues named by the series of one collection."""
+    return {sample.labels.get("queue") or sample.labels["queue_name"] for family in collector.collect()
+            for sample in family.samples if {"queue", "queue_name"} & set(sample.labels)}
+
+
+def test_a_queue_gone_since_discovery_leaves_the_next_scrape(lib: ScriptLibrary) -> None:
+    """The exporter discovers queues every --discover-interval; a queue whose keys went in
+    between (here deleted; expired alike) has no series from the next scrape on, while one
+    bound for good (no keys yet) and one named by --queue stay."""
+    lib.declare("stays")
+    lib.declare("goes")
+    lib.bind("ex", [lib.keys.binding_member("rk", "", "bound-only")])
+    collector = QueueCollector(lib, discover_interval=3600)
+    assert exported(collector) == {"stays", "goes", "bound-only"}
+    lib.delete("goes")
+    assert exported(collector) == {"stays", "bound-only"}
+    assert exported(QueueCollector(lib, ["goes"])) == {"goes"}  # named: zeros, as asked
+
+
 # -- the HTTP endpoint ---------------------------------------------------------------------
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -217,6 +252,26 @@ def test_an_unreachable_broker_is_up_0_not_an_error_page() -> None:
         assert scrape(port)[("celery_redis_lua_up", ())] == 0
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("with_queues", [False, True], ids=["no-queue", "queues"])
+def test_up_is_0_on_the_first_scrape_after_the_broker_dies(with_queues: bool) -> None:
+    """Issue 42 §1.7: with no queue, discovery (cached for --discover-interval) was the only
+    round trip, and ``up`` stayed 1 until it was due again. Every scrape reaches the broker."""
+    with Server("valkey") as server:
+        lib = ScriptLibrary(server.client(socket_timeout=2, socket_connect_timeout=1), Keyspace())
+        if with_queues:
+            lib.publish("jobs", "m")
+        port = free_port()
+        http, _ = serve(lib, port=port, address="127.0.0.1")  # discovery every 30 s
+        try:
+            before = scrape(port)
+            assert before[("celery_redis_lua_up", ())] == 1
+            assert (("celery_queue_length", (("queue_name", "jobs"),)) in before) is with_queues
+            server.kill()  # SIGKILL, by PID
+            assert scrape(port)[("celery_redis_lua_up", ())] == 0
+        finally:
+            http.shutdown()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

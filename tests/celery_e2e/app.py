@@ -30,6 +30,10 @@ app.conf.update(
     task_default_priority=0,
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+# CRL_QUEUE_EXPIRES=<seconds>: the x-expires of the worker's own queues (celeryev.<uuid>,
+# <hostname>.celery.pidbox), 60 s and 10 s in Celery.
+if os.environ.get("CRL_QUEUE_EXPIRES"):
+    app.conf.event_queue_expires = app.conf.control_queue_expires = float(os.environ["CRL_QUEUE_EXPIRES"])
 
 _ledger: redis.Redis | None = None
 

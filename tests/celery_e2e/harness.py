@@ -75,6 +75,7 @@ class Worker:
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path = Path("/tmp")
+    gossip: bool = False  # True: the worker consumes events (its own celeryev.<uuid> queue)
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,8 +90,8 @@ class Worker:
         command = [
             sys.executable, "-m", "celery", "-A", "celery_e2e.app", "worker",
             "--loglevel", "INFO", "--pool", self.pool, "--concurrency", str(self.concurrency),
-            "--hostname", self.hostname, "--without-mingle", "--without-gossip",
-            *self.extra_args,
+            "--hostname", self.hostname, "--without-mingle",
+            *([] if self.gossip else ["--without-gossip"]), *self.extra_args,
         ]
         log = self.log_path.open("ab")
         start_of_run = log.tell()  # a restarted worker appends: look for its own "ready."

@@ -142,14 +142,26 @@ class ScriptLibrary:
     # -- what loops ---------------------------------------------------------------------------
 
     def queue_names(self) -> list[str]:
-        """Every queue with a meta key, and every queue named in a binding table (a SCAN of
-        the keyspace: an operator's call, not one for a hot path)."""
-        client = self.client
-        names = {self.keys.queue_of(key)
-                 for key in client.scan_iter(match=self.keys.meta_pattern(), count=1000)}
+        """Every queue that exists (:meth:`declared_queues` and :meth:`bound_queues`). A SCAN
+        of the keyspace: an operator's call, not one for a hot path."""
+        return sorted(set(self.declared_queues()) | set(self.bound_queues()))
+
+    def declared_queues(self) -> list[str]:
+        """Every queue with a meta key: what makes a queue exist (a SCAN)."""
+        return sorted({self.keys.queue_of(key)
+                       for key in self.client.scan_iter(match=self.keys.meta_pattern(), count=1000)})
+
+    def bound_queues(self) -> list[str]:
+        """Every queue bound for good (a binding that never goes stale: a queue without
+        x-expires, routed to before anything declared it), from a SCAN of the binding tables.
+        A binding with a stale-at time belongs to an expiring queue, which lives in its keys:
+        it names no queue of its own, so a queue that expired leaves with its keys, though its
+        bindings go stale only later (max(x-expires, binding_lifetime_floor)) and stale ones
+        stay until a lookup prunes them."""
+        client, names = self.client, set[str]()
         for key in client.scan_iter(match=self.keys.binding_pattern(), count=1000):
-            names.update(b.queue for b in (self.keys.parse_binding(m) for m in client.zrange(key, 0, -1))
-                         if b.queue)
+            forever = client.zrange(key, "+inf", "+inf", byscore=True)  # bind's score for no lifetime
+            names.update(b.queue for b in map(self.keys.parse_binding, forever) if b.queue)
         return sorted(names)
 
     def slot_groups(self, queues: Sequence[str]) -> list[list[str]]:

@@ -208,6 +208,7 @@ class QueueMetrics:
     paused: str | None = None  # the reason given to pause ('' for none); None: running
     retrying: int = 0  # of the delayed, how many wait for a delayed retry (x-delayed-retry-type)
     limits: Limits = Limits()  # the queue's limits (the limit script); Limits() when it has none
+    exists: bool = True  # its meta hash exists; False: gone (expired, deleted) or only bound
 
     @property
     def oldest_ready_age_ms(self) -> int | None:
@@ -481,6 +482,9 @@ def stats(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueStats
     return Call("stats", _keys_of(k, names), [], decode)
 
 
+METRICS_ITEMS = 13  # per queue in the metrics script's reply
+
+
 @operation
 def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMetrics]]:
     names = list(queues)
@@ -491,14 +495,14 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
     def decode(reply: Sequence[Any]) -> list[QueueMetrics]:
         now, rows = int(reply[0]), reply[1:]
         found = []
-        for i in range(0, len(rows), 12):
+        for i in range(0, len(rows), METRICS_ITEMS):
             (ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused,
-             retrying, cap, rate) = rows[i:i + 12]
+             retrying, cap, rate, exists) = rows[i:i + METRICS_ITEMS]
             found.append(QueueMetrics(
-                names[i // 12], now, int(ready), int(delayed), int(in_flight), int(dead), optional(oldest),
-                optional(eta), int(redelivered),
+                names[i // METRICS_ITEMS], now, int(ready), int(delayed), int(in_flight), int(dead),
+                optional(oldest), optional(eta), int(redelivered),
                 {_text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)},
-                _paused_reason(paused), int(retrying), _limits(cap, rate)))
+                _paused_reason(paused), int(retrying), _limits(cap, rate), bool(int(exists))))
         return found
 
     return Call("metrics", _keys_of(k, names), [], decode)

@@ -6,7 +6,8 @@ existing dashboards, the celery-mixin alerts and KEDA's Prometheus scaler work u
 The ``celery_redis_lua_*`` families say what only this broker knows. A scrape costs one
 metrics call per group of queues sharing a cluster slot (one in all on a standalone
 server), each bounded whatever the backlog; queues are discovered by a SCAN of their meta
-keys and the binding tables, at most every ``discover_interval`` seconds.
+keys and the binding tables (bindings for good only), at most every ``discover_interval``
+seconds, and a discovered queue whose keys are gone has no series from the next scrape on.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class QueueCollector(Collector):
         self.fixed = list(queues)
         self.discover_interval = discover_interval
         self._known: list[str] = []
+        self._bound: set[str] = set()  # of the discovered, those only bound (for good)
         self._discovered_at = float("-inf")
         self._lock = threading.Lock()  # the HTTP server may scrape from several threads
 
@@ -46,23 +48,36 @@ class QueueCollector(Collector):
         if self.fixed:
             return self.fixed
         if time.monotonic() - self._discovered_at >= self.discover_interval:
-            found = self.lib.queue_names()
+            declared, bound = self.lib.declared_queues(), self.lib.bound_queues()
+            found = sorted(set(declared) | set(bound))
             if not found and (self._known or self._discovered_at == float("-inf")):
                 # Said once per change: an exporter given the wrong --prefix serves no queue
                 # metrics, and nothing else would say why.
                 logger.warning("celery-redis-lua exporter: no queues found under the key prefix %r; "
                                "queues of another prefix (the transport's global_keyprefix) are not "
                                "seen: is --prefix right?", self.lib.keys.prefix)
-            self._known = found
+            self._known, self._bound = found, set(bound)
             self._discovered_at = time.monotonic()
         return self._known
+
+    def gone(self, m: QueueMetrics) -> bool:
+        """A discovered queue whose keys expired (or were deleted) since discovery: its series
+        go at once, not at the next discovery. One named by --queue, or bound for good (it
+        has no keys until something is published to it), stays."""
+        return not (m.exists or self.fixed or m.queue in self._bound)
+
+    def _reach(self) -> list[QueueMetrics]:
+        """With no queue to ask about (none found, or discovery not due), a PING: every
+        scrape makes a round trip, so ``up`` is 0 the moment the broker is gone."""
+        self.lib.client.ping()
+        return []
 
     def collect(self) -> Iterator[Metric]:
         began = time.perf_counter()
         with self._lock:
             try:
                 names = self.queues()
-                found = self.lib.metrics(names) if names else []
+                found = [m for m in self.lib.metrics(names) if not self.gone(m)] if names else self._reach()
                 eviction = read_eviction(self.lib.client)
                 up = 1
             except (redis.RedisError, OSError) as error:
