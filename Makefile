@@ -29,6 +29,8 @@ test-all: venv
 ## The version matrix (noxfile.py): kombu/Celery 5.4-5.7 x redis-py 5.0, 6, 7, 8, each with and
 ## without hiredis, on Valkey and Redis; a compatibility subset of the suite per combination
 ## (~2-3 min each, 32 of them). NOX_ARGS='-s "compat(5.4-redis5.0)"' runs one (nox -l lists them).
+## Each full session records its run in docs/compat.json and rewrites the tested versions of
+## README.md and docs/getting-started.md from it (scripts/compatdoc.py).
 compat: venv
 	$(BIN)/nox $(or $(NOX_ARGS),-t compat)
 
@@ -48,13 +50,15 @@ manifest: venv
 	$(BIN)/python -m scripts.gen_manifest
 
 ## The documentation site (mkdocs.yml) into build/site: regenerates docs/scripts.md from the
-## script headers and the options table of docs/configuration.md from options.py (a test fails
-## when either is stale), then builds with --strict: any warning, a broken link or anchor
+## script headers, the options table of docs/configuration.md from options.py, and the tested
+## versions of README.md and docs/getting-started.md from docs/compat.json (a test fails when
+## any is stale), then builds with --strict: any warning, a broken link or anchor
 ## among them, fails it. NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner.
 docs: venv
 	$(BIN)/pip install --quiet -e '.[docs]'
 	$(BIN)/python -m scripts.docgen
 	$(BIN)/python -m scripts.optionsdoc
+	$(BIN)/python -m scripts.compatdoc
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 ## Script-level benchmark: our scripts against the stock kombu protocol, same server, same run.

@@ -13,16 +13,23 @@ change under us. Extra arguments go to pytest (``nox -s ... -- -k smoke``).
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import nox
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, whichever way nox was started
+from scripts import compatdoc  # (the matrix's one definition, and its record)
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
-# kombu and Celery minor releases, paired (Celery 5.N requires kombu 5.N).
-KOMBU_CELERY = ("5.4", "5.5", "5.6", "5.7")
-# redis-py: the declared floor (5.0) and the latest release of every later major version.
-REDIS = {"5.0": "redis==5.0.*", "6": "redis==6.*", "7": "redis==7.*", "8": "redis==8.*"}
+# kombu/Celery minor releases (paired: Celery 5.N requires kombu 5.N) and redis-py releases:
+# scripts/compatdoc.py, which also writes the pages that say what ran.
+KOMBU_CELERY = compatdoc.KOMBU_CELERY
+REDIS = compatdoc.REDIS
 
 SUBSET = [
     "tests/test_kombu_transport.py",
@@ -39,16 +46,11 @@ TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "valkeyli
 
 
 def _params() -> list[object]:
-    params = []
-    for kc in KOMBU_CELERY:
-        for redis_id in REDIS:
-            for hiredis in (False, True):
-                name = f"{kc}-redis{redis_id}" + ("-hiredis" if hiredis else "")
-                params.append(nox.param(kc, redis_id, hiredis, id=name))
-    return params
+    return [nox.param(c.kombu_celery, c.redis_id, c.hiredis, id=c.session) for c in compatdoc.combinations()]
 
 
-def _install(session: nox.Session, kombu_celery: str, redis_id: str, hiredis: bool) -> None:
+def _install(session: nox.Session, kombu_celery: str, redis_id: str, hiredis: bool) -> dict[str, object]:
+    """Install the combination; the versions it got (kombu, celery, redis, hiredis, python)."""
     redis_spec = REDIS[redis_id]
     if hiredis:  # redis-py's own extra picks the hiredis releases that redis-py release supports
         redis_spec = redis_spec.replace("redis", "redis[hiredis]", 1)
@@ -56,22 +58,32 @@ def _install(session: nox.Session, kombu_celery: str, redis_id: str, hiredis: bo
                     redis_spec)
     if not hiredis:
         session.run("python", "-m", "pip", "uninstall", "--quiet", "--yes", "hiredis", silent=True)
-    session.run("python", "-c", _VERSIONS)
-
-
-_VERSIONS = (
-    "import importlib.metadata as m, importlib.util as u; "
-    "print(' '.join(f'{p}=={m.version(p)}' for p in ('kombu', 'celery', 'redis')), "
-    "'hiredis==' + m.version('hiredis') if u.find_spec('hiredis') else 'no hiredis')"
-)
+    versions: dict[str, object] = json.loads(str(session.run("python", "-c", compatdoc.VERSIONS_SCRIPT,
+                                                             silent=True)))
+    session.log(f"versions: {versions}")
+    return versions
 
 
 @nox.session(tags=["compat"])
 @nox.parametrize(("kombu_celery", "redis_id", "hiredis"), _params())
 def compat(session: nox.Session, kombu_celery: str, redis_id: str, hiredis: bool) -> None:
-    """The compatibility subset on one kombu/Celery × redis-py (× hiredis) combination."""
-    _install(session, kombu_celery, redis_id, hiredis)
-    session.run("pytest", "-m", "not slow", "-p", "no:cacheprovider", *SUBSET, *session.posargs)
+    """The compatibility subset on one kombu/Celery × redis-py (× hiredis) combination. A full run
+    (no extra pytest arguments) is recorded in docs/compat.json, pass or fail, and the README's
+    and docs/getting-started.md's tested versions are rewritten from it."""
+    versions = _install(session, kombu_celery, redis_id, hiredis)
+    if session.posargs:  # a part of the subset: not what the record says ran
+        session.run("pytest", "-m", "not slow", "-p", "no:cacheprovider", *SUBSET, *session.posargs)
+        return
+    junit = Path(session.create_tmp()) / "compat-junit.xml"
+    junit.unlink(missing_ok=True)
+    # Exit code 1 (tests failed) is recorded, then fails the session; any other is an error.
+    session.run("pytest", "-m", "not slow", "-p", "no:cacheprovider", f"--junitxml={junit}", *SUBSET,
+                success_codes=[0, 1])
+    combination = compatdoc.Combination(kombu_celery, redis_id, hiredis)
+    run = compatdoc.record_run(combination.session, versions, junit, compatdoc.current_commit())
+    session.log(f"recorded in {compatdoc.RECORD}: {compatdoc.result_text(run)}")
+    if not run.ok:
+        session.error(f"{combination.session}: {compatdoc.result_text(run)}")
 
 
 @nox.session(name="compat-ci")

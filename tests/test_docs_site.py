@@ -7,6 +7,7 @@ in the repository into text."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,28 @@ def test_the_readme_s_relative_links_lead_to_files_of_the_repository() -> None:
     assert targets
     missing = [t for t in targets if not (ROOT / t.split("#", 1)[0]).exists()]
     assert missing == []
+
+
+def without_docstring(tree: ast.Module) -> str:
+    body = tree.body[1:] if tree.body and isinstance(tree.body[0], ast.Expr) \
+        and isinstance(tree.body[0].value, ast.Constant) else tree.body
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def test_the_readme_s_app_is_the_example_s_code_and_says_where_it_reads_its_urls() -> None:
+    """Issue 42 §1.8: the README showed a broker URL with port 6390 hard-coded, while
+    examples/minimal/tasks.py reads CELERY_BROKER_URL (only its docstring said so)."""
+    app = section(README.read_text(), "A Celery app")
+    [code] = re.findall(r"```python\n(.*?)```", app, flags=re.S)
+    example = (ROOT / "examples" / "minimal" / "tasks.py").read_text()
+    assert without_docstring(ast.parse(code)) == without_docstring(ast.parse(example)), \
+        "the README's app is not examples/minimal/tasks.py's code"
+    getting_started = section((DOCS / "getting-started.md").read_text(), "A first run, start to end")
+    for text in (app, getting_started):
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        assert "`CELERY_BROKER_URL`" in prose and "`CELERY_RESULT_BACKEND`" in prose
+        assert re.search(r"^export CELERY_BROKER_URL=redislua://\S+$", text, flags=re.M)
+        assert re.search(r"^export CELERY_RESULT_BACKEND=redis://\S+$", text, flags=re.M)
 
 
 def test_every_page_is_in_the_nav() -> None:
