@@ -76,7 +76,7 @@ class Calls:
         return functools.partial(op, self._lib.keys, self._lib.policy)
 
 
-# 1,000 rounds of SWEEP_BATCH (ops.py) hand back as many per sweep as 100 rounds of 1,000 did.
+# 1,000 rounds of SWEEP_BATCH (ops/delivery.py) hand back as many per sweep as 100 rounds of 1,000 did.
 SWEEP_ROUNDS = 1000
 
 
