@@ -17,6 +17,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from redis.cluster import RedisCluster
 
 from . import ops
+from .call import Call
 from .keys import Binding, Keyspace
 from .ops import (
     EMPTY_SWEEP,
@@ -31,7 +32,7 @@ from .ops import (
     SweepReport,
 )
 from .policy import Policy
-from .runner import Call, ScriptRunner
+from .runner import ScriptRunner
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..call import Call
 from ..keys import Keyspace
 from ..policy import Policy
 from ..retry import DISABLED, DelayedRetry
-from ..runner import Call
 from .base import int_or_none, operation, optional_arg, text
 
 # -- what the scripts reply ---------------------------------------------------------------

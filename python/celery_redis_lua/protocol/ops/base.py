@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ..call import Call
 from ..keys import Keyspace
-from ..runner import Call
 
 Payload = str | bytes
 Operation = Callable[..., Call[Any]]

@@ -7,9 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..call import Call
 from ..keys import Keyspace
 from ..policy import Policy
-from ..runner import Call
 from .base import Payload, as_bytes, keys_of, operation, optional_arg, text
 from .exchanges import StaleRoute
 

@@ -7,9 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..call import Call
 from ..keys import Binding, Keyspace
 from ..policy import Policy
-from ..runner import Call
 from .base import Payload, as_bytes, operation, optional_arg, text
 
 # -- bindings -----------------------------------------------------------------------------

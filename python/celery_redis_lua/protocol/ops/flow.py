@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..call import Call
 from ..keys import Keyspace
 from ..policy import Policy
-from ..runner import Call
 from .base import operation, text
 
 

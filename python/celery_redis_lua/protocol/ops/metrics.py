@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..call import Call
 from ..keys import Keyspace
 from ..policy import Policy
-from ..runner import Call
 from .base import int_or_none, keys_of, operation, text
 from .flow import Limits, limits_of
 
