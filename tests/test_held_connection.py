@@ -19,7 +19,7 @@ import redis
 from kombu import Connection
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from celery_redis_lua.protocol.runner import packed
+from celery_redis_lua.protocol.connections import packed
 from helpers import wait_until
 from scripts.servers import Server
 

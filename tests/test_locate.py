@@ -186,7 +186,7 @@ def test_cancel_takes_ready_and_delayed_messages_and_leaves_deliveries(lib: Scri
 
 @pytest.mark.parametrize("script", ["locate", "cancel"])
 def test_a_bad_task_id_is_refused_by_name(lib: ScriptLibrary, script: str) -> None:
-    from celery_redis_lua.protocol.runner import ScriptError
+    from celery_redis_lua.protocol.call import ScriptError
     with pytest.raises(ScriptError, match="task_id must be a non-empty string of at most 256 bytes"):
         getattr(lib, script)("q", "x" * 257)
     with pytest.raises(ScriptError, match="publish: task_id must be at most 256 bytes, got 257"):

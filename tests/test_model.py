@@ -51,8 +51,8 @@ from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
 from celery_redis_lua import Consumed, Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
+from celery_redis_lua.protocol.call import Call
 from celery_redis_lua.protocol.retry import DelayedRetry
-from celery_redis_lua.protocol.runner import Call
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
 from scripts.servers import Cluster, Server
 

@@ -5,6 +5,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from _celery_redis_lua_alias import ALIASES
 
 from .kombu.transport import Transport
+from .protocol.call import Call, ScriptError
 from .protocol.contract import Script, load_scripts
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
@@ -22,7 +23,7 @@ from .protocol.ops import (
     SweepReport,
 )
 from .protocol.policy import Policy
-from .protocol.runner import Call, ScriptError, ScriptRunner
+from .protocol.runner import ScriptRunner
 from .tools.flow import clear_limits, limit, pause, resume
 from .tools.locate import cancel, where
 

@@ -68,14 +68,41 @@ def parse_contract(source: str) -> Contract:
     lines = source.splitlines()
     if not lines or not lines[0].startswith("#!lua"):
         raise ContractError("the first line must be a '#!lua' shebang")
-    flags: tuple[str, ...] = ()
-    match = re.search(r"flags=(\S+)", lines[0])
-    if match:
-        flags = tuple(match.group(1).split(","))
+    sections = _sections(lines[1:])
 
+    def single(key: str) -> str:
+        if key not in sections:
+            raise ContractError(f"header has no '{key}:' line")
+        return " ".join(part for part in sections[key] if part).strip()
+
+    keys, keys_per_queue = _keys(sections)  # KEYS, then ARGV, are checked before the rest
+    argv = _argv(sections)
+    return Contract(
+        name=single("name"),
+        version=int(single("version")),
+        summary=single("summary"),
+        flags=_flags(lines[0]),
+        keys=keys,
+        keys_per_queue=keys_per_queue,
+        argv=argv,
+        returns=single("returns"),
+        errors=tuple(e for e in sections.get("errors", []) if e.startswith("ERR")),
+        why=single("why"),
+    )
+
+
+def _flags(shebang: str) -> tuple[str, ...]:
+    """The shebang's ``flags=a,b`` (none: an empty tuple)."""
+    match = re.search(r"flags=(\S+)", shebang)
+    return tuple(match.group(1).split(",")) if match else ()
+
+
+def _sections(lines: list[str]) -> dict[str, list[str]]:
+    """The header's ``key: value`` sections, each a list of its lines (the first one's value,
+    then the indented lines under it); the header ends at the first line that is no comment."""
     sections: dict[str, list[str]] = {}
     current: str | None = None
-    for line in lines[1:]:
+    for line in lines:
         header = _HEADER_LINE.match(line)
         if not header:
             break
@@ -86,12 +113,12 @@ def parse_contract(source: str) -> Contract:
             sections[current] = [section.group("value") or ""]
         elif current is not None:
             sections[current].append(text.strip())
+    return sections
 
-    def single(key: str) -> str:
-        if key not in sections:
-            raise ContractError(f"header has no '{key}:' line")
-        return " ".join(part for part in sections[key] if part).strip()
 
+def _keys(sections: dict[str, list[str]]) -> tuple[tuple[KeySpec, ...], bool]:
+    """The KEYS described, checked against the count the section starts with, and whether
+    that count is per queue."""
     keys_head = sections.get("KEYS", [""])[0]
     keys_match = re.match(r"^(\d+)( per queue)?", keys_head)
     if not keys_match:
@@ -105,7 +132,11 @@ def parse_contract(source: str) -> Contract:
             continue  # a continuation of the description
     if len(keys) != int(keys_match.group(1)):
         raise ContractError(f"'KEYS: {keys_match.group(1)}' but {len(keys)} keys are described")
+    return tuple(keys), bool(keys_match.group(2))
 
+
+def _argv(sections: dict[str, list[str]]) -> tuple[ArgSpec, ...]:
+    """The ARGV described ('ARGV: none' for none), their positions checked to run 1, 2, ..."""
     argv: list[ArgSpec] = []
     if sections.get("ARGV", [""])[0].strip() != "none":
         for text in sections.get("ARGV", [])[1:]:
@@ -115,19 +146,7 @@ def parse_contract(source: str) -> Contract:
     for expected, spec in enumerate(argv, start=1):
         if spec.position != expected:
             raise ContractError(f"ARGV positions must run 1, 2, ...; got {spec.position} for {spec.name}")
-
-    return Contract(
-        name=single("name"),
-        version=int(single("version")),
-        summary=single("summary"),
-        flags=flags,
-        keys=tuple(keys),
-        keys_per_queue=bool(keys_match.group(2)),
-        argv=tuple(argv),
-        returns=single("returns"),
-        errors=tuple(e for e in sections.get("errors", []) if e.startswith("ERR")),
-        why=single("why"),
-    )
+    return tuple(argv)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from redis.cluster import RedisCluster
 
 from . import ops
+from .call import Call
 from .keys import Binding, Keyspace
 from .ops import (
     EMPTY_SWEEP,
@@ -31,7 +32,7 @@ from .ops import (
     SweepReport,
 )
 from .policy import Policy
-from .runner import Call, ScriptRunner
+from .runner import ScriptRunner
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -76,7 +77,7 @@ class Calls:
         return functools.partial(op, self._lib.keys, self._lib.policy)
 
 
-# 1,000 rounds of SWEEP_BATCH (ops.py) hand back as many per sweep as 100 rounds of 1,000 did.
+# 1,000 rounds of SWEEP_BATCH (ops/delivery.py) hand back as many per sweep as 100 rounds of 1,000 did.
 SWEEP_ROUNDS = 1000
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .call import Call
 from .library import ScriptLibrary
-from .runner import Call
 from .settle import report
 from .unconfirmed import Pipeline
 

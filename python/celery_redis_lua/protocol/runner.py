@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
-import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -31,197 +27,29 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
-from redis.retry import Retry
 
+from .call import ERROR_PREFIX, Call, ScriptError, decode_replies, to_script_error
+from .connections import (
+    HeldConnection,
+    bound_connection,
+    bounded_client,
+    dedicated_connection,
+    packed,
+    read_replies,
+)
 from .contract import Script, load_scripts
 from .durability import CONFIRMED_SCRIPTS, RAISE_WHEN_SHORT, Durability
 
-ERROR_PREFIX = "celery-redis-lua:"
 # A durable call on a cluster that met a slot move (MOVED, ASK, TRYAGAIN: it never ran) is
 # sent again after the slot map is refreshed, this many times, this far apart.
 REDIRECT_ATTEMPTS = 20
 REDIRECT_PAUSE_SECONDS = 0.05
 REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
-# The least socket timeout a bounded call gets (a budget already spent): 0 would make the
-# socket non-blocking, not fail at once.
-LEAST_TIMEOUT_SECONDS = 0.001
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ScriptError(ResponseError):
-    """A script refused its input (``ERR celery-redis-lua: <script>: <problem>``)."""
-
-    def __init__(self, script: str, message: str) -> None:
-        super().__init__(message)
-        self.script = script
-
-
-def _as_is(reply: Any) -> Any:
-    return reply
-
-
-@dataclass(frozen=True)
-class Call(Generic[T]):
-    """One script invocation, ready to run alone or in a pipeline; ``decode`` turns the
-    server's reply into ``T``."""
-
-    script: str
-    keys: Sequence[str]
-    args: Sequence[str | int | bytes]
-    decode: Callable[[Any], T] = field(default=_as_is)
-
-
-def to_script_error(script: str, error: ResponseError) -> ResponseError:
-    """Turn our scripts' error replies into :class:`ScriptError`; leave others alone."""
-    message = str(error)
-    if message.startswith("ERR "):
-        message = message[4:]
-    if message.startswith(ERROR_PREFIX):
-        return ScriptError(script, message.split(" script: ")[0])
-    return error
-
-
-_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
-try:  # the hiredis extra: its packer takes our arguments (str, bytes, int) as they are
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - without the extra, redis-py's own
-    _hiredis_pack = None
-
-
-def packed(connection: Any, command: Sequence[Any]) -> bytes:
-    """``command`` in the wire protocol. hiredis's packer directly when it is installed: redis-py's
-    wrapper around it checks and converts every argument first (measured 4.0 against 1.3 µs for
-    a publish call); the bytes are the same."""
-    if _hiredis_pack is not None:
-        return _hiredis_pack(tuple(command))
-    return b"".join(connection.pack_command(*command))
-
-
-def read_replies(connection: Any, count: int) -> list[Any]:
-    """The next ``count`` replies on ``connection``, an error reply in its place as the
-    exception (as a pipeline's ``execute(raise_on_error=False)`` gives it): after one, the
-    connection is still in step, the next reply is the next call's."""
-    replies: list[Any] = []
-    for _ in range(count):
-        try:
-            replies.append(connection.read_response())
-        except ResponseError as error:
-            replies.append(error)
-    return replies
-
-
-def dedicated_connection(pool: Any) -> Any:
-    """A connection made with ``pool``'s settings (address, credentials, TLS, db, a Sentinel
-    pool's primary lookup) but kept outside it: it never counts against max_connections."""
-    return pool.connection_class(**pool.connection_kwargs)
-
-
-def bounded_client(pool: Any, timeout: float) -> redis.Redis:
-    """A client with ``pool``'s connection settings (address, credentials, TLS, db, a
-    Sentinel pool's primary lookup) on a pool of its own, whose every socket operation
-    (connect, write, read) gives up after ``timeout`` seconds, raising redis-py's
-    TimeoutError, and is never retried (a script whose reply timed out may have run). A
-    broker that hangs without a reset (a host gone, a black-holed network) then cannot hold
-    a close or an exit past its budget, whatever ``socket_timeout`` says."""
-    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
-    kwargs = {**pool.connection_kwargs, "socket_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
-    if "socket_connect_timeout" in kwargs:  # TCP (a Unix socket connects at once or fails)
-        kwargs["socket_connect_timeout"] = timeout
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
-
-
-def bound_connection(connection: Any, timeout: float) -> None:
-    """From now on every socket operation on ``connection`` (one of our own, closed next: a
-    close's or the exit's) gives up after ``timeout`` seconds, raising redis-py's
-    TimeoutError; for replies that are due on this very connection, where a bounded client
-    of their own would not do. redis-py set the socket's timeout when it connected."""
-    timeout = max(timeout, LEAST_TIMEOUT_SECONDS)
-    connection.socket_timeout = connection.socket_connect_timeout = timeout
-    if connection._sock is not None:
-        connection._sock.settimeout(timeout)
-
-
-class HeldConnection:
-    """A runner's own connection for its single calls, on a standalone server or a Sentinel
-    primary. redis-py's way through the client and its pool (a lock and a poll of the socket
-    at every checkout, observability counters, the retry wrapper) is about a fifth of a kombu
-    publish's client CPU (measured: 112 -> 90 µs per publish); a held connection skips it.
-
-    One thread at a time: a thread that finds it busy goes through the pool instead. A
-    forked child makes its own (the parent's socket is not its to use). Anything that
-    interrupts a call between its send and its reply (a lost connection, a timeout, a
-    signal) disconnects it, so a late reply is never read as the next call's."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-        self._lock = threading.Lock()
-        self._connection: Any = None
-        self._pid = os.getpid()
-
-    def execute(self, client: Any, *command: Any) -> Any:
-        if not self._acquire():
-            return client.execute_command(*command)
-        try:
-            connection = self._connected()
-            try:
-                connection.send_packed_command([packed(connection, command)])
-                return connection.read_response()
-            except ResponseError:
-                raise  # an error reply: the connection is in step
-            except BaseException:
-                connection.disconnect()
-                raise
-        finally:
-            self._lock.release()
-
-    def execute_many(self, client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """``commands`` in one write, their replies in order (:func:`read_replies`). Without
-        redis-py's Pipeline object, its retry wrapper and a pool checkout: the event loop's
-        consume that carries the acks gathered meanwhile (protocol/outbox.py) goes this way."""
-        if not self._acquire():
-            pipe = client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute(raise_on_error=False))
-        try:
-            connection = self._connected()
-            try:
-                connection.send_packed_command([b"".join(packed(connection, c) for c in commands)])
-                return read_replies(connection, len(commands))
-            except BaseException:
-                connection.disconnect()
-                raise
-        finally:
-            self._lock.release()
-
-    def _acquire(self) -> bool:
-        """Take the connection for this thread, or False if another thread has it."""
-        if self._pid != os.getpid():  # forked: the parent's connection and lock stay its own
-            self._lock, self._connection, self._pid = threading.Lock(), None, os.getpid()
-        return self._lock.acquire(blocking=False)
-
-    def _connected(self) -> Any:
-        """The held connection, connected (lock held). connect() first, always: a
-        Sentinel-managed connection asks the sentinels where the primary is only there;
-        send_command alone would connect to its default address (localhost:6379)."""
-        if self._connection is None:
-            self._connection = dedicated_connection(self._pool)
-        self._connection.connect()
-        return self._connection
-
-    def close(self) -> None:
-        """Disconnect. A call another thread has under way (the keeper's, on a broker that
-        hangs) is not waited for: a close must not hang with it; the disconnect ends it as
-        a lost connection, which that thread handles as any other."""
-        locked = self._lock.acquire(blocking=False)
-        try:
-            if self._connection is not None:
-                self._connection.disconnect()
-                self._connection = None
-        finally:
-            if locked:
-                self._lock.release()
+# Call, ScriptError and ERROR_PREFIX are defined in call.py; the kombu adapter and the CLI
+# import them from here.
+__all__ = ["ERROR_PREFIX", "REDIRECTED", "BatchWriter", "Call", "ScriptError", "ScriptRunner"]
 
 
 class BatchWriter:
@@ -375,7 +203,7 @@ class ScriptRunner:
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
             waited = waited_again if waited_again is not None else waited
-        results = self._decode(calls, replies, raise_on_error)
+        results = decode_replies(calls, replies, raise_on_error)
         if wait is not None:
             self._check_wait(calls, waited, results)
         return results
@@ -411,7 +239,7 @@ class ScriptRunner:
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         again = dict(zip(missing, self.run_many([calls[i] for i in missing], raise_on_error=raise_on_error),
                          strict=True)) if missing else {}
-        return [again[i] if i in again else self._decode([call], [reply], raise_on_error)[0]
+        return [again[i] if i in again else decode_replies([call], [reply], raise_on_error)[0]
                 for i, (call, reply) in enumerate(zip(calls, replies, strict=True))]
 
     def run_transaction(self, calls: Sequence[Call[Any]]) -> list[Any]:
@@ -424,7 +252,7 @@ class ScriptRunner:
         pipe = self.client.pipeline(transaction=True)
         for call in calls:
             self._evalsha(pipe, call)
-        return self._decode(calls, list(pipe.execute(raise_on_error=False)), raise_on_error=False)
+        return decode_replies(calls, list(pipe.execute(raise_on_error=False)), raise_on_error=False)
 
     def _wait_for(self, calls: Sequence[Call[Any]]) -> Durability | None:
         if self.durability is not None and any(c.script in CONFIRMED_SCRIPTS for c in calls):
@@ -443,27 +271,6 @@ class ScriptRunner:
             raise error
         logger.warning("celery-redis-lua: %s", error)
 
-    @staticmethod
-    def _decode(calls: Sequence[Call[Any]], replies: list[Any], raise_on_error: bool) -> list[Any]:
-        results: list[Any] = []
-        for call, reply in zip(calls, replies, strict=True):
-            if isinstance(reply, ResponseError):
-                error = to_script_error(call.script, reply)
-                if raise_on_error:
-                    raise error
-                results.append(error)
-            elif isinstance(reply, Exception):
-                if raise_on_error:
-                    raise reply
-                results.append(reply)
-            elif raise_on_error:
-                results.append(call.decode(reply))
-            else:  # a reply its decode refuses (publish's stale route) is that call's error
-                try:
-                    results.append(call.decode(reply))
-                except Exception as error:
-                    results.append(error)
-        return results
 
     def _pipeline(self, calls: Sequence[Call[Any]],
                   wait: Durability | None = None) -> tuple[list[Any], Any]:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .call import Call
 from .ops import StaleRoute
-from .runner import Call
 
 
 class UnconfirmedPublishError(Exception):

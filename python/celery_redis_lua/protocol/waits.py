@@ -19,7 +19,8 @@ from typing import Any
 
 import redis
 
-from .runner import REDIRECTED, bound_connection, bounded_client, dedicated_connection, read_replies
+from .connections import bound_connection, bounded_client, dedicated_connection, read_replies
+from .runner import REDIRECTED
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
 UNBLOCK_GRACE_SECONDS = 0.5

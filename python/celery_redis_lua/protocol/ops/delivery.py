@@ -1,0 +1,205 @@
+"""The delivery path of a queue: publish a message, consume it, settle it (ack, reject,
+extend), and the sweep that hands back what nobody settled in time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..call import Call
+from ..keys import Keyspace
+from ..policy import Policy
+from .base import Payload, as_bytes, keys_of, operation, optional_arg, text
+from .exchanges import StaleRoute
+
+# -- what the scripts reply ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message handed to a consumer."""
+
+    queue: str
+    id: str
+    delivery_count: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Consumed:
+    deliveries: list[Delivery]
+    wake_in_ms: int | None  # ms until the earliest ETA or a rate's next token; None: neither
+    expired: int = 0  # messages whose TTL had passed: dead-lettered (reason 'expired') instead
+    # ms until the next token of a rate that holds back ready messages (also in wake_in_ms):
+    # the consumer times this wait itself, the server's block timeouts being 1/hz coarse
+    rate_in_ms: int | None = None
+
+
+class Acked(int):
+    """How many messages an ack deleted (an int, as the reply's first item), and ``stale``:
+    the ids it left alone because another consumer holds them now (fenced by a count)."""
+
+    stale: tuple[str, ...]
+
+    def __new__(cls, acked: int, stale: Iterable[str] = ()) -> Acked:
+        self = super().__new__(cls, acked)
+        self.stale = tuple(stale)
+        return self
+
+
+@dataclass(frozen=True)
+class Rejected:
+    requeued: int
+    dead_lettered: int
+    deleted: int
+    stale: int = 0  # fenced ids delivered again since (left alone)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A message the sweep took out of its queue: dead-lettered, or deleted."""
+
+    queue: str
+    id: str
+    delivery_count: int
+    reason: str  # 'delivery-limit' or 'expired'
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """What one or more sweep calls did. ``limit_reached`` and ``expired`` messages went to
+    the dead-letter stream, or were deleted when dead_letter_maxlen is 0."""
+
+    promoted: int
+    requeued: int
+    unclaimed: int
+    backlog: int
+    limit_reached: int
+    expired: int
+    orphans: int
+    more: bool
+    dropped_messages: list[Dropped]
+
+    def __add__(self, other: SweepReport) -> SweepReport:
+        return SweepReport(
+            self.promoted + other.promoted, self.requeued + other.requeued,
+            self.unclaimed + other.unclaimed, self.backlog + other.backlog,
+            self.limit_reached + other.limit_reached, self.expired + other.expired,
+            self.orphans + other.orphans, other.more, self.dropped_messages + other.dropped_messages,
+        )
+
+
+EMPTY_SWEEP = SweepReport(0, 0, 0, 0, 0, 0, 0, False, [])
+
+
+def _deliveries(queues: Sequence[str], flat: Sequence[Any]) -> list[Delivery]:
+    """The 4-items-per-message tail of a consume reply."""
+    return [Delivery(queues[int(flat[i]) - 1], text(flat[i + 1]), int(flat[i + 2]), as_bytes(flat[i + 3]))
+            for i in range(0, len(flat), 4)]
+
+
+def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
+    wake, flat = int(reply[0]), reply[2:]
+    rate = int(flat[-1]) if len(flat) % 4 else None  # a last item past the messages: rate_in_ms
+    return Consumed(_deliveries(queues, flat[:len(flat) - len(flat) % 4]), None if wake < 0 else wake,
+                    int(reply[1]), rate)
+
+
+# -- the scripts --------------------------------------------------------------------------
+
+@operation
+def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
+            eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None,
+            route: tuple[str, int] | None = None) -> Call[str]:
+    """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock); ``task_id``
+    (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it.
+    ``route`` is (exchange, looked_up_ms) of a cached route: the call raises
+    :class:`StaleRoute`, writing nothing, when the queue's bindings changed since."""
+    args = [payload, priority, optional_arg(eta_ms), optional_arg(ttl_ms), p.visibility_ms, task_id or ""]
+    if route is not None:
+        args += [route[0], route[1]]
+
+    def decode(reply: Any) -> str:
+        if isinstance(reply, list):  # ['stale-route', changed_ms or -1]
+            changed = int(reply[1])
+            raise StaleRoute(queue, None if changed < 0 else changed)
+        return text(reply)
+
+    return Call("publish", k.queue_keys(queue), args, decode)
+
+
+@operation
+def consume(k: Keyspace, p: Policy, queues: Sequence[str], count: int = 1, *,
+            no_ack: bool = False) -> Call[Consumed]:
+    """Deliver up to ``count`` messages across ``queues`` (which must share a cluster slot;
+    :meth:`ScriptLibrary.consume` groups them)."""
+    names = list(queues)
+    return Call("consume", keys_of(k, names), [count, p.visibility_ms, int(no_ack), p.dead_letter_maxlen],
+                lambda reply: _consumed(names, reply))
+
+
+@operation
+def unpop(k: Keyspace, p: Policy, queue: str) -> Call[int]:
+    """Give back the wake token a blocked consumer's BLPOP took from ``queue`` when it stops
+    before it consumes (1: it went back; 0: nothing is queued, or a token already waits)."""
+    return Call("unpop", k.queue_keys(queue), [], int)
+
+
+@operation
+def ack(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *,
+        counts: Sequence[int | None] | None = None) -> Call[Acked]:
+    """With ``counts`` (the x-delivery-count each was delivered with), an ack of a message
+    delivered again since, to a consumer that holds it now, is left alone (``Acked.stale``)."""
+    return Call("ack", k.queue_keys(queue), fenced(ids, counts),
+                lambda reply: Acked(int(reply[0]), (text(i) for i in reply[1:])))
+
+
+def fenced(ids: Sequence[str], counts: Sequence[int | None] | None) -> list[str]:
+    """``id:delivery_count`` for each id whose count is known: reject then acts only on
+    that delivery, not on one made to another consumer after a restore."""
+    if counts is None:
+        return list(ids)
+    return [i if c is None else f"{i}:{int(c)}" for i, c in zip(ids, counts, strict=True)]
+
+
+@operation
+def reject(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, requeue: bool,
+           counts: Sequence[int | None] | None = None, returned: bool = False) -> Call[Rejected]:
+    """``returned``: the deliveries are handed back unstarted (RabbitMQ's returned, not
+    failed: the two kinds x-delayed-retry-type tells apart)."""
+    cause = ("returned" if returned else "failed") if requeue else "drop"
+    return Call("reject", k.queue_keys(queue),
+                [cause, p.delivery_limit or 0, p.dead_letter_maxlen, p.visibility_ms,
+                 *fenced(ids, counts)],
+                lambda reply: Rejected(*(int(n) for n in reply)))
+
+
+@operation
+def extend(k: Keyspace, p: Policy, queue: str, ids: Sequence[str] = ()) -> Call[int]:
+    return Call("extend", k.queue_keys(queue), [p.visibility_ms, *ids], int)
+
+
+# Overdue deliveries one sweep call hands back at most. The server runs a call alone: with
+# 100,000 overdue in a 1,000,000 backlog (scripts/bench/backlog.py) a call of 1,000 held it
+# 9-18 ms, one of 200 2.3-3.3 ms on one host and 5.8-7.4 ms on a slower one (2026-12-02);
+# 100 keeps a call to a few ms on both.
+SWEEP_BATCH = 100
+
+
+@operation
+def sweep(k: Keyspace, p: Policy, queues: Sequence[str], *, batch: int = SWEEP_BATCH,
+          report_limit: int = 10) -> Call[SweepReport]:
+    names = list(queues)
+
+    def decode(reply: Sequence[Any]) -> SweepReport:
+        promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = (
+            int(n) for n in reply[:8])
+        tail = reply[8:]
+        dropped = [Dropped(names[int(tail[i]) - 1], text(tail[i + 1]), int(tail[i + 2]),
+                           text(tail[i + 3]), as_bytes(tail[i + 4])) for i in range(0, len(tail), 5)]
+        return SweepReport(promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans,
+                           more=bool(more), dropped_messages=dropped)
+
+    return Call("sweep", keys_of(k, names),
+                [p.visibility_ms, p.delivery_limit or 0, p.dead_letter_maxlen, batch, report_limit], decode)
