@@ -265,24 +265,23 @@ class Transport(virtual.Transport):
                                timeout=POOL_WAIT_SECONDS, **self.connection_params())
         return redis.BlockingConnectionPool(timeout=POOL_WAIT_SECONDS, **self.connection_params())
 
-    def check_server(self, client: redis.Redis) -> None:
+    def check_server(self, client: redis.Redis, *, eviction_warning: bool = True) -> None:
         """A new channel's first command: connection errors surface now, as kombu expects; an
         unknown master name or a durability the server cannot honour is a clear error; a server
-        that may evict our keys is warned of (once per process and server)."""
+        that may evict our keys is warned of (once per process and server; the CLI, which
+        shows the policy in its own words, passes ``eviction_warning=False``)."""
         try:
             client.ping()
         except MasterNotFoundError as error:
             raise explain_master_not_found(self.pool, error) from None
         if self._server_checked:
             return
-        warn_of_eviction(read_eviction(client), self.client.as_uri())
+        if eviction_warning:
+            warn_of_eviction(read_eviction(client), self.client.as_uri())
         durability = self.options.policy.durability
-        self._server_checked = durability is None
-        if durability is None:
-            return
-        replicas = durability.check_server(client)
-        self._server_checked = True
-        if replicas < durability.replicas:
+        replicas = durability.check_server(client) if durability is not None else 0
+        self._server_checked = True  # not when check_server raised: the next channel asks again
+        if durability is not None and replicas < durability.replicas:
             logger.warning("celery-redis-lua: durability=%r asks for %d replica(s) but the primary "
                            "has %d connected; publishes fail (NotDurable) until enough are",
                            durability.setting, durability.replicas, replicas)

@@ -66,18 +66,14 @@ class QueueCollector(Collector):
         has no keys until something is published to it), stays."""
         return not (m.exists or self.fixed or m.queue in self._bound)
 
-    def _reach(self) -> list[QueueMetrics]:
-        """With no queue to ask about (none found, or discovery not due), a PING: every
-        scrape makes a round trip, so ``up`` is 0 the moment the broker is gone."""
-        self.lib.client.ping()
-        return []
-
     def collect(self) -> Iterator[Metric]:
         began = time.perf_counter()
         with self._lock:
             try:
                 names = self.queues()
-                found = [m for m in self.lib.metrics(names) if not self.gone(m)] if names else self._reach()
+                found = [m for m in self.lib.metrics(names) if not self.gone(m)] if names else []
+                # Every scrape reads the policy, so every scrape reaches the broker, with no
+                # queue too: up is 0 the moment it is gone.
                 eviction = read_eviction(self.lib.client)
                 up = 1
             except (redis.RedisError, OSError) as error:

@@ -150,7 +150,7 @@ def client_of(url: str) -> redis.Redis | RedisCluster:
             warnings.simplefilter("ignore", RuntimeWarning)
             transport = Connection(target, ssl=ssl or False, transport_options=options).transport
         client: redis.Redis | RedisCluster = transport.new_client()
-        transport.check_server(client)
+        transport.check_server(client, eviction_warning=False)  # status says it, once
     except redis.AuthenticationError as error:
         raise CliError(f"cannot log in to {mask(url)}: {scrub(str(error))}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError,
