@@ -1,0 +1,93 @@
+"""The commands each hot-path script runs (issue 41 §2): held here, so that a script cannot
+grow on its common path unnoticed. glide-mq tracks the same number on its hot path.
+
+The common path: a declared queue with no TTL, no ETA, no x-expires, no limits, a Celery task
+id on each message. Each script is run with one message and with ten, and the commands it
+ran are read from INFO commandstats (Redis 7 and Valkey count a script's own redis.call
+commands there): what a script costs the server is mostly its round trip, its Lua shell and
+these calls (docs/performance.md, "Where a publish goes"). Calls that grow with the batch are
+the per-message part; a script whose per-message part grows fails here as surely as one that
+adds a fixed call. A change that moves these numbers on purpose updates them here and in
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from celery_redis_lua import Consumed, Keyspace, ScriptLibrary
+from scripts.servers import Server
+
+# Script -> (calls with one message, calls with ten). Fixed + per-message, as measured on
+# Valkey 9 and Redis 7.0 alike (2026-12-05):
+#   publish  8           TIME, HMGET meta, HGET task index (a retried publish is found),
+#                        LLEN wake, HSET last_id, HSET payload, HSET state + task index, ZADD
+#   consume  7 + 3/msg   per message: HGET state, HGET task index, HSET state
+#   ack      6 + 2/msg   per message: HGET state (its task index entry), HDEL
+#   extend   2 + 2/id    per id: ZSCORE, ZADD XX
+#   reject   6 + 5/msg   requeued: HGET, ZREM, ZADD, HSET state, (HGET) per message
+EXPECTED = {
+    "publish": (8, 8 * 10),
+    "consume": (10, 37),
+    "ack": (8, 26),
+    "extend": (4, 22),
+    "reject": (11, 56),
+}
+# Commands that are not the script's own: the test's reads and a first EVALSHA's load.
+NOT_THE_SCRIPTS = {"evalsha", "config|resetstat", "info", "script|load"}
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def lib(request: pytest.FixtureRequest) -> Iterator[ScriptLibrary]:
+    server: Server = request.getfixturevalue(f"{request.param}_server")
+    client = server.client()
+    client.flushall()
+    library = ScriptLibrary(client, Keyspace(), visibility_ms=60_000)
+    library.declare("hot")
+    yield library
+    client.close()
+
+
+def commands(lib: ScriptLibrary, run: Callable[[], Any]) -> Counter[str]:
+    """The commands ``run`` made the server execute, by name."""
+    client = lib.client
+    client.config_resetstat()
+    run()
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): int(row["calls"]) for name, row in stats.items()
+                    if name.removeprefix("cmdstat_") not in NOT_THE_SCRIPTS})
+
+
+TASK_IDS = itertools.count()
+
+
+def publish(lib: ScriptLibrary, n: int) -> Counter[str]:
+    """``n`` publishes of new task ids to a queue that has ready messages (its wake token is
+    armed: the first publish to an empty queue pushes it, one RPUSH more)."""
+    return commands(lib, lambda: [lib.publish("hot", b"{}", task_id=f"task-{next(TASK_IDS)}")
+                                  for _ in range(n)])
+
+
+def test_the_hot_path_runs_the_calls_it_is_known_to_run(lib: ScriptLibrary) -> None:
+    seen: dict[str, list[Counter[str]]] = {name: [] for name in EXPECTED}
+    publish(lib, 1)
+    for n in (1, 10):
+        seen["publish"].append(publish(lib, n))
+        publish(lib, 20)  # more than a batch takes, so no consume empties the queue
+        taken: list[Consumed] = []
+        seen["consume"].append(commands(lib, lambda n=n, taken=taken: taken.append(lib.consume(["hot"], n))))
+        ids = [d.id for d in taken[0].deliveries]
+        assert len(ids) == n
+        seen["extend"].append(commands(lib, lambda ids=ids: lib.extend("hot", ids)))
+        seen["ack"].append(commands(lib, lambda ids=ids: lib.ack("hot", ids)))
+        again = [d.id for d in lib.consume(["hot"], n).deliveries]
+        seen["reject"].append(commands(lib, lambda again=again: lib.reject("hot", again, requeue=True)))
+    for name, (one, ten) in EXPECTED.items():
+        counted = tuple(sum(c.values()) for c in seen[name])
+        assert counted == (one, ten), f"{name}: {counted} calls, expected {(one, ten)}: " + \
+            " | ".join(", ".join(f"{k} {v}" for k, v in sorted(c.items())) for c in seen[name])
