@@ -90,6 +90,23 @@ def test_extend_does_not_resurrect_an_acked_message(vlib: ScriptLibrary) -> None
     assert index_time(vlib, "vis", message_id) is None
 
 
+def test_extend_moves_thousands_of_ids_across_its_chunks(vlib: ScriptLibrary, target: Target,
+                                                        keyspace: Keyspace) -> None:
+    """A keeper with a deep prefetch extends thousands at once: the script takes them 2,000 at
+    a time (two calls per chunk); every indexed id of every chunk moves, none that is not."""
+    vlib.run_many([vlib.calls.publish("vis", f"m{i}") for i in range(4_500)])
+    taken = [d.id for d in vlib.consume(["vis"], 4_500).deliveries]
+    assert len(taken) == 4_500
+    acked = taken[1_999:2_002] + taken[-1:]  # at a chunk's edge, and the very last
+    assert vlib.ack("vis", acked) == len(acked)
+    heartbeat = ScriptLibrary(target.client, keyspace, visibility_ms=60_000)
+    before = server_now_ms(target.client)
+    assert heartbeat.extend("vis", [*taken, "00000000000000ff"]) == len(taken) - len(acked)
+    deadlines = dict(target.client.zrange(keyspace.index("vis"), 0, -1, withscores=True))
+    assert {k.decode() for k in deadlines} == set(taken) - set(acked)  # nothing resurrected
+    assert min(deadlines.values()) >= before + 60_000
+
+
 def test_ack_after_restore_cancels_the_restored_copy(vlib: ScriptLibrary, target: Target) -> None:
     message_id = vlib.publish("vis", "slow but fine")
     vlib.consume(["vis"], 1)
