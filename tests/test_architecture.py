@@ -141,3 +141,23 @@ def test_the_layers_import_downward_only() -> None:
             if (_layer(target) or 0) > level:
                 upward.append(f"{name} imports {target}")
     assert upward == []
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60  # issue 42 §2
+
+
+def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
+    """A module a reader holds in mind at once, a function seen whole: the offenders by
+    path:name and length (methods and nested functions included)."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text()
+        if (count := len(text.splitlines())) > MAX_MODULE_LINES:
+            long.append(f"{where} ({count} lines)")
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{where}:{node.name} ({length} lines)")
+    assert long == [], f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: {long}"

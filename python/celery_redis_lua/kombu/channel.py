@@ -3,7 +3,9 @@
 The channel holds no protocol logic: publish, consume, ack, reject, declare, bind, purge and
 delete each map to one script (lua/). Here is the bookkeeping kombu needs (which queues are
 consumed, with or without ack) and what the keeper (keeper.py) keeps alive. The consuming
-round is in consuming.py, fanout streams in fanout.py, acks and prefetch accounting in qos.py.
+round and the sweep are in consuming.py, fanout streams in fanout.py, acks and prefetch
+accounting in qos.py, the queue arguments' checks in arguments.py, a close's unconfirmed
+publishes in routes.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections import deque
 from typing import Any
 
@@ -20,19 +21,19 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
 
-from ..protocol.bounds import MAX_DURATION_MS
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery, StaleRoute
 from ..protocol.retry import DelayedRetry
-from ..protocol.unconfirmed import Send, UnconfirmedPublishError
+from ..protocol.unconfirmed import Send
 from ..protocol.waits import BlockingRead
+from .arguments import MAX_PRIORITY, ms_argument
 from .consuming import ConsumingMixin
 from .exchange import EXCHANGE_TYPES
 from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .qos import QoS
-from .routes import Publishing, RouteCache
+from .routes import Publishing, RouteCache, close_unconfirmed
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     # kombu's exchange types, but a topic '*' matches one word on every kombu (exchange.py).
     exchange_types = dict(EXCHANGE_TYPES)  # noqa: RUF012 (kombu instantiates it per channel)
     min_priority = 0
-    max_priority = 255
+    max_priority = MAX_PRIORITY
     default_priority = 0
     connection: Any  # the Transport (typed loosely: the transport module imports this one)
 
@@ -178,7 +179,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         """Declare through the script (it keeps stored arguments when none are given, refuses
         different ones); the expiry in force decides how often the queue is kept alive."""
         arguments = kwargs.get("arguments") or {}
-        expires = _ms_argument(queue, arguments, "x-expires")
+        expires = ms_argument(queue, arguments, "x-expires")
         if expires is None:
             expires = self.options.queue_expires_ms
         try:
@@ -186,8 +187,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         except ValueError as error:
             raise ValueError(f"queue {queue!r}: {error}") from None
         self._declare(queue, expires_ms=expires,
-                      message_ttl_ms=_ms_argument(queue, arguments, "x-message-ttl"),
-                      max_priority=_ms_argument(queue, arguments, "x-max-priority"), retry=retry)
+                      message_ttl_ms=ms_argument(queue, arguments, "x-message-ttl"),
+                      max_priority=ms_argument(queue, arguments, "x-max-priority"), retry=retry)
 
     def _declare(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``; stored arguments out of range (an older version's, or set by
@@ -358,28 +359,6 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
                                                  lifetime_ms=self.binding_lifetime_ms(queue)))
         KEEPER.keep_alive(self, queue, self.lib, calls, (expires or 0) / 3000)
 
-    def sweep(self) -> None:
-        queues = self.queues_polled
-        if not queues:
-            return
-        report = self.lib.sweep(queues)
-        where = "dead-lettered" if self.lib.policy.dead_letter_maxlen else "deleted"
-        for dropped in report.dropped_messages:
-            if dropped.reason == "expired":
-                logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
-                               "while it waited and was %s", dropped.id, dropped.queue, where)
-            else:
-                logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
-                             "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
-                             self.lib.policy.delivery_limit, dropped.delivery_count, where)
-        unreported = report.limit_reached + report.expired - len(report.dropped_messages)
-        if unreported > 0:
-            logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
-                           "delivery limit) of queues %s", where, unreported, ", ".join(queues))
-        if report.requeued or report.unclaimed:
-            logger.info("celery-redis-lua: sweep restored %d timed-out and %d unclaimed messages",
-                        report.requeued, report.unclaimed)
-
     # -- closing ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -388,7 +367,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         # Its publishes and acks go before it does (acks after a batch on the wire), the
         # waits and the calls within the exit budget: a broker that hangs must not hang a close.
         deadline = KEEPER.deadline()
-        refused = self._close_unconfirmed(deadline)
+        refused = close_unconfirmed(self, deadline)
         self.connection.poller.channels.discard(self)
         for wait in self.waits():
             wait.bound(deadline)
@@ -406,42 +385,3 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
                 self.client.close()
         if refused is not None:
             raise refused
-
-    def _close_unconfirmed(self, deadline: float) -> UnconfirmedPublishError | None:
-        """Send the unconfirmed publishes; what was refused (or lost) is raised once closed."""
-        if self.unconfirmed is None:
-            return None
-        try:
-            self.settle_unconfirmed(timeout=max(0.0, deadline - time.monotonic()))
-        except UnconfirmedPublishError as error:
-            return error
-        except Exception as error:  # a lost connection: the flush recorded what it took
-            logger.warning("celery-redis-lua: unconfirmed publishes at close: %s", error)
-            try:
-                self.unconfirmed.check()
-            except UnconfirmedPublishError as refused:
-                return refused
-        finally:
-            self.unconfirmed.close()
-        return None
-
-
-
-
-# The largest value of each numeric RabbitMQ queue argument (x-delayed-retry-* are
-# DelayedRetry's): a duration at most the longest the scripts take (protocol/bounds.py).
-ARGUMENT_BOUNDS = {"x-expires": (MAX_DURATION_MS, "ms"), "x-message-ttl": (MAX_DURATION_MS, "ms"),
-                   "x-max-priority": (Channel.max_priority, "")}
-
-
-def _ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:
-    """A RabbitMQ queue argument (ms, or a priority), checked so a bad one names itself (its
-    own name and unit, before the script would name its ARGV)."""
-    value = arguments.get(name)
-    if value is None:
-        return None
-    high, unit = ARGUMENT_BOUNDS[name]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-        what = f"a number of {unit}" if unit else "a number"
-        raise ValueError(f"queue {queue!r}: argument {name!r} must be {what} in 0..{high}, got {value!r}")
-    return int(value)

@@ -361,6 +361,28 @@ class ConsumingMixin:
         for wait in list(self.stream_waits.values()):
             wait.cancel()
 
+    def sweep(self) -> None:
+        queues = self.queues_polled
+        if not queues:
+            return
+        report = self.lib.sweep(queues)
+        where = "dead-lettered" if self.lib.policy.dead_letter_maxlen else "deleted"
+        for dropped in report.dropped_messages:
+            if dropped.reason == "expired":
+                logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
+                               "while it waited and was %s", dropped.id, dropped.queue, where)
+            else:
+                logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
+                             "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
+                             self.lib.policy.delivery_limit, dropped.delivery_count, where)
+        unreported = report.limit_reached + report.expired - len(report.dropped_messages)
+        if unreported > 0:
+            logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
+                           "delivery limit) of queues %s", where, unreported, ", ".join(queues))
+        if report.requeued or report.unclaimed:
+            logger.info("celery-redis-lua: sweep restored %d timed-out and %d unclaimed messages",
+                        report.requeued, report.unclaimed)
+
 
 def _log_expired(expired: int, queues: list[str]) -> None:
     if expired:

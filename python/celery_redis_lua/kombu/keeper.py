@@ -21,6 +21,7 @@ It sleeps until the earliest deadline and ends when there is none. At exit what 
 handed back and the outboxes sent (one budget, EXIT_BUDGET_SECONDS, which bounds the calls
 too, not only the waits), then it ticks no more; a forked child starts empty. A SIGKILLed
 process takes it along, so the visibility timeout still returns a dead worker's messages.
+What the table holds, the hand-back calls and the exit's report are in held.py.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery
 from ..protocol.outbox import Outbox
 from ..protocol.runner import Call
-from ..protocol.settle import hand_back
+from .held import Held, KeepAlive, Key, Taken, hand_back_groups, report_left, run_keep_alives
 
 logger = logging.getLogger(__name__)
 
@@ -52,61 +52,10 @@ ORPHAN_CHECK_SECONDS = 1.0  # a dropped Message is noticed within this long
 GC_FIRST_SECONDS, GC_MAX_SECONDS = 2.0, 60.0
 BUSY_SECONDS = 0.01  # the thread's pause when another thread is ticking
 RETRY_SECONDS = 1.0  # a failed extend or keep-alive is tried again this soon at most
-# A hand-back failing this long is given up (logged): the sweep restores the message anyway.
-GIVE_UP_SECONDS = 3600.0
 # At exit, everything left gets this long together, and a closing channel its acks: the
 # waits for other threads and the calls themselves (their sockets give up), so a broker that
 # hangs without a reset cannot hang a close or the exit. The one bound of both.
 EXIT_BUDGET_SECONDS = 10.0
-
-Key = tuple[ScriptLibrary, str, str]  # (the library it came through, queue, message id)
-
-
-def _gone() -> None:
-    return None
-
-
-@dataclass(eq=False, slots=True)
-class Held:
-    """A delivery of a closed or dropped channel whose ack, reject or hand-back has not landed
-    (an orphan: one object each; a live channel's are plain dict entries of :class:`Taken`)."""
-
-    lib: ScriptLibrary  # the channel's (its client reconnects when used after a close)
-    queue: str
-    id: str
-    count: int  # the x-delivery-count it was delivered with: a hand-back is fenced by it
-    holder: Callable[[], Any]  # a weak reference to its kombu Message, or _gone
-    since: float  # orphaned (a failing hand-back is given up GIVE_UP_SECONDS after it)
-    settling: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class Taken:
-    """What one live channel's consumes took: queue -> {message id: delivery count}. The
-    per-message path (a take, an ack's settling, its release) is a few dict operations."""
-
-    holder: Callable[[], Any]  # a weak reference to the channel
-    live: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
-    settling: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
-
-    def __len__(self) -> int:
-        return sum(map(len, self.live.values())) + sum(map(len, self.settling.values()))
-
-    def orphans(self, lib: ScriptLibrary, now: float) -> Iterable[Held]:
-        """Its deliveries as orphans nobody holds yet (settling ones stay settling)."""
-        for settling, table in ((False, self.live), (True, self.settling)):
-            for queue, ids in table.items():
-                for message_id, count in ids.items():
-                    yield Held(lib, queue, message_id, count, _gone, now, settling)
-
-
-@dataclass(eq=False)
-class KeepAlive:
-    owner: Callable[[], Any]  # a weak reference to the channel that registered the calls
-    lib: ScriptLibrary
-    calls: list[Call[Any]]
-    interval: float
-    due: float
 
 
 class Keeper:
@@ -390,13 +339,7 @@ class Keeper:
             for key in [k for k, alive in self._alive.items() if alive.owner() is None]:
                 del self._alive[key]
             due = [alive for alive in self._alive.values() if alive.due <= now]
-        for alive in due:
-            try:
-                alive.lib.run_many(alive.calls)
-                alive.due = now + alive.interval
-            except Exception as error:
-                logger.warning("celery-redis-lua: keeping queues alive failed (%s); trying again", error)
-                alive.due = now + min(RETRY_SECONDS, alive.interval)
+        run_keep_alives(due, now, RETRY_SECONDS)
 
     def _send_outboxes(self, now: float, timeout: float = 0) -> None:
         """Send the due outboxes (skipping one a close is sending); forget emptied ones."""
@@ -409,24 +352,7 @@ class Keeper:
 
     def _hand_back(self, dropped: list[Held], now: float, deadline: float = math.inf) -> None:
         """Give ``dropped`` orphans back, counted; what fails stays until GIVE_UP_SECONDS."""
-        for (lib, queue), group in _grouped(dropped).items():
-            if time.monotonic() > deadline:  # the rest stays (and is tried again, or reported)
-                break
-            ids = [h.id for h in group]
-            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-            try:
-                result = hand_back(lib, queue, ids, [h.count for h in group], timeout)
-            except Exception as error:  # connection trouble, or a refusal (READONLY, OOM)
-                if now - min(h.since for h in group) < GIVE_UP_SECONDS:
-                    logger.warning("celery-redis-lua: could not hand back %d message(s) of queue %r "
-                                   "(%s); trying again", len(ids), queue, error)
-                    continue
-                logger.error("celery-redis-lua: gave up handing back message(s) %s of queue %r (%s); "
-                             "the sweep restores them", ", ".join(ids), queue, error)
-            else:
-                logger.info("celery-redis-lua: handed back %d message(s) of queue %r that nobody "
-                            "holds any more (%d delivered again elsewhere meanwhile, left alone)",
-                            len(ids), queue, result.stale)
+        for lib, queue, group in hand_back_groups(dropped, now, deadline):
             with self._lock:
                 for h in group:
                     if self._orphans.get((lib, queue, h.id)) is h:
@@ -451,7 +377,7 @@ class Keeper:
                 self._hand_back(self._unsettled(now), now, deadline)
             finally:
                 self._ticking.release()
-        self._report_at_exit(now)
+        report_left(list(self._outboxes), self._unsettled(now))
 
     def deadline(self) -> float:
         """When a close starting now must be done (monotonic): EXIT_BUDGET_SECONDS from now,
@@ -466,23 +392,6 @@ class Keeper:
             for lib in list(self._taken):
                 self._orphaned(lib, self._taken.pop(lib), now)
             return [h for h in self._orphans.values() if not h.settling]
-
-    def _report_at_exit(self, now: float) -> None:
-        for outbox in list(self._outboxes):
-            for line in outbox.unsent():
-                logger.error("celery-redis-lua: exiting with %s", line)
-        for (_, queue), group in _grouped(self._unsettled(now)).items():
-            logger.error("celery-redis-lua: exiting with %d message(s) of queue %r not handed back: "
-                         "%s; the sweep restores them after the visibility timeout", len(group), queue,
-                         ", ".join(h.id for h in group))
-
-
-def _grouped(held: Iterable[Held]) -> dict[tuple[ScriptLibrary, str], list[Held]]:
-    """By (library, queue): one script call each (libraries hash by identity)."""
-    groups: dict[tuple[ScriptLibrary, str], list[Held]] = defaultdict(list)
-    for h in held:
-        groups[(h.lib, h.queue)].append(h)
-    return groups
 
 
 KEEPER = Keeper()

@@ -22,12 +22,17 @@ Why a stale table is never used silently:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Routes
+from ..protocol.unconfirmed import UnconfirmedPublishError
+
+logger = logging.getLogger(__name__)
 
 MAX_AGE_SECONDS = 10.0
 MAX_TABLES = 1024  # exchanges a channel keeps tables of (beyond it, it starts over)
@@ -90,3 +95,23 @@ class RouteCache:
         calls = [self.lib.calls.rerouted(queue, exchange, routes.looked_up_ms) for queue in names]
         if calls:
             self.lib.run_many(calls)
+
+
+def close_unconfirmed(channel: Any, deadline: float) -> UnconfirmedPublishError | None:
+    """A closing channel sends its unconfirmed publishes; what was refused (or lost) is
+    returned, for the close to raise once closed."""
+    if channel.unconfirmed is None:
+        return None
+    try:
+        channel.settle_unconfirmed(timeout=max(0.0, deadline - time.monotonic()))
+    except UnconfirmedPublishError as error:
+        return error
+    except Exception as error:  # a lost connection: the flush recorded what it took
+        logger.warning("celery-redis-lua: unconfirmed publishes at close: %s", error)
+        try:
+            channel.unconfirmed.check()
+        except UnconfirmedPublishError as refused:
+            return refused
+    finally:
+        channel.unconfirmed.close()
+    return None
