@@ -43,6 +43,33 @@ def test_a_paused_queue_takes_publishes_and_delivers_nothing_until_resumed(lib: 
     assert m.paused is None
 
 
+def test_expiry_in_a_paused_queue_is_judged_at_the_sweep_and_at_consume(lib: ScriptLibrary) -> None:
+    """docs/promises.md: a message whose TTL passes in a paused queue still shows as ready
+    until the next sweep (or the first consume after resume), as RabbitMQ drops expired
+    messages only at the head of a queue; the sweep dead-letters it with reason 'expired'
+    though the queue stays paused, and a countdown of a paused queue waits for resume."""
+    declared(lib, "frozen", "thawed")
+    for queue in ("frozen", "thawed"):
+        lib.publish(queue, "short-lived", ttl_ms=30)
+        lib.publish(queue, "kept")
+        lib.pause(queue, "deploy")
+    lib.publish("frozen", "countdown", eta_ms=server_now_ms(lib.client) + 30)
+    wait_for_server_time(lib.client, server_now_ms(lib.client) + 40)
+    [m] = lib.metrics(["frozen"])
+    assert (m.ready, m.delayed, m.dead) == (2, 1, 0)  # expired, but nothing has looked yet
+    report = lib.sweep(["frozen"])
+    assert (report.expired, report.promoted) == (1, 0)  # dead-lettered while paused; no promotion
+    assert [(d.reason, d.payload) for d in lib.dead_list("frozen")] == [("expired", b"short-lived")]
+    [m] = lib.metrics(["frozen"])
+    assert (m.ready, m.delayed, m.dead, m.paused) == (1, 1, 1, "deploy")
+    assert lib.resume("thawed") is True  # no sweep: the consume after resume judges it
+    consumed = lib.consume(["thawed"], 10)
+    assert ([d.payload for d in consumed.deliveries], consumed.expired) == ([b"kept"], 1)
+    assert [d.reason for d in lib.dead_list("thawed")] == ["expired"]
+    assert lib.resume("frozen") is True
+    assert sorted(d.payload for d in lib.consume(["frozen"], 10).deliveries) == [b"countdown", b"kept"]
+
+
 def test_pause_and_resume_say_whether_they_changed_anything(lib: ScriptLibrary) -> None:
     declared(lib, "twice")
     assert lib.resume("twice") is False
