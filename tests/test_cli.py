@@ -18,6 +18,7 @@ from click.testing import CliRunner, Result
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol.producer import decode_body
+from celery_redis_lua.protocol.retry import DelayedRetry
 from celery_redis_lua.tools.cli import main
 from celery_redis_lua.tools.cli.broker import DEFAULT_URL, broker_of, transport_url
 from celery_redis_lua.tools.cli.output import mask
@@ -51,9 +52,11 @@ def url(standalone: redis.Redis, valkey_server: Server) -> str:
 def status_rows(result: Result) -> dict[str, list[int]]:
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"]
-    assert all(row.split()[5] == "no" for row in rows)
-    return {row.split()[0]: [int(n) for n in row.split()[1:5]] for row in rows}
+    assert header.split() == ["queue", "ready", "delayed", "retrying", "in_flight", "dead", "paused",
+                              "limits"]
+    assert all(row.split()[6] == "no" for row in rows)
+    # ready, delayed, in_flight, dead (retrying: see test_status_shows_a_retry_waiting_as_retrying)
+    return {row.split()[0]: [int(n) for i, n in enumerate(row.split()[1:6]) if i != 2] for row in rows}
 
 
 def test_publish_stores_a_celery_envelope_and_status_shows_it_ready(
@@ -77,6 +80,23 @@ def test_publish_stores_a_celery_envelope_and_status_shows_it_ready(
     assert decode_body(envelope)[:2] == [[2, 3], {"z": 1}]
     # The script stored the priority in the message's state: (state, count, priority, expires_at).
     assert message_state(standalone, Keyspace(), "cliq", delivery.id) == ("unacked", 0, 7, "-")
+
+
+def test_status_shows_a_retry_waiting_as_retrying(url: str, standalone: redis.Redis) -> None:
+    """A message waiting for its delayed retry is one of the delayed, and the table says which
+    (issue 42 §1.6: it showed as a countdown)."""
+    lib = ScriptLibrary(standalone, Keyspace(), visibility_ms=60_000)
+    lib.declare("backoff", retry=DelayedRetry("failed", 60_000, 120_000))
+    lib.publish("backoff", "fails once")
+    lib.publish("backoff", "later", eta_ms=server_now_ms(standalone) + 60_000)
+    [taken] = lib.consume(["backoff"], 1).deliveries
+    assert lib.reject("backoff", [taken.id], requeue=True).requeued == 1  # into its retry
+    shown = invoke("status", "--queue", "backoff", "--url", url)
+    assert shown.exit_code == 0, shown.output
+    header, row = shown.stdout.splitlines()
+    assert dict(zip(header.split(), row.split(), strict=False)) == {
+        "queue": "backoff", "ready": "0", "delayed": "2", "retrying": "1", "in_flight": "0",
+        "dead": "0", "paused": "no", "limits": "-"}
 
 
 def test_countdown_is_an_eta_by_the_servers_clock(url: str, standalone: redis.Redis) -> None:
@@ -189,7 +209,7 @@ def test_installed_console_script_publishes_and_reports(url: str) -> None:
     assert ready.returncode == 0 and ready.stdout.strip() != published.stdout.strip()
     status = run("status", "--queue", "subq")
     assert status.returncode == 0, status.stderr
-    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0", "no", "-"]
+    assert status.stdout.splitlines()[1].split() == ["subq", "1", "1", "0", "0", "0", "no", "-"]
     bad = run("publish", "tasks.add", "--args", "nope")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("celery-redis-lua: error: --args is not valid JSON")

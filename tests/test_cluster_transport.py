@@ -188,7 +188,7 @@ def test_the_cli_covers_every_primary(cluster: Cluster) -> None:
     status = CliRunner().invoke(main, ["status", "--url", cli_url])
     assert status.exit_code == 0, status.output
     rows = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[1:]}
-    assert {name: rows.get(name) for name in names} == {name: ["1", "0", "0", "0", "no", "-"]
+    assert {name: rows.get(name) for name in names} == {name: ["1", "0", "0", "0", "0", "no", "-"]
                                                          for name in names}
     bad = CliRunner().invoke(main, ["status", "--url", cli_url.replace("/0", "/2")])
     assert bad.exit_code != 0 and "a cluster has only database 0" in bad.stderr

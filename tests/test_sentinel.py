@@ -198,7 +198,7 @@ def test_the_cli_follows_the_sentinels(group: SentinelGroup, capsys: pytest.Capt
     group.wait_until_settled()
     code, out, err = cli(capsys, "status", "--queue", "viacli", "--url", url, "--master-name", MASTER)
     assert code == 0, err
-    assert out.splitlines()[1].split() == ["viacli", "1", "0", "0", "0", "no", "-"]
+    assert out.splitlines()[1].split() == ["viacli", "1", "0", "0", "0", "0", "no", "-"]
     code, out, err = cli(capsys, "status", "--url", url, "--master-name", "nosuch")
     assert code == 1
     assert "no sentinel monitors a master named 'nosuch' (monitored: mymaster)" in err

@@ -15,7 +15,8 @@ from .broker import connect, connection_options
 from .output import PROG, table
 from .root import main
 
-STATUS_COLUMNS = ["queue", "ready", "delayed", "in_flight", "dead", "paused", "limits"]
+# retrying: of the delayed, those waiting for a delayed retry (as --json and --watch show it).
+STATUS_COLUMNS = ["queue", "ready", "delayed", "retrying", "in_flight", "dead", "paused", "limits"]
 
 
 @main.command()
@@ -30,7 +31,8 @@ STATUS_COLUMNS = ["queue", "ready", "delayed", "in_flight", "dead", "paused", "l
 @connection_options
 def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float, url: str,
            prefix: str) -> None:
-    """Ready, delayed, in-flight and dead-lettered messages per queue, which are paused, and
+    """Ready, delayed (retrying: of them, those waiting for a delayed retry), in-flight and
+    dead-lettered messages per queue, which are paused, and
     their limits (celery-redis-lua limit)."""
     lib = connect(url, prefix)
     if watch:
@@ -49,7 +51,8 @@ def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float,
     if not names:
         click.echo(f"no queues (no {lib.keys.meta('*')} keys)")
         return
-    rows = [(m.queue, m.ready, m.delayed, m.in_flight, m.dead, _paused(m.paused), m.limits) for m in found]
+    rows = [(m.queue, m.ready, m.delayed, m.retrying, m.in_flight, m.dead, _paused(m.paused), m.limits)
+            for m in found]
     click.echo(table(STATUS_COLUMNS, rows))
 
 
