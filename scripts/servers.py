@@ -82,13 +82,31 @@ def _is_free(port: int) -> bool:
     return True
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' local ports."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port (never 6379). With ``cluster_bus``, port + 10000 is free too
-    and the port is at most 55535, as cluster mode requires."""
+    """A free loopback port (never 6379), outside the ephemeral range. With ``cluster_bus``,
+    port + 10000 is free and outside it too.
+
+    Outside, because a client connecting to a port of that range where nothing listens yet
+    can be given that very port as its own and connect to itself (TCP simultaneous open):
+    a starting server's PING probe then read its own PING back, and its socket held the
+    port, so the server failed to bind (CI: "Connection refused" right after a successful
+    start; a HELLO answered "with an array")."""
     rng = random.SystemRandom()
+    ephemeral = _ephemeral_ports()
+    top = ephemeral.start - (10000 if cluster_bus else 0)
+    candidates = [port for port in range(10000, top) if port != 6379]
     for _ in range(1000):
-        port = rng.randrange(20000, 55535) if cluster_bus else rng.randrange(20000, 60000)
-        if port != 6379 and _is_free(port) and (not cluster_bus or _is_free(port + 10000)):
+        port = rng.choice(candidates)
+        if _is_free(port) and (not cluster_bus or _is_free(port + 10000)):
             return port
     raise RuntimeError("no free loopback port found")
 
@@ -209,8 +227,10 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.process.returncode}: {self.log_tail()}")
             try:
-                probe.ping()
-                break
+                if probe.ping():  # PONG; a socket connected to itself reads its own PING back
+                    break
+                probe.connection_pool.disconnect()  # let go of the port
+                raise redis.ConnectionError("no PONG")
             except (redis.ConnectionError, redis.BusyLoadingError):
                 if time.monotonic() > deadline:
                     self.stop()

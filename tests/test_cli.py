@@ -22,7 +22,7 @@ from celery_redis_lua.protocol.retry import DelayedRetry
 from celery_redis_lua.tools.cli import main
 from celery_redis_lua.tools.cli.broker import DEFAULT_URL, broker_of, transport_url
 from celery_redis_lua.tools.cli.output import mask
-from helpers import message_state, server_now_ms
+from helpers import message_state, server_now_ms, wait_for_server_time
 from scripts.servers import Server, free_port
 
 SECRET = "s3cret-Pw"
@@ -258,3 +258,70 @@ def test_a_bad_app_is_one_line_naming_it(tmp_path: Path) -> None:
                                           "app.conf.broker_url = ''\n")
     no_broker = run_in(tmp_path, "status", "-A", "nobroker")
     assert no_broker.returncode == 1 and "names no broker_url" in no_broker.stderr, no_broker.stderr
+
+
+# -- issue 42 §1.2-§1.5: a mistyped name is not success, and errors speak the CLI's language --
+
+NO_QUEUE = "no queue 'nosuch' (never declared, deleted, or expired)"
+
+
+@pytest.mark.parametrize("command", [
+    ["status", "--queue", "nosuch"], ["pause", "nosuch"], ["resume", "nosuch"],
+    ["limit", "nosuch", "--in-flight", "3"], ["dead", "list", "nosuch"],
+    ["dead", "replay", "nosuch"], ["dead", "replay", "nosuch", "1-0"], ["dead", "purge", "nosuch"],
+], ids=lambda c: "-".join(c[:2]))
+def test_a_queue_that_does_not_exist_is_not_found(url: str, command: list[str]) -> None:
+    result = invoke(*command, "--url", url)
+    assert result.exit_code == 3, result.output
+    one_line_error(result, NO_QUEUE)
+    assert "meta:" not in result.stderr
+
+
+def test_a_queue_in_braces_is_named_as_typed(url: str) -> None:
+    result = invoke("pause", "{flow}", "--url", url)
+    assert result.exit_code == 3
+    one_line_error(result, "no queue '{flow}'")
+    assert "meta:" not in result.stderr
+
+
+def test_dead_letters_of_a_queue_that_exists_but_has_none(url: str, standalone: redis.Redis) -> None:
+    ScriptLibrary(standalone, Keyspace()).declare("flow")
+    listed = invoke("dead", "list", "flow", "--url", url)
+    assert (listed.exit_code, listed.stdout.strip()) == (0, "no dead letters in 'flow'")
+    replayed = invoke("dead", "replay", "flow", "123-0", "--url", url)
+    assert replayed.exit_code == 3, replayed.output
+    assert replayed.stdout.startswith("replayed 0 dead letters into 'flow'")
+    assert "1 of the 1 entry ids given are not dead letters of 'flow'" in replayed.stderr
+    purged = invoke("dead", "purge", "flow", "--url", url)
+    assert (purged.exit_code, purged.stdout.strip()) == (0, "purged 0 dead letters of 'flow'")
+
+
+def test_limit_names_its_clear_flag_not_the_scripts_word(url: str, standalone: redis.Redis) -> None:
+    ScriptLibrary(standalone, Keyspace()).declare("flow")
+    result = invoke("limit", "flow", "--in-flight", "0", "--url", url)
+    assert result.exit_code == 2, result.output
+    assert "--in-flight must be an integer in 1..1000000 (or --clear-in-flight), got '0'" in result.stderr
+    assert "'clear' or ''" not in result.stderr
+    rate = invoke("limit", "flow", "--rate", "fast", "--url", url)
+    assert "(or --clear-rate)" in rate.stderr and "'clear' or ''" not in rate.stderr
+
+
+def test_cancel_of_a_cancelled_task_says_what_where_says(url: str, standalone: redis.Redis) -> None:
+    task_id = invoke("publish", "tasks.add", "--queue", "flow", "--url", url).stdout.strip()
+    assert invoke("cancel", task_id, "--url", url).exit_code == 0
+    again = invoke("cancel", task_id, "--url", url)
+    assert again.exit_code == 3, again.output
+    where = invoke("where", task_id, "--url", url).stdout.strip()
+    assert where.startswith(f"{task_id}: dead-lettered in 'flow': reason cancelled")
+    assert again.stdout.strip() == f"{where}: nothing cancelled"
+
+
+def test_dead_list_warns_that_an_expired_task_replays_only_to_be_discarded(
+        url: str, standalone: redis.Redis) -> None:
+    lib = ScriptLibrary(standalone, Keyspace())
+    lib.publish("flow", "{}", ttl_ms=1)
+    wait_for_server_time(standalone, server_now_ms(standalone) + 2)
+    assert lib.consume(["flow"], 1).expired == 1
+    listed = invoke("dead", "list", "flow", "--url", url)
+    assert listed.exit_code == 0 and "expired" in listed.stdout
+    assert "keeps its task's expires time" in listed.stderr

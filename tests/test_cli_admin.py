@@ -88,6 +88,8 @@ def dead_lettered(lib: ScriptLibrary, queue: str) -> tuple[str, str]:
 
 def test_dead_list_replay_purge(url: str, standalone: redis.Redis) -> None:
     lib = ScriptLibrary(standalone, Keyspace())
+    assert invoke("dead", "list", "dq", "--url", url).exit_code == 3  # no such queue (yet)
+    lib.declare("dq")
     assert invoke("dead", "list", "dq", "--url", url).stdout.strip() == "no dead letters in 'dq'"
     task_id, payload = dead_lettered(lib, "dq")
     letters = lib.dead_list("dq")
@@ -117,7 +119,8 @@ def test_dead_list_replay_purge(url: str, standalone: redis.Redis) -> None:
     assert lib.stats(["dq"])[0].dead == 0
 
 
-def test_bad_dead_list_count_is_the_scripts_one_line_error(url: str) -> None:
+def test_bad_dead_list_count_is_the_scripts_one_line_error(url: str, standalone: redis.Redis) -> None:
+    ScriptLibrary(standalone, Keyspace()).declare("dq")
     result = invoke("dead", "list", "dq", "--count", "0", "--url", url)
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [

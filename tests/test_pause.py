@@ -177,4 +177,4 @@ def test_the_cli_pauses_resumes_and_shows_it(kind_broker: Broker) -> None:
     resumed = runner.invoke(main, ["resume", "cli-gate", *at])
     assert "'cli-gate' resumed" in resumed.output, resumed.output
     missing = runner.invoke(main, ["pause", "no-such-queue", *at])
-    assert missing.exit_code == 1 and "no queue" in missing.output + str(missing.stderr_bytes or b"")
+    assert missing.exit_code == 3 and "no queue" in missing.output + str(missing.stderr_bytes or b"")

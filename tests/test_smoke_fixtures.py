@@ -48,3 +48,17 @@ def test_a_server_s_directory_goes_with_the_process_that_made_it(keep: bool) -> 
     finally:
         if keep:
             shutil.rmtree(directory)
+
+
+def test_a_fixture_port_is_never_one_a_client_could_be_given() -> None:
+    """A client connecting to a port of the ephemeral range where nothing listens yet can be
+    given that port as its own and connect to itself: a starting server's PING probe read its
+    own PING back, held the port, and the server could not bind (CI: "Connection refused" right
+    after a start that had "answered"). Fixture ports stay below the range."""
+    from scripts.servers import free_port
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ephemeral = range(low, high + 1)
+    plain = [free_port() for _ in range(200)]
+    bus = [free_port(cluster_bus=True) for _ in range(200)]
+    assert not [port for port in plain if port in ephemeral]
+    assert not [port for port in bus if port in ephemeral or port + 10000 in ephemeral]

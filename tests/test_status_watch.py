@@ -51,8 +51,11 @@ def test_status_json_has_a_stable_shape(valkey_server: Server, lib: ScriptLibrar
     assert (jobs["queue"], jobs["ready"], jobs["in_flight"], jobs["paused"]) == ("jobs", 3, 0, None)
     assert jobs["limits"] == {"in_flight": 4, "rate": "20/s"} and jobs["next_eta_in_ms"] is None
     assert (quiet["paused"], quiet["limits"]) == ("deploy", {"in_flight": None, "rate": None})
-    empty = cli("status", "--json", "--queue", "nothing-here", "--url", valkey_server.url)
+    empty = cli("status", "--json", "--queue", "quiet", "--url", valkey_server.url)
     assert json.loads(empty.stdout)["queues"][0]["ready"] == 0
+    missing = cli("status", "--json", "--queue", "nothing-here", "--url", valkey_server.url)
+    assert (missing.returncode, missing.stdout) == (3, "")
+    assert "no queue 'nothing-here'" in missing.stderr
 
 
 @pytest.fixture

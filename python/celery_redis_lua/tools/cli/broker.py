@@ -3,10 +3,11 @@ or the local default; and the client of it, made as the transport makes its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +21,8 @@ from _celery_redis_lua_alias import SCHEMES as OUR_SCHEMES
 from ...protocol import sentinel
 from ...protocol.keys import Keyspace, KeyspaceError
 from ...protocol.library import ScriptLibrary
-from .output import CliError, _asked, _secrets, mask, scrub
+from ...protocol.runner import ScriptError
+from .output import CliError, _asked, _secrets, mask, no_queue, scrub
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -43,6 +45,25 @@ APP_CONNECTION_OPTIONS = ("sentinel_kwargs", "min_other_sentinels", "cluster", "
                           "credential_provider", "ssl", "socket_keepalive", "socket_keepalive_options")
 # A command's client waits less than a worker's for a server that does not answer.
 CLI_TIMEOUTS = {"socket_connect_timeout": 5, "socket_timeout": 30}
+
+
+def require_queues(lib: ScriptLibrary, queues: Sequence[str]) -> None:
+    """NotFound for the first of ``queues`` that does not exist (no meta hash: never declared,
+    deleted, or expired with its keys), so a mistyped name is not answered with zeros."""
+    for m in lib.metrics(queues):
+        if not m.exists:
+            raise no_queue(m.queue)
+
+
+@contextlib.contextmanager
+def about_queue(queue: str) -> Iterator[None]:
+    """A script's "no queue 'meta:{Q}'" (it names its key, for redis-cli) in the CLI's terms."""
+    try:
+        yield
+    except ScriptError as error:
+        if ": no queue '" in str(error):
+            raise no_queue(queue) from None
+        raise
 
 
 def transport_url(url: str) -> str:

@@ -7,8 +7,8 @@ import json
 import click
 
 from ..locate import task_of
-from .broker import connect, connection_options
-from .output import JSON_OPTION, progress, table
+from .broker import connect, connection_options, require_queues
+from .output import JSON_OPTION, NotFound, progress, table
 from .root import main
 
 REPLAY_BATCH = 500  # dead letters per dead_replay call: a few ms of the server's time
@@ -27,7 +27,9 @@ def dead() -> None:
 @connection_options
 def dead_list(queue: str, count: int, after: str | None, as_json: bool, url: str, prefix: str) -> None:
     """Dead letters, oldest first: entry id, message id, reason, delivery count, task."""
-    letters = connect(url, prefix).dead_list(queue, count=count, after=after)
+    lib = connect(url, prefix)
+    require_queues(lib, [queue])
+    letters = lib.dead_list(queue, count=count, after=after)
     if as_json:
         click.echo(json.dumps([{"entry": d.entry_id, "message": d.id, "reason": d.reason,
                                 "delivery_count": d.delivery_count, "priority": d.priority,
@@ -39,6 +41,14 @@ def dead_list(queue: str, count: int, after: str | None, as_json: bool, url: str
         return
     rows = [(d.entry_id, d.id, d.reason, d.delivery_count, *task_of(d.payload)) for d in letters]
     click.echo(table(["entry", "message", "reason", "count", "task", "task_id"], rows))
+    if any(d.reason == "expired" for d in letters):
+        click.echo(EXPIRED_REPLAY, err=True)
+
+
+# A task keeps its Celery 'expires' header through a replay: the worker discards it at once.
+EXPIRED_REPLAY = ("note: an 'expired' dead letter keeps its task's expires time; replayed, a Celery "
+                  "worker discards it at once (\"Discarding revoked task\"). Publish the task again "
+                  "instead (celery-redis-lua publish, or the app) to run it.")
 
 
 @dead.command("replay")
@@ -51,6 +61,7 @@ def dead_list(queue: str, count: int, after: str | None, as_json: bool, url: str
 def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, prefix: str) -> None:
     """Put dead letters back into their queue as fresh messages; print the new message ids."""
     lib = connect(url, prefix)
+    require_queues(lib, [queue])
     if entry_ids:
         ids = lib.dead_replay(queue, count=1, entry_ids=entry_ids)
     else:
@@ -64,6 +75,9 @@ def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, pr
                 if not batch:
                     break
     click.echo(f"replayed {len(ids)} dead letters into {queue!r}" + "".join(f"\n{i}" for i in ids))
+    if len(ids) < len(entry_ids):
+        raise NotFound(f"{len(entry_ids) - len(ids)} of the {len(entry_ids)} entry ids given are not "
+                       f"dead letters of {queue!r} (see: celery-redis-lua dead list {queue})")
 
 
 @dead.command("purge")
@@ -71,4 +85,6 @@ def dead_replay(queue: str, entry_ids: tuple[str, ...], count: int, url: str, pr
 @connection_options
 def dead_purge(queue: str, url: str, prefix: str) -> None:
     """Delete every dead letter of the queue."""
-    click.echo(f"purged {connect(url, prefix).dead_purge(queue)} dead letters of {queue!r}")
+    lib = connect(url, prefix)
+    require_queues(lib, [queue])
+    click.echo(f"purged {lib.dead_purge(queue)} dead letters of {queue!r}")

@@ -28,6 +28,21 @@ class CliError(click.ClickException):
     """Ends the command with ``celery-redis-lua: error: <message>`` and exit status 1."""
 
 
+# The exit status of a command whose queue, dead letter or task is not in the broker (cancel
+# and where's "not found" too): a script can tell a typo from a failure.
+NOT_FOUND = 3
+
+
+class NotFound(CliError):
+    """What the command was asked about is not in the broker: exit status 3."""
+
+    exit_code = NOT_FOUND
+
+
+def no_queue(queue: str) -> NotFound:
+    return NotFound(f"no queue {queue!r} (never declared, deleted, or expired)")
+
+
 def mask(url: str) -> str:
     """``url`` with its password (userinfo or ``?password=``) replaced by ``***``."""
     url = re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)

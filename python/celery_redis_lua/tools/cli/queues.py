@@ -11,7 +11,7 @@ import click
 from ...protocol.eviction import Eviction, read_eviction
 from ...protocol.ops import QueueMetrics
 from ...protocol.runner import ERROR_PREFIX, ScriptError
-from .broker import connect, connection_options
+from .broker import about_queue, connect, connection_options, require_queues
 from .output import PROG, table
 from .root import main
 
@@ -40,6 +40,8 @@ def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float,
 
         watch_status(lib, list(queues), interval)
         return
+    if queues:
+        require_queues(lib, queues)
     names = list(queues) or lib.queue_names()
     found = lib.metrics(names) if names else []
     eviction = read_eviction(lib.client)
@@ -85,7 +87,8 @@ def _paused(reason: str | None) -> str:
 def pause_command(queue: str, reason: str, url: str, prefix: str) -> None:
     """Pause a queue for every consumer, held in the broker: it takes publishes and delivers
     nothing (due countdowns wait too) until resumed; messages in flight finish normally."""
-    changed = connect(url, prefix).pause(queue, reason)
+    with about_queue(queue):
+        changed = connect(url, prefix).pause(queue, reason)
     click.echo(f"{queue!r} paused" if changed else f"{queue!r} was paused already (reason updated)")
 
 
@@ -94,7 +97,8 @@ def pause_command(queue: str, reason: str, url: str, prefix: str) -> None:
 @connection_options
 def resume_command(queue: str, url: str, prefix: str) -> None:
     """Resume a paused queue: its blocked consumers wake at once."""
-    changed = connect(url, prefix).resume(queue)
+    with about_queue(queue):
+        changed = connect(url, prefix).resume(queue)
     click.echo(f"{queue!r} resumed" if changed else f"{queue!r} was not paused")
 
 
@@ -119,13 +123,15 @@ def limit_command(queue: str, in_flight: str | None, rate: str | None, clear_all
     if in_flight is None and rate is None and not (clear_all or clear_in_flight or clear_rate):
         raise click.UsageError("give --in-flight, --rate or a --clear option")
     try:
-        limits = connect(url, prefix).limit(
-            queue, in_flight=in_flight, rate=rate,  # as typed: the script judges them, naming a bad one
-            clear_in_flight=clear_all or clear_in_flight, clear_rate=clear_all or clear_rate)
+        with about_queue(queue):
+            limits = connect(url, prefix).limit(
+                queue, in_flight=in_flight, rate=rate,  # as typed: the script judges them, naming a bad one
+                clear_in_flight=clear_all or clear_in_flight, clear_rate=clear_all or clear_rate)
     except ScriptError as error:  # a value the script refused: named by the flag it came from
         problem = str(error).removeprefix(f"{ERROR_PREFIX} limit: ")
         for argument, flag in LIMIT_FLAGS.items():
-            if problem.startswith(f"{argument} must "):
+            if problem.startswith(f"{argument} must "):  # the script's 'clear' is a flag here
+                problem = problem.replace(", 'clear' or ''", f" (or {flag.replace('--', '--clear-')})")
                 raise click.UsageError(flag + problem.removeprefix(argument)) from None
         raise
     except ValueError as error:  # set and clear of one limit at once

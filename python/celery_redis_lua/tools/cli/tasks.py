@@ -11,9 +11,10 @@ from typing import Any
 import click
 
 from ...protocol import producer
-from ..locate import cancel_task, locate_task
+from ...protocol.library import ScriptLibrary
+from ..locate import Whereabouts, cancel_task, locate_task
 from .broker import connect, connection_options
-from .output import PROG, CliError
+from .output import NOT_FOUND, PROG, CliError
 from .root import main
 
 
@@ -91,6 +92,12 @@ def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str
     if as_json:
         click.echo(json.dumps(found.as_dict()))
         return
+    click.echo(f"{task_id}: {describe(lib, found)}")
+
+
+def describe(lib: ScriptLibrary, found: Whereabouts) -> str:
+    """Where ``found`` is, in the words of ``where`` (cancel says the same of what it cannot
+    cancel)."""
     seconds, micros = lib.client.time()
     now = int(seconds) * 1000 + int(micros) // 1000
     lines = {
@@ -105,7 +112,7 @@ def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str
         "absent": "not in the broker: acked, expired, purged, never published, or published "
                   "without its task id",
     }
-    click.echo(f"{task_id}: {lines[found.state]}")
+    return lines[found.state]
 
 
 @main.command("cancel")
@@ -113,7 +120,8 @@ def where_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str
 def cancel_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: str, prefix: str) -> None:
     """Take a ready or delayed task out of its queue so it never runs (kept as a dead letter,
     reason 'cancelled'). A task in flight is left alone: exit 2; not found: exit 3."""
-    done = cancel_task(connect(url, prefix), task_id, queues)
+    lib = connect(url, prefix)
+    done = cancel_task(lib, task_id, queues)
     if as_json:
         click.echo(json.dumps({"task_id": task_id, "outcome": done.outcome, "queue": done.queue or None,
                                "message_id": done.id, "was": done.was}))
@@ -122,7 +130,7 @@ def cancel_command(task_id: str, queues: tuple[str, ...], as_json: bool, url: st
                    f"'cancelled'")
     elif done.outcome == "in_flight":
         click.echo(f"{task_id}: in flight from {done.queue!r}: left alone (revoke it in Celery)")
-    else:
-        click.echo(f"{task_id}: not ready or delayed in any queue: nothing cancelled")
+    else:  # say where it is, as where would: dead-lettered (cancelled already?), or not at all
+        click.echo(f"{task_id}: {describe(lib, locate_task(lib, task_id, queues))}: nothing cancelled")
     if done.outcome != "cancelled":
-        sys.exit(2 if done.outcome == "in_flight" else 3)
+        sys.exit(2 if done.outcome == "in_flight" else NOT_FOUND)
