@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 7
+-- version: 8
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -12,21 +12,29 @@
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
 --   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready (not in a paused queue: none is delivered)
 -- ARGV:
---   1   visibility_ms  integer 1..315360000000  unused since version 6 (no ready message sits popped); still checked
+--   1   payloads       'stored' | 'given'  'stored': each entry's own payload; 'given': ARGV 3.. are pairs
+--                      (entry id, payload), each entry replayed with the payload after it (a dead letter's
+--                      Celery expires renewed by the CLI). An integer 1..315360000000 reads as 'stored' (the
+--                      visibility_ms of versions up to 7, unused since 6)
 --   2   count          integer 1..10000  most entries replayed, oldest first (ignored when entry ids are given)
---   3.. entry_id       stream id         replay exactly these entries (unknown ids are skipped)
+--   3.. entry_id       stream id         replay exactly these entries (unknown ids are skipped); with
+--                      'given', each followed by its payload (non-empty)
 -- returns: array of the new message ids, in replay order
 -- errors:
 --   ERR celery-redis-lua: dead_replay: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: dead_replay: expected at least 2 arguments, got N
---   ERR celery-redis-lua: dead_replay: visibility_ms must be an integer in 1..315360000000, got 'V'
+--   ERR celery-redis-lua: dead_replay: payloads must be 'stored' or 'given', got 'V'
+--   ERR celery-redis-lua: dead_replay: 'given' takes pairs of entry id and payload, got N arguments after count
+--   ERR celery-redis-lua: dead_replay: the payload given for entry 'V' is empty
 --   ERR celery-redis-lua: dead_replay: count must be an integer in 1..10000, got 'V'
 --   ERR celery-redis-lua: dead_replay: entry id 'V' is not a stream id
 -- why: a replayed message gets a new id (ids are never reused, and ordering by id must stay
 --   publish order), a fresh delivery count and no TTL, as if it had just been published
 --   without one: an operator who replays an expired message wants it to run. Being ready
 --   and without TTL, it needs no index entry; the wake token tells a blocked consumer.
---   visibility_ms is bounded as every duration is (10 years, protocol/bounds.py).
+--   An entry replayed with a given payload is checked to exist in this very call, so one that
+--   another replay took meanwhile is skipped, never replayed twice. The old visibility_ms slot
+--   (an integer) still means 'stored', so an older caller keeps working.
 --   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
 --   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 
@@ -98,24 +106,35 @@ end
 if #ARGV < 2 then return fail('expected at least 2 arguments, got ' .. #ARGV) end
 local queue_key, meta_key, dead_key, message_key, state_key, wake_key = KEYS[1], KEYS[4], KEYS[5], KEYS[6],
   KEYS[7], KEYS[8]
-local visibility = string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
-if not visibility or visibility == 0 or visibility > MAX_DURATION_MS then
-  return fail("visibility_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. ", got '" ..
-              ARGV[1] .. "'")
+local mode = ARGV[1]
+if string.match(mode, '^%d+$') and tonumber(mode) >= 1 and tonumber(mode) <= MAX_DURATION_MS then
+  mode = 'stored' -- an older caller's visibility_ms
+end
+if mode ~= 'stored' and mode ~= 'given' then
+  return fail("payloads must be 'stored' or 'given', got '" .. ARGV[1] .. "'")
 end
 local count = string.match(ARGV[2], '^%d+$') and tonumber(ARGV[2])
 if not count or count < 1 or count > 10000 then
   return fail("count must be an integer in 1..10000, got '" .. ARGV[2] .. "'")
 end
-for i = 3, #ARGV do
+local step = mode == 'given' and 2 or 1 -- ARGV 3..: entry ids, or (entry id, payload) pairs
+if step == 2 and (#ARGV - 2) % 2 ~= 0 then
+  return fail("'given' takes pairs of entry id and payload, got " .. (#ARGV - 2) .. ' arguments after count')
+end
+for i = 3, #ARGV, step do
   if not string.match(ARGV[i], '^%d+%-%d+$') then return fail("entry id '" .. ARGV[i] .. "' is not a stream id") end
+  if step == 2 and ARGV[i + 1] == '' then return fail("the payload given for entry '" .. ARGV[i] .. "' is empty") end
 end
 
-local entries = {}
-if #ARGV > 2 then
-  for i = 3, #ARGV do
-    local found = rcall('XRANGE', dead_key, ARGV[i], ARGV[i])
-    if found[1] then entries[#entries + 1] = found[1] end
+local entries, given, seen = {}, {}, {}
+if #ARGV > 2 or step == 2 then
+  for i = 3, #ARGV, step do
+    local found = rcall('XRANGE', dead_key, ARGV[i], ARGV[i])[1]
+    if found and not seen[found[1]] then -- an entry named twice (or as 05-1 and 5-1) is replayed once
+      seen[found[1]] = true
+      entries[#entries + 1] = found
+      if step == 2 then given[found[1]] = ARGV[i + 1] end
+    end
   end
 else
   entries = rcall('XRANGE', dead_key, '-', '+', 'COUNT', count)
@@ -130,6 +149,7 @@ local replayed = {}
 for _, entry in ipairs(entries) do
   local fields = {}
   for i = 1, #entry[2], 2 do fields[entry[2][i]] = entry[2][i + 1] end
+  fields.payload = given[entry[1]] or fields.payload
   if fields.payload then
     local priority = tonumber(fields.priority) or 0
     if priority < 0 or priority > 255 then priority = 0 end

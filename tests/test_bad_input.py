@@ -109,6 +109,7 @@ BASE: dict[str, Build] = {
     "fan": lambda k, s: ops.fanout_publish(k, POLICY, FANOUT, "payload", maxlen=100),
     "dlist": lambda k, s: ops.dead_list(k, POLICY, QUEUE),
     "replay": lambda k, s: ops.dead_replay(k, POLICY, QUEUE, entry_ids=[s.dead_entry]),
+    "given": lambda k, s: ops.dead_replay(k, POLICY, QUEUE, payloads={s.dead_entry: "new"}),
     "fbind": lambda k, s: ops.fanout_bind(k, POLICY, FANOUT, "bound", expires_ms=600_000),
     "fread": lambda k, s: ops.fanout_consume(k, POLICY, FANOUT, "bound", "me", count=10),
     "funbind": lambda k, s: ops.fanout_unbind(k, POLICY, FANOUT, "bound"),
@@ -119,8 +120,8 @@ BASE: dict[str, Build] = {
     "dcl": lambda k, s: ops.declare(k, POLICY, QUEUE, expires_ms=600_000, fanout_exchange=FANOUT),
     "lim": lambda k, s: ops.limit(k, POLICY, QUEUE, in_flight=5, rate="20/s"),
 }
-(pub, con, rej, ext, ack, swp, prg, dlt, bnd, fan, dlist, replay, fbind, fread, funbind, fleave,
- unpop, mig, rer, dcl, lim) = BASE.values()
+(pub, con, rej, ext, ack, swp, prg, dlt, bnd, fan, dlist, replay, given, fbind, fread, funbind,
+ fleave, unpop, mig, rer, dcl, lim) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -342,10 +343,13 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
         ("entry id", "'bad-id'"),
     ),
     "dead-replay-count-zero": (argv(arg(replay, 2, 0), 2), ("count", "'0'")),
-    "dead-replay-visibility-zero": (arg(replay, 1, 0), ("visibility_ms", "'0'")),
-    "dead-replay-visibility-past-bound": (arg(replay, 1, MAX_DURATION_MS + 1),
-                                          ("visibility_ms must be an integer in 1..315360000000",
-                                           "'315360000001'")),
+    "dead-replay-mode-zero": (arg(replay, 1, 0), ("payloads must be 'stored' or 'given'", "'0'")),
+    "dead-replay-mode-past-bound": (arg(replay, 1, MAX_DURATION_MS + 1),
+                                    ("payloads must be 'stored' or 'given'", "'315360000001'")),
+    "dead-replay-mode-word": (arg(replay, 1, "mine"), ("payloads must be 'stored' or 'given'", "'mine'")),
+    "dead-replay-given-odd": (argv(given, 3), ("pairs of entry id and payload", "got 1 arguments")),
+    "dead-replay-given-empty-payload": (arg(given, 4, ""), ("payload given for entry", "is empty")),
+    "dead-replay-given-entry-word": (arg(given, 3, "nope"), ("entry id", "'nope'")),
     "dead-replay-7-keys": (keys(replay, 7), ("expected 8 keys", "got 7")),
     "migrated-action-word": (arg(mig, 1, "drop"), ("action must be mark, forget or clear", "drop")),
     "migrated-clear-with-identity": (arg(mig, 1, "clear"), ("clear takes no identity",)),

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -325,3 +326,37 @@ def test_dead_list_warns_that_an_expired_task_replays_only_to_be_discarded(
     listed = invoke("dead", "list", "flow", "--url", url)
     assert listed.exit_code == 0 and "expired" in listed.stdout
     assert "keeps its task's expires time" in listed.stderr
+
+
+def test_dead_replay_renews_or_clears_a_task_s_expires_and_keeps_the_rest(
+        url: str, standalone: redis.Redis) -> None:
+    lib = ScriptLibrary(standalone, Keyspace())
+    headers = {"id": "t-1", "task": "tasks.add", "expires": "2000-01-01T00:00:00+00:00",
+               "retries": 12345678901234567890, "timelimit": [None, 7.5]}  # numbers cjson would round
+    envelope = {"body": "W10=", "headers": headers, "properties": {"priority": 3, "delivery_info": {}},
+                "content-type": "application/json"}
+    for task_id in ("t-1", "t-2", "t-3"):
+        envelope["headers"]["id"] = task_id
+        lib.publish("flow", json.dumps(envelope), ttl_ms=1, task_id=task_id)
+    lib.publish("flow", "not json", ttl_ms=1)
+    wait_for_server_time(standalone, server_now_ms(standalone) + 2)
+    assert lib.consume(["flow"], 10).expired == 4
+    entries = [d.entry_id for d in lib.dead_list("flow")]
+    both = invoke("dead", "replay", "flow", "--clear-expires", "--renew-expires", "5", "--url", url)
+    assert both.exit_code == 2 and "cannot be combined" in both.stderr
+    assert invoke("dead", "replay", "flow", "--renew-expires", "0", "--url", url).exit_code == 2
+    before = server_now_ms(standalone) / 1000
+    renewed = invoke("dead", "replay", "flow", entries[0], entries[3], "--renew-expires", "60", "--url", url)
+    assert renewed.exit_code == 0, renewed.output
+    cleared = invoke("dead", "replay", "flow", "--clear-expires", "--count", "1", "--url", url)
+    assert cleared.exit_code == 0 and lib.dead_list("flow")[0].entry_id == entries[2]
+    payloads = [d.payload for d in lib.consume(["flow"], 10).deliveries]
+    assert b"not json" in payloads  # no Celery envelope: replayed as it was
+    decoded = {d["headers"]["id"]: d for d in (json.loads(p) for p in payloads if p != b"not json")}
+    expires = datetime.fromisoformat(decoded["t-1"]["headers"]["expires"]).timestamp()
+    assert before + 60 <= expires <= before + 62
+    assert decoded["t-2"]["headers"]["expires"] is None
+    for task_id in ("t-1", "t-2"):  # the rest of the envelope as it was
+        kept = {**envelope, "headers": {**envelope["headers"], "id": task_id}}
+        assert {**decoded[task_id], "headers": {**decoded[task_id]["headers"], "expires": None}} == \
+            {**kept, "headers": {**kept["headers"], "expires": None}}

@@ -34,6 +34,7 @@ it is the server that expires the keys.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections import Counter
@@ -769,6 +770,36 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
                 m = Msg(queue, message_id, payload, priority, "ready")
+                self.m.messages[queue, message_id] = m
+                self.record_ready(m, t0, t1)
+
+        @rule(queue=st.sampled_from(queues), picks=st.lists(st.integers(0, 3), max_size=4),
+              given=st.booleans(), vanished=st.booleans())
+        def dead_replay_named(self, queue: str, picks: list[int], given: bool, vanished: bool) -> None:
+            """Named entries come back once each, in the order named (one named twice: once;
+            an id that is no entry: skipped). ``given``: each with a payload of its own, a
+            Celery envelope whose task id goes into the index."""
+            entries = [d.entry_id for d in self.lib.dead_list(queue, count=1000)]  # the server names them
+            named = list(dict.fromkeys(entries[i] for i in picks if i < len(entries)))
+            replaying = [self.m.dead[queue][entries.index(e)] for e in named]
+            asked = [*named, *(["1-1"] if vanished else []), *named[:1]]  # 1-1: before any entry
+            if not asked and not given:
+                return  # no entry ids: the oldest dead letters (the dead_replay rule)
+            payloads = {e: json.dumps({"headers": {"id": f"given-{e}"}}) for e in asked} if given else None
+            t0 = self.now()
+            ids = self.lib.dead_replay(queue, payloads=payloads) if given else \
+                self.lib.dead_replay(queue, entry_ids=asked)
+            t1 = self.now()
+            assert len(ids) == len(named)
+            gone = {entries.index(e) for e in named}
+            self.m.dead[queue] = [d for i, d in enumerate(self.m.dead[queue]) if i not in gone]
+            for message_id, entry, (_, _, _, priority, payload) in zip(ids, named, replaying, strict=True):
+                assert is_message_id(message_id)
+                assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
+                self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
+                m = Msg(queue, message_id, payload, priority, "ready")
+                if payloads is not None:
+                    m.payload, m.task = payloads[entry].encode(), f"given-{entry}"
                 self.m.messages[queue, message_id] = m
                 self.record_ready(m, t0, t1)
 

@@ -239,6 +239,27 @@ def test_replay_chosen_entries_gives_fresh_messages(lib: ScriptLibrary) -> None:
     assert lib.dead_replay("rp", entry_ids=["1-1"]) == []  # unknown entries are skipped
 
 
+def test_an_entry_named_twice_is_replayed_once(lib: ScriptLibrary) -> None:
+    """Also when named once in full and once with leading zeros: XRANGE finds the same entry
+    (before version 8, both were replayed)."""
+    make_dead_letters(lib, "twice", [0, 0])
+    first = lib.dead_list("twice")[0].entry_id
+    assert len(lib.dead_replay("twice", entry_ids=[first, first, f"0{first}"])) == 1
+    assert [d.payload for d in lib.consume(["twice"], 5).deliveries] == [b"m0"]
+    assert [d.payload for d in lib.dead_list("twice")] == [b"m1"]
+
+
+def test_replay_with_given_payloads_replaces_each_and_skips_what_is_gone(lib: ScriptLibrary) -> None:
+    make_dead_letters(lib, "given", [0, 9])
+    letters = lib.dead_list("given")
+    new_ids = lib.dead_replay("given", payloads={letters[0].entry_id: b"new0", "1-1": b"never",
+                                                 letters[1].entry_id: b"new1"})
+    assert len(new_ids) == 2 and lib.dead_list("given") == []
+    delivered = lib.consume(["given"], 5).deliveries  # the priorities of the letters are kept
+    assert [(d.id, d.payload) for d in delivered] == [(new_ids[1], b"new1"), (new_ids[0], b"new0")]
+    assert lib.dead_replay("given", payloads={letters[0].entry_id: b"again"}) == []  # gone: skipped
+
+
 def test_replay_all_and_by_count(lib: ScriptLibrary) -> None:
     make_dead_letters(lib, "ra", [0, 0, 0])
     first = lib.dead_replay("ra", count=1)

@@ -12,13 +12,13 @@ takes a ready or delayed message out with the cancel script (as a dead letter wi
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Cancelled
+from .envelope import task_of
 
 DEAD_PAGE = 1000  # dead letters read per call while searching a queue's stream
 
@@ -44,15 +44,6 @@ class Whereabouts:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-def task_of(payload: bytes | str) -> tuple[str, str]:
-    """(task name, task id) of a Celery envelope; ('-', '-') for anything else."""
-    try:
-        headers = json.loads(payload)["headers"]
-        return str(headers.get("task") or "-"), str(headers.get("id") or "-")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return "-", "-"
 
 
 def locate_task(lib: ScriptLibrary, task_id: str, queues: Sequence[str] | None = None) -> Whereabouts:

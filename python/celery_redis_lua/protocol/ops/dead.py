@@ -3,7 +3,7 @@ them, replay them into the queue, purge them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,15 @@ def dead_list(k: Keyspace, p: Policy, queue: str, *, count: int = 100,
 
 @operation
 def dead_replay(k: Keyspace, p: Policy, queue: str, *, count: int = 100,
-                entry_ids: Sequence[str] = ()) -> Call[list[str]]:
-    return Call("dead_replay", k.queue_keys(queue), [p.visibility_ms, count, *entry_ids],
+                entry_ids: Sequence[str] = (),
+                payloads: Mapping[str, bytes | str] | None = None) -> Call[list[str]]:
+    """The oldest ``count`` dead letters, or the ``entry_ids`` named, back as fresh messages;
+    with ``payloads`` (entry id -> payload), those entries, each with the payload given."""
+    if payloads is not None:
+        pairs = [value for entry in payloads.items() for value in entry]
+        return Call("dead_replay", k.queue_keys(queue), ["given", count, *pairs],
+                    lambda reply: [text(i) for i in reply])
+    return Call("dead_replay", k.queue_keys(queue), ["stored", count, *entry_ids],
                 lambda reply: [text(i) for i in reply])
 
 
