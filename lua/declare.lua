@@ -1,7 +1,7 @@
 #!lua
 -- name: declare
--- version: 7
--- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority, x-delayed-retry-*) or check them against the stored ones, record a fanout exchange it is bound to, and refresh its expiry.
+-- version: 8
+-- summary: Declare a queue: store its arguments (RabbitMQ's x-expires, x-message-ttl, x-max-priority, x-delayed-retry-*, x-consumer-timeout) or check them against the stored ones, record a fanout exchange it is bound to, and refresh its expiry.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages
@@ -19,20 +19,22 @@
 --   5  retry_type       string, optional      x-delayed-retry-type: 'disabled', 'all', 'failed' or 'returned'; '' or absent: not set
 --   6  retry_min_ms     integer 1..315360000000 or ''  x-delayed-retry-min: the first retry's delay; required with a type other than 'disabled'
 --   7  retry_max_ms     integer 1..315360000000 or ''  x-delayed-retry-max: the longest delay (10 years when empty); at least retry_min_ms
+--   8  consumer_timeout_ms  integer 1..315360000000 or '', optional  x-consumer-timeout: how long a worker keeps one delivery alive (its keeper stops extending it then, and the sweep takes it back)
 -- returns: array {ready, delayed, in_flight, expires_ms, message_ttl_ms, max_priority, retry_type,
---   retry_min_ms, retry_max_ms, out_of_range}: message counts (in_flight is approximate: messages stored
+--   retry_min_ms, retry_max_ms, out_of_range, consumer_timeout_ms}: message counts (in_flight is approximate: messages stored
 --   minus ready and delayed), the arguments now in force (-1, or 'disabled' for the type, where not
 --   set), and an array of 'x-name=VALUE' for each stored argument out of range (left by an older
 --   version or by hand): in force as its bound when past it, as not set when no number
 -- errors:
 --   ERR celery-redis-lua: declare: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: declare: expected 3, 4 or 7 arguments, got N
+--   ERR celery-redis-lua: declare: expected 3, 4, 7 or 8 arguments, got N
 --   ERR celery-redis-lua: declare: expires_ms must be an integer in 1..315360000000 or empty, got 'V'
 --   ERR celery-redis-lua: declare: message_ttl_ms must be an integer in 1..315360000000 or empty, got 'V'
 --   ERR celery-redis-lua: declare: max_priority must be an integer in 0..255 or empty, got 'V'
 --   ERR celery-redis-lua: declare: retry_type must be 'disabled', 'all', 'failed', 'returned' or empty, got 'V'
 --   ERR celery-redis-lua: declare: retry_min_ms must be an integer in 1..315360000000 or empty, got 'V'
 --   ERR celery-redis-lua: declare: retry_max_ms must be an integer in 1..315360000000 or empty, got 'V'
+--   ERR celery-redis-lua: declare: consumer_timeout_ms must be an integer in 1..315360000000 or empty, got 'V'
 --   ERR celery-redis-lua: declare: x-delayed-retry-type 'T' needs x-delayed-retry-min
 --   ERR celery-redis-lua: declare: x-delayed-retry-max V is below x-delayed-retry-min M
 --   ERR celery-redis-lua: declare: queue 'Q' was declared with other arguments: x-expires stored 10000, declared 20000; ... (delete the queue to change them)
@@ -52,20 +54,21 @@
 --   past its bound counts as the bound here and in every script that reads it (a 10^19 ms
 --   retry_min waits 10 years), and is named in the reply, so a declare without arguments
 --   still works, and one with arguments is refused naming it ("x-delayed-retry-min stored 'V'
---   (out of range), declared 1000"; delete the queue to set them again).
+--   (out of range), declared 1000"; delete the queue to set them again). x-consumer-timeout
+--   is RabbitMQ's (ms): no script but declare reads it; the workers' keepers do, from the reply.
 
 local rcall = redis.call
 local MIN_EXPIRES_MS = 10000
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
-local NAMES = {'expires', 'message_ttl', 'max_priority', 'retry_type', 'retry_min', 'retry_max'}
+local NAMES = {'expires', 'message_ttl', 'max_priority', 'retry_type', 'retry_min', 'retry_max', 'consumer_timeout'}
 local AMQP_NAMES = {expires = 'x-expires', message_ttl = 'x-message-ttl', max_priority = 'x-max-priority',
                     retry_type = 'x-delayed-retry-type', retry_min = 'x-delayed-retry-min',
-                    retry_max = 'x-delayed-retry-max'}
+                    retry_max = 'x-delayed-retry-max', consumer_timeout = 'x-consumer-timeout'}
 local RETRY_TYPES = {disabled = true, all = true, failed = true, returned = true}
 -- The range of each numeric argument, declared (ARGV) or stored (meta) alike.
 local DURATION = {1, MAX_DURATION_MS, 'an integer in 1..' .. string.format('%d', MAX_DURATION_MS)}
 local RANGES = {expires = DURATION, message_ttl = DURATION, max_priority = {0, 255, 'an integer in 0..255'},
-                retry_min = DURATION, retry_max = DURATION}
+                retry_min = DURATION, retry_max = DURATION, consumer_timeout = DURATION}
 
 local function fail(message)
   return redis.error_reply('ERR celery-redis-lua: declare: ' .. message)
@@ -83,7 +86,9 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 3 and #ARGV ~= 4 and #ARGV ~= 7 then return fail('expected 3, 4 or 7 arguments, got ' .. #ARGV) end
+if #ARGV ~= 3 and #ARGV ~= 4 and #ARGV ~= 7 and #ARGV ~= 8 then
+  return fail('expected 3, 4, 7 or 8 arguments, got ' .. #ARGV)
+end
 local expires, err1 = optional(ARGV[1], 'expires_ms', RANGES.expires)
 if expires == nil then return fail(err1) end
 local ttl, err2 = optional(ARGV[2], 'message_ttl_ms', RANGES.message_ttl)
@@ -98,6 +103,8 @@ local retry_min, err5 = optional(ARGV[6] or '', 'retry_min_ms', RANGES.retry_min
 if retry_min == nil then return fail(err5) end
 local retry_max, err6 = optional(ARGV[7] or '', 'retry_max_ms', RANGES.retry_max)
 if retry_max == nil then return fail(err6) end
+local consumer_timeout, err8 = optional(ARGV[8] or '', 'consumer_timeout_ms', RANGES.consumer_timeout)
+if consumer_timeout == nil then return fail(err8) end
 if retry_type == 'disabled' or retry_type == '' then
   retry_type, retry_min, retry_max = false, false, false -- disabled is the default: nothing stored
 elseif not retry_min then
@@ -109,7 +116,7 @@ end
 local meta_key = KEYS[4]
 local declared = {expires = expires and math.max(expires, MIN_EXPIRES_MS), message_ttl = ttl,
                   max_priority = max_priority, retry_type = retry_type, retry_min = retry_min,
-                  retry_max = retry_max}
+                  retry_max = retry_max, consumer_timeout = consumer_timeout}
 -- Stored arguments pass the same checks as declared ones. One out of range (an older
 -- version's, or set by hand) is named in `out_of_range`; in force, as every script reads it,
 -- past its bound it counts as the bound (never added to the clock past 10 years:
@@ -189,4 +196,5 @@ end
 local ready, delayed = rcall('ZCARD', KEYS[1]), rcall('ZCARD', KEYS[2])
 return {ready, delayed, math.max(0, rcall('HLEN', KEYS[6]) - ready - delayed),
         stored.expires or -1, stored.message_ttl or -1, stored.max_priority or -1,
-        stored.retry_type or 'disabled', stored.retry_min or -1, stored.retry_max or -1, named}
+        stored.retry_type or 'disabled', stored.retry_min or -1, stored.retry_max or -1, named,
+        stored.consumer_timeout or -1}

@@ -61,6 +61,7 @@ F = 10**13  # score = (255 - priority) * F + ready_at_ms
 VIS = 60_000
 LIMIT = 3  # first delivery + two redeliveries, then dead-lettered
 EXPIRES = 600_000  # x-expires of the expiring queue (it never runs out by itself here)
+CONSUMER_TIMEOUT = 90_000  # x-consumer-timeout of the expiring queue: stored in meta, read by declare
 RETRY_MIN, RETRY_MAX = 20, 50  # x-delayed-retry-min/max (ms): a retry waits min(20 * count, 50)
 CONSUMERS = 3
 # Rates whose bucket never refills within an example (one token per 180 s or slower):
@@ -234,7 +235,10 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             """Declare ``queue`` with its delayed retry (and x-expires, the expiring one)."""
             q = self.m.queues[queue]
             retry = DelayedRetry(q.retry, RETRY_MIN, RETRY_MAX) if q.retry != "disabled" else DelayedRetry()
-            declared = self.lib.declare(queue, expires_ms=EXPIRES if queue == expiring else None, retry=retry)
+            timeout = CONSUMER_TIMEOUT if queue == expiring else None  # the workers' keepers read it
+            declared = self.lib.declare(queue, expires_ms=EXPIRES if queue == expiring else None, retry=retry,
+                                        consumer_timeout_ms=timeout)
+            assert declared.consumer_timeout_ms == timeout
             mine = [m for m in self.m.messages.values() if m.queue == queue]
             assert (declared.ready, declared.delayed, declared.in_flight) == (
                 sum(m.state == "ready" for m in mine), sum(m.waiting for m in mine),

@@ -12,7 +12,7 @@ MAX_PRIORITY = 255  # the channel's max_priority
 # The largest value of each numeric RabbitMQ queue argument (x-delayed-retry-* are
 # DelayedRetry's): a duration at most the longest the scripts take (protocol/bounds.py).
 ARGUMENT_BOUNDS = {"x-expires": (MAX_DURATION_MS, "ms"), "x-message-ttl": (MAX_DURATION_MS, "ms"),
-                   "x-max-priority": (MAX_PRIORITY, "")}
+                   "x-max-priority": (MAX_PRIORITY, ""), "x-consumer-timeout": (MAX_DURATION_MS, "ms")}
 
 
 def ms_argument(queue: str, arguments: dict[str, Any], name: str) -> int | None:

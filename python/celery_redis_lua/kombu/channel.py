@@ -188,12 +188,17 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             raise ValueError(f"queue {queue!r}: {error}") from None
         self._declare(queue, expires_ms=expires,
                       message_ttl_ms=ms_argument(queue, arguments, "x-message-ttl"),
-                      max_priority=ms_argument(queue, arguments, "x-max-priority"), retry=retry)
+                      max_priority=ms_argument(queue, arguments, "x-max-priority"), retry=retry,
+                      consumer_timeout_ms=ms_argument(queue, arguments, "x-consumer-timeout"))
 
     def _declare(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``; stored arguments out of range (an older version's, or set by
         hand) do not stop it: the scripts apply them as their bound, and the log names them."""
         declared = self.connection.declared[queue] = self.lib.declare(queue, **kwargs)
+        if declared.consumer_timeout_ms:  # stored by whoever declared it first
+            self.connection.consumer_timeouts[queue] = declared.consumer_timeout_ms
+        else:
+            self.connection.consumer_timeouts.pop(queue, None)
         if declared.out_of_range:
             logger.warning("celery-redis-lua: queue %r has stored arguments out of range: %s; past its "
                            "bound one is applied as the bound (10 years, priority 255), one that is no "
@@ -252,6 +257,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         if exchanges:
             self.lib.run_many([self.lib.calls.fanout_unbind(exchange, queue) for exchange in exchanges])
         self.connection.declared.pop(queue, None)
+        self.connection.consumer_timeouts.pop(queue, None)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.lib.exists(queue)
@@ -334,7 +340,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             if payload is not None:
                 message = self.Message(payload, channel=self)
                 if not no_ack:
-                    KEEPER.take(self, self.lib, [delivery])
+                    KEEPER.take(self, self.lib, [delivery], self.connection.consumer_timeouts)
                     self.qos.append(message, message.delivery_tag)
                 return message
         return None

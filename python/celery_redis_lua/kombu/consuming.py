@@ -172,7 +172,7 @@ class ConsumingMixin:
         and a solo task blocks inside the first. They wait in ``_undelivered`` until handed
         over: a callback that raises leaves the rest there, for the next round."""
         if not no_ack:
-            KEEPER.take(self, self.lib, deliveries)
+            KEEPER.take(self, self.lib, deliveries, self.connection.consumer_timeouts)
         self._undelivered.extend((delivery, no_ack) for delivery in deliveries)
         return self._deliver_undelivered()
 

@@ -13,11 +13,12 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
+from ..protocol.ops import Delivery
 from ..protocol.outbox import Outbox
 from ..protocol.runner import Call
 from ..protocol.settle import hand_back
@@ -56,9 +57,54 @@ class Taken:
     holder: Callable[[], Any]  # a weak reference to the channel
     live: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
     settling: defaultdict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    # (queue, id) -> when it stops being kept alive (monotonic): deliveries of queues with an
+    # x-consumer-timeout only; -inf once it passed (logged, never extended again)
+    deadlines: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(map(len, self.live.values())) + sum(map(len, self.settling.values()))
+
+    def time_out(self, lib: ScriptLibrary, deliveries: Iterable[Delivery], timeouts: Mapping[str, int],
+                 now: float) -> float:
+        """When each delivery of a queue with an x-consumer-timeout (ms) stops being kept alive;
+        returns when the first must be extended to exactly that (consume gave it a visibility
+        timeout from now, which may reach past it), or inf."""
+        first = math.inf
+        if not timeouts:
+            return first
+        for d in deliveries:
+            if d.queue in timeouts:
+                at = self.deadlines[d.queue, d.id] = now + timeouts[d.queue] / 1000
+                first = min(first, at - lib.policy.visibility_ms / 1000)
+        return first
+
+    def bound_by_timeouts(self, lib: ScriptLibrary, ids: dict[tuple[ScriptLibrary, str], list[str]],
+                          now: float) -> list[Call[Any]]:
+        """x-consumer-timeout (the keeper's lock held): a delivery past its queue's timeout is
+        taken out of ``ids`` and no longer extended (logged once; the sweep takes it back at its
+        deadline, with the delayed retry and the delivery limit applying, as RabbitMQ's consumer
+        timeout takes it back), and one nearer to it than the visibility timeout is extended
+        to it exactly, on a call of its own (returned), instead of with the others."""
+        if not self.deadlines:
+            return []
+        visibility = lib.policy.visibility_ms / 1000
+        calls, bounded = [], set()
+        for (queue, message_id), at in self.deadlines.items():
+            if at > now + visibility:
+                continue
+            bounded.add((queue, message_id))
+            if at > now:
+                left_ms = max(1, int((at - now) * 1000))
+                calls.append(lib.calls.extend(queue, [message_id], visibility_ms=left_ms))
+            elif at > -math.inf:
+                self.deadlines[queue, message_id] = -math.inf
+                logger.warning("celery-redis-lua: message %s of queue %r is held past the queue's "
+                               "x-consumer-timeout: no longer kept alive, the broker takes it back at "
+                               "its deadline (delivered again, or dead-lettered by the delivery limit)",
+                               message_id, queue)
+        for queue in {queue for queue, _ in bounded}:
+            ids[(lib, queue)] = [i for i in ids[(lib, queue)] if (queue, i) not in bounded]
+        return calls
 
     def orphans(self, lib: ScriptLibrary, now: float) -> Iterable[Held]:
         """Its deliveries as orphans nobody holds yet (settling ones stay settling)."""
@@ -132,3 +178,4 @@ def report_left(outboxes: Iterable[Outbox], unsettled: Iterable[Held]) -> None:
         logger.error("celery-redis-lua: exiting with %d message(s) of queue %r not handed back: "
                      "%s; the sweep restores them after the visibility timeout", len(group), queue,
                      ", ".join(h.id for h in group))
+

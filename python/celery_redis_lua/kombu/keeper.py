@@ -9,7 +9,7 @@ handed back, still extended, so a call refused during a failover lands in time).
 deadlines, never reading a kombu object, the thread:
 
 - extends every held deadline a third of the visibility before it lapses, whatever the
-  consumer's loop is doing (a solo task, a warm shutdown, a reconnect);
+  consumer's loop is doing (a solo task, a warm shutdown, a reconnect), up to an x-consumer-timeout;
 - hands back, counted, what nobody holds any more (a dropped Message or channel, what a
   closed channel never handed kombu), running the cycle collector on a back-off while
   orphans wait (Celery's requests are in reference cycles);
@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..protocol.library import ScriptLibrary
@@ -113,19 +113,21 @@ class Keeper:
 
     # -- the held table --------------------------------------------------------------------
 
-    def take(self, owner: Any, lib: ScriptLibrary, deliveries: Sequence[Delivery]) -> None:
+    def take(self, owner: Any, lib: ScriptLibrary, deliveries: Sequence[Delivery],
+             timeouts: Mapping[str, int] | None = None) -> None:
         """A consume reply was read: ``owner`` (the channel whose library ``lib`` is) holds
-        ``deliveries`` now."""
+        ``deliveries`` now; ``timeouts``: the x-consumer-timeout (ms) of queues with one."""
         if not deliveries:
             return
         with self._lock:
             taken = self._taken.get(lib)
             if taken is None:
                 taken = self._taken[lib] = Taken(weakref.ref(owner))
-            live = taken.live
             for d in deliveries:
-                live[d.queue][d.id] = d.delivery_count
-            self._extend_due = min(self._extend_due, time.monotonic() + lib.policy.heartbeat_seconds)
+                taken.live[d.queue][d.id] = d.delivery_count
+            now = time.monotonic()
+            self._extend_due = min(self._extend_due, now + lib.policy.heartbeat_seconds,
+                                   taken.time_out(lib, deliveries, timeouts or {}, now))
             # Woken on every consume reply, not only when the deadline moves earlier: without
             # the wake a Celery worker's hub refilled in smaller batches (0.70 consume calls
             # per task against 0.60) and ran threads early ack 5 % slower (64ea431, reverted;
@@ -160,6 +162,7 @@ class Keeper:
                 for message_id in ids:
                     if settling.pop(message_id, None) is None:
                         live.pop(message_id, None)
+                    taken.deadlines.pop((queue, message_id), None)
             if self._orphans:
                 for message_id in ids:
                     self._orphans.pop((lib, queue, message_id), None)
@@ -206,8 +209,7 @@ class Keeper:
         """Run ``calls`` every ``interval`` seconds while ``owner`` lives (replacing what it
         registered under ``name``); none: withdraw them."""
         if not calls:
-            self.withdraw(owner, name)
-            return
+            return self.withdraw(owner, name)
         with self._lock:
             self._alive[(id(owner), name)] = KeepAlive(
                 weakref.ref(owner), lib, calls, interval, time.monotonic() + interval)
@@ -306,6 +308,7 @@ class Keeper:
         """Push every held deadline forward; hand back what a dropped channel held."""
         dropped: list[Held] = []
         ids: dict[tuple[ScriptLibrary, str], list[str]] = defaultdict(list)
+        by_lib: dict[ScriptLibrary, list[Call[Any]]] = defaultdict(list)
         with self._lock:
             for lib, taken in list(self._taken.items()):
                 if taken.holder() is None:  # dropped without a close: its deliveries are orphans
@@ -315,13 +318,13 @@ class Keeper:
                 for table in (taken.live, taken.settling):
                     for queue, held in table.items():
                         ids[(lib, queue)] += held
+                by_lib[lib] += taken.bound_by_timeouts(lib, ids, now)  # x-consumer-timeout
             for h in self._orphans.values():
                 if h.settling or h.holder() is not None:
                     ids[(h.lib, h.queue)].append(h.id)
             groups = {key: group for key, group in ids.items() if group}
-            self._extend_due = (now + min(lib.policy.heartbeat_seconds for lib, _ in groups)) if groups \
-                else math.inf
-        by_lib: dict[ScriptLibrary, list[Call[Any]]] = defaultdict(list)
+            libs = {lib for lib, _ in groups} | {lib for lib, calls in by_lib.items() if calls}
+            self._extend_due = now + min((lib.policy.heartbeat_seconds for lib in libs), default=math.inf)
         for (lib, queue), group in groups.items():
             by_lib[lib].append(lib.calls.extend(queue, group))
         for lib, calls in by_lib.items():

@@ -107,6 +107,9 @@ class Transport(virtual.Transport):
         # What this connection knows of its queues, shared by its channels as kombu shares
         # its binding state: the arguments in force (from declare) and the fanout bindings.
         self.declared: dict[str, Declared] = {}
+        # x-consumer-timeout (ms) of the declared queues that have one: the keeper stops
+        # keeping a delivery of one alive after it (keeper.py)
+        self.consumer_timeouts: dict[str, int] = {}
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
         self._server_checked = False  # eviction and the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)

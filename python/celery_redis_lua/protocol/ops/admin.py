@@ -29,6 +29,7 @@ class Declared:
     # Stored arguments out of range (an older version's, or set by hand): 'x-name=VALUE'
     # each; in force (above) as their bound when past it, as not set when no number.
     out_of_range: tuple[str, ...] = ()
+    consumer_timeout_ms: int | None = None  # x-consumer-timeout: how long a delivery is kept alive
 
 
 @dataclass(frozen=True)
@@ -45,18 +46,22 @@ class Deleted:
 @operation
 def declare(k: Keyspace, p: Policy, queue: str, *, expires_ms: int | None = None,
             message_ttl_ms: int | None = None, max_priority: int | None = None,
-            fanout_exchange: str | None = None, retry: DelayedRetry | None = None) -> Call[Declared]:
+            fanout_exchange: str | None = None, retry: DelayedRetry | None = None,
+            consumer_timeout_ms: int | None = None) -> Call[Declared]:
     """``fanout_exchange``: record that the queue is bound to it, so that delete names it.
     ``retry``: the queue's delayed retry (None: not declared, the stored one stays)."""
     args = [optional_arg(expires_ms), optional_arg(message_ttl_ms), optional_arg(max_priority),
-            fanout_exchange or "", *(retry.arguments() if retry is not None else ["", "", ""])]
+            fanout_exchange or "", *(retry.arguments() if retry is not None else ["", "", ""]),
+            optional_arg(consumer_timeout_ms)]
 
     def decode(reply: Sequence[Any]) -> Declared:
         retry = DelayedRetry(text(reply[6]), int_or_none(reply[7]), int_or_none(reply[8]))
         ready, delayed, in_flight = (int(n) for n in reply[:3])
         expires, ttl, max_priority = (int_or_none(n) for n in reply[3:6])
         out_of_range = tuple(text(item) for item in reply[9]) if len(reply) > 9 else ()
-        return Declared(ready, delayed, in_flight, expires, ttl, max_priority, retry, out_of_range)
+        consumer_timeout = int_or_none(reply[10]) if len(reply) > 10 else None
+        return Declared(ready, delayed, in_flight, expires, ttl, max_priority, retry, out_of_range,
+                        consumer_timeout)
 
     return Call("declare", k.queue_keys(queue), args, decode)
 

@@ -176,8 +176,10 @@ def reject(k: Keyspace, p: Policy, queue: str, ids: Sequence[str], *, requeue: b
 
 
 @operation
-def extend(k: Keyspace, p: Policy, queue: str, ids: Sequence[str] = ()) -> Call[int]:
-    return Call("extend", k.queue_keys(queue), [p.visibility_ms, *ids], int)
+def extend(k: Keyspace, p: Policy, queue: str, ids: Sequence[str] = (), *,
+           visibility_ms: int | None = None) -> Call[int]:
+    """New deadlines ``visibility_ms`` (the policy's visibility timeout) from now."""
+    return Call("extend", k.queue_keys(queue), [visibility_ms or p.visibility_ms, *ids], int)
 
 
 # Overdue deliveries one sweep call hands back at most. The server runs a call alone: with
