@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 5
--- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled'.
+-- version: 6
+-- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled' (or 'revoked').
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; counters 'dropped:cancelled', 'retrying' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; counters 'dropped:cancelled' or 'dropped:revoked', 'retrying' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
@@ -14,14 +14,16 @@
 -- ARGV:
 --   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
 --   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
+--   3  reason              'cancelled' | 'revoked', optional       the dead letter's reason: 'revoked' when Celery's revoke() asked (the transport sees it pass), 'cancelled' (default) for the CLI's cancel
 -- returns: array {outcome, id, state}: outcome 'cancelled' (state: 'ready', 'delayed' or 'retry', the
 --   message is gone and dead-lettered), 'in_flight' (a consumer holds it: nothing changed;
 --   revoke the task in Celery), or {'missing'} (no message of that task id in this queue)
 -- errors:
 --   ERR celery-redis-lua: cancel: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: cancel: expected 2 arguments, got N
+--   ERR celery-redis-lua: cancel: expected 2 or 3 arguments, got N
 --   ERR celery-redis-lua: cancel: task_id must be a non-empty string of at most 256 bytes
 --   ERR celery-redis-lua: cancel: dead_letter_maxlen must be an integer >= 0, got 'V'
+--   ERR celery-redis-lua: cancel: reason must be 'cancelled' or 'revoked', got 'V'
 -- why: atomic, so a message is either cancelled or delivered, never both: a consumer that
 --   takes it first makes it in flight, and cancel leaves a delivery alone (the delivery
 --   count would otherwise be lost, and Celery's revoke covers a running task). A
@@ -84,13 +86,17 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 2 then return fail('expected 2 arguments, got ' .. #ARGV) end
+if #ARGV ~= 2 and #ARGV ~= 3 then return fail('expected 2 or 3 arguments, got ' .. #ARGV) end
 local task_id = ARGV[1]
 if task_id == '' or #task_id > 256 then return fail('task_id must be a non-empty string of at most 256 bytes') end
 if not string.match(ARGV[2], '^%d+$') then
   return fail("dead_letter_maxlen must be an integer >= 0, got '" .. ARGV[2] .. "'")
 end
 local dead_maxlen = tonumber(ARGV[2])
+local reason = ARGV[3] or 'cancelled'
+if reason ~= 'cancelled' and reason ~= 'revoked' then
+  return fail("reason must be 'cancelled' or 'revoked', got '" .. reason .. "'")
+end
 local queue_key, delayed_key, index_key, meta_key, dead_key, message_key, state_key = unpack(KEYS)
 
 local id = rcall('HGET', state_key, 'task:' .. task_id)
@@ -101,7 +107,7 @@ if s.state == 'unacked' then return {'in_flight', id, s.state} end
 
 local payload = rcall('HGET', message_key, id)
 if payload and dead_maxlen > 0 then
-  rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', 'cancelled',
+  rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', reason,
         'delivery_count', s.count, 'priority', s.priority, 'payload', payload)
 end
 rcall('ZREM', queue_key, id)
@@ -111,7 +117,7 @@ rcall('HDEL', message_key, id)
 forget_task(state_key, id, s)
 rcall('HDEL', state_key, id)
 drop_idle_wake(queue_key, delayed_key, KEYS[8])
-count_in_meta(meta_key, 'dropped:cancelled', 1)
+count_in_meta(meta_key, 'dropped:' .. reason, 1)
 if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end -- it waited to retry
 
 local time = rcall('TIME')

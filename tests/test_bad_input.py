@@ -119,9 +119,10 @@ BASE: dict[str, Build] = {
     "rer": lambda k, s: ops.rerouted(k, POLICY, QUEUE, EXCHANGE, 1),
     "dcl": lambda k, s: ops.declare(k, POLICY, QUEUE, expires_ms=600_000, fanout_exchange=FANOUT),
     "lim": lambda k, s: ops.limit(k, POLICY, QUEUE, in_flight=5, rate="20/s"),
+    "cnl": lambda k, s: ops.cancel(k, POLICY, QUEUE, "a-task", reason="revoked"),
 }
 (pub, con, rej, ext, ack, swp, prg, dlt, bnd, fan, dlist, replay, given, fbind, fread, funbind,
- fleave, unpop, mig, rer, dcl, lim) = BASE.values()
+ fleave, unpop, mig, rer, dcl, lim, cnl) = BASE.values()
 
 
 def arg(build: Build, position: int, value: Any) -> Build:
@@ -384,6 +385,11 @@ CASES: dict[str, tuple[Build, tuple[str, ...]]] = {
     # A good cap beside a bad rate: the cap must not be stored either.
     "limit-good-cap-bad-rate": (args_at(lim, {1: 7, 2: "fast"}), ("rate", "'fast'")),
     "limit-nothing": (args_at(lim, {1: "", 2: ""}), ("nothing to change",)),
+    "cancel-reason-word": (arg(cnl, 3, "deleted"), ("reason must be 'cancelled' or 'revoked'", "'deleted'")),
+    "cancel-no-task-id": (arg(cnl, 1, ""), ("task_id must be a non-empty string",)),
+    "cancel-maxlen-word": (arg(cnl, 2, "lots"), ("dead_letter_maxlen", "'lots'")),
+    "cancel-4-args": (lambda k, s: replace(cnl(k, s), args=[*cnl(k, s).args, "x"]),
+                      ("expected 2 or 3 arguments", "got 4")),
     "limit-1-arg": (argv(lim, 1), ("expected 2 arguments (in_flight, rate)", "got 1")),
     "limit-7-keys": (keys(lim, 7), ("expected 8 keys", "got 7")),
     "limit-no-queue": (lambda k, s: ops.limit(k, POLICY, "never-declared", in_flight=3),

@@ -720,10 +720,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 q.rate, q.tokens = rate, burst(rate)
             assert limits == Limits(q.cap, q.rate)
 
-        @rule(picks=PICKS, gone=st.booleans())
-        def cancel(self, picks: list[int], gone: bool) -> None:
+        @rule(picks=PICKS, gone=st.booleans(), reason=st.sampled_from(["cancelled", "revoked"]))
+        def cancel(self, picks: list[int], gone: bool, reason: str) -> None:
             """Cancel a task by id: a waiting message (ready, delayed, retry) is dead-lettered
-            'cancelled'; one in flight is left alone; one that is gone is missing."""
+            with the reason ('cancelled', or 'revoked': Celery's revoke() seen by the
+            transport); one in flight is left alone; one that is gone is missing."""
             tasks = sorted((m.queue, m.task) for m in self.m.messages.values() if m.task)
             if gone:
                 tasks = sorted((q, f"{q}-{n}") for q in queues for n in range(1, self.m.published[q] + 1)
@@ -731,7 +732,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             if not tasks:
                 return
             queue, task = pick(tasks, picks)[0]
-            result = self.lib.cancel(queue, task)
+            result = self.lib.cancel(queue, task, reason=reason)
             found = [m for m in self.m.messages.values() if m.queue == queue and m.task == task]
             if not found:
                 assert result.outcome == "missing"
@@ -741,7 +742,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 assert (result.outcome, result.id) == ("in_flight", m.id)
                 return
             assert (result.outcome, result.id, result.was) == ("cancelled", m.id, m.state)
-            self.dead_letter(m, "cancelled", m.delivery_count)
+            self.dead_letter(m, reason, m.delivery_count)
+            assert int(client.hget(k.meta(queue), f"dropped:{reason}") or 0) >= 1
 
         @rule(queue=st.sampled_from(queues))
         def unpop(self, queue: str) -> None:

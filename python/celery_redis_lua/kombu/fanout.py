@@ -22,6 +22,7 @@ from redis.crc import key_slot
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps
 from ..protocol.ops import Delivery
 from ..protocol.runner import Call
+from .revoke import revoke_waiting, revoked_task_ids
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ class FanoutMixin:
                     **kwargs: Any) -> None:
         self.lib.fanout_publish(exchange, dumps(message), maxlen=self.options.stream_maxlen,
                                 expires_ms=self.options.queue_expires_ms, routing_key=routing_key)
+        revoked = revoked_task_ids(exchange, message)
+        if revoked:  # Celery's revoke(): the waiting ones never run, whichever worker is up
+            try:
+                revoke_waiting(self.lib, revoked)
+            except redis.RedisError as error:  # the broadcast went: the workers up still revoke
+                logger.warning("celery-redis-lua: revoke of %d task(s) did not reach the queues (%s)",
+                               len(revoked), error)
 
     def fanout_bind_call(self, queue: str) -> Call[Any]:
         """Create (or keep alive) the queue's group, with the queue's expiry and message TTL."""

@@ -54,11 +54,13 @@ def locate(k: Keyspace, p: Policy, queue: str, task_id: str) -> Call[Located]:
 
 
 @operation
-def cancel(k: Keyspace, p: Policy, queue: str, task_id: str) -> Call[Cancelled]:
+def cancel(k: Keyspace, p: Policy, queue: str, task_id: str, *, reason: str = "cancelled") -> Call[Cancelled]:
+    """``reason``: the dead letter's, 'cancelled' (the CLI's cancel) or 'revoked' (Celery's
+    revoke(), seen on its way to the workers)."""
     def decode(reply: Sequence[Any]) -> Cancelled:
         outcome = text(reply[0])
         if outcome == "missing":
             return Cancelled(queue, outcome)
         return Cancelled(queue, outcome, text(reply[1]), text(reply[2]) if outcome == "cancelled" else None)
 
-    return Call("cancel", k.queue_keys(queue), [task_id, p.dead_letter_maxlen], decode)
+    return Call("cancel", k.queue_keys(queue), [task_id, p.dead_letter_maxlen, reason], decode)

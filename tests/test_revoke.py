@@ -1,0 +1,57 @@
+"""What the transport reads of a pidbox broadcast (kombu/revoke.py): only a JSON ``revoke``
+command's task ids, one or a list; a waiting task is dead-lettered 'revoked' whether the
+broadcast came from Celery or from kombu's Mailbox directly, and other commands, other
+exchanges and a task in flight change nothing."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from kombu import Consumer, Queue
+from kombu.message import Message
+from kombu.pidbox import Mailbox
+
+from celery_redis_lua.kombu.revoke import revoked_task_ids
+from kombu_support import Broker, drain
+
+
+def envelope(command: object, base64_body: bool = False) -> dict[str, object]:
+    body = json.dumps(command)
+    if base64_body:
+        return {"body": base64.b64encode(body.encode()).decode(), "properties": {"body_encoding": "base64"}}
+    return {"body": body, "properties": {}}
+
+
+def test_only_a_revoke_command_s_task_ids_are_read() -> None:
+    revoke = {"method": "revoke", "arguments": {"task_id": ["a", "b", "a", "", 5, "x" * 257]}}
+    assert revoked_task_ids("celery.pidbox", envelope(revoke)) == ["a", "b"]
+    assert revoked_task_ids("myapp.pidbox", envelope(revoke, base64_body=True)) == ["a", "b"]
+    one = {"method": "revoke", "arguments": {"task_id": "c", "terminate": True}}
+    assert revoked_task_ids("celery.pidbox", envelope(one)) == ["c"]
+    assert revoked_task_ids("bcast", envelope(one)) == []  # a fanout exchange of the app's own
+    assert revoked_task_ids("celery.pidbox", envelope({"method": "ping", "arguments": {}})) == []
+    assert revoked_task_ids("celery.pidbox", {"body": "\x80not json", "properties": {}}) == []
+
+
+def test_a_mailbox_revoke_dead_letters_what_waits_and_leaves_a_delivery_alone(kind_broker: Broker) -> None:
+    lib = kind_broker.lib
+    with kind_broker.connection() as conn:
+        producer = conn.Producer()
+        for name in ("delivered", "queued", "other"):
+            producer.publish({}, routing_key="jobs", declare=[Queue("jobs")], headers={"id": name})
+        lib.publish("jobs", "{}", task_id="from-node")  # a producer in another language
+        got: list[Message] = []
+        with Consumer(conn, [Queue("jobs")], callbacks=[lambda body, message: got.append(message)],
+                      prefetch_count=1):
+            drain(conn, got, 1)
+        assert got[0].headers["id"] == "delivered"  # FIFO: the first is in flight now
+        mailbox = Mailbox("celery", type="fanout")(conn)
+        mailbox._broadcast("ping", {})  # another command: nothing happens
+        assert lib.dead_list("jobs") == []
+        mailbox._broadcast("revoke", {"task_id": ["delivered", "queued", "from-node", "never-sent"]})
+        letters = lib.dead_list("jobs")
+        assert sorted((json.loads(d.payload).get("headers", {}).get("id", "from-node"), d.reason)
+                      for d in letters) == [("from-node", "revoked"), ("queued", "revoked")]
+        assert lib.stats(["jobs"])[0].in_flight == 1  # the delivery is the workers' to revoke
+        got[0].ack()
