@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 8
+-- version: 9
 -- summary: Acknowledge messages of one queue: delete them and every trace of them, fenced by the delivery's count.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -65,10 +65,11 @@ end
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
--- message of the same task id (a retry) keeps its own.
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call.
 local function forget_task(state_key, id, s)
   if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task)
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
   end
 end
 

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 6
+-- version: 7
 -- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled' (or 'revoked').
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -16,8 +16,9 @@
 --   2  dead_letter_maxlen  integer >= 0                           approximate cap of the dead-letter stream; 0 deletes the message outright
 --   3  reason              'cancelled' | 'revoked', optional       the dead letter's reason: 'revoked' when Celery's revoke() asked (the transport sees it pass), 'cancelled' (default) for the CLI's cancel
 -- returns: array {outcome, id, state}: outcome 'cancelled' (state: 'ready', 'delayed' or 'retry', the
---   message is gone and dead-lettered), 'in_flight' (a consumer holds it: nothing changed;
---   revoke the task in Celery), or {'missing'} (no message of that task id in this queue)
+--   message is gone and dead-lettered), 'in_flight' (a consumer holds it: left to it; with reason
+--   'revoked' it is marked, 'revoked:<task id>' in state, so that reject and sweep dead-letter it
+--   if it comes back), or {'missing'} (no message of that task id in this queue)
 -- errors:
 --   ERR celery-redis-lua: cancel: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: cancel: expected 2 or 3 arguments, got N
@@ -76,10 +77,11 @@ end
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
--- message of the same task id (a retry) keeps its own.
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call.
 local function forget_task(state_key, id, s)
   if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task)
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
   end
 end
 
@@ -103,7 +105,13 @@ local id = rcall('HGET', state_key, 'task:' .. task_id)
 local raw = id and rcall('HGET', state_key, id)
 if not raw then return {'missing'} end
 local s = parse_state(raw)
-if s.state == 'unacked' then return {'in_flight', id, s.state} end
+if s.state == 'unacked' then
+  -- Celery's revoke() names it: should it come back (its worker died, its lease lapsed, it
+  -- was handed back) reject and sweep dead-letter it, reason 'revoked'; ack and every
+  -- script that drops it take the mark with the task index (forget_task).
+  if reason == 'revoked' then rcall('HSET', state_key, 'revoked:' .. task_id, 1) end
+  return {'in_flight', id, s.state}
+end
 
 local payload = rcall('HGET', message_key, id)
 if payload and dead_maxlen > 0 then

@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 10
+-- version: 11
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -77,10 +77,11 @@ end
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
--- message of the same task id (a retry) keeps its own.
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call.
 local function forget_task(state_key, id, s)
   if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task)
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)

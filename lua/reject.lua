@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 10
+-- version: 11
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -17,7 +17,8 @@
 --   3   dead_letter_maxlen  integer >= 0     approximate cap of the dead-letter stream; 0 deletes dropped messages outright
 --   4   visibility_ms       integer > 0      unused since version 7 (no ready message sits popped); still checked
 --   5.. id                  string           message ids to reject, each optionally as id:delivery_count
--- returns: array {requeued, dead_lettered, deleted, stale} counts
+-- returns: array {requeued, dead_lettered, deleted, stale} counts (a requeue of a delivery Celery's
+--   revoke() named, marked by cancel, is dead-lettered with reason 'revoked' instead)
 -- errors:
 --   ERR celery-redis-lua: reject: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
 --   ERR celery-redis-lua: reject: expected at least 5 arguments, got N
@@ -71,10 +72,11 @@ end
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
--- message of the same task id (a retry) keeps its own.
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call.
 local function forget_task(state_key, id, s)
   if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task)
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -186,6 +188,7 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local retry = requeue and retry_policy(meta_key, cause)
 local requeued, dead_lettered, deleted, stale, retrying = 0, 0, 0, 0, 0
+local dropped = {} -- reason -> dead-lettered or deleted
 for i, id in ipairs(ids) do
   local payload = rcall('HGET', message_key, id)
   local raw = rcall('HGET', state_key, id)
@@ -194,18 +197,20 @@ for i, id in ipairs(ids) do
     stale = stale + 1 -- delivered again since: not this consumer's to reject
   elseif payload and s then
     local attempts = s.count + 1
+    -- A delivery Celery's revoke() named (cancel marked it) that comes back is dead-lettered.
+    local revoked = requeue and s.task ~= '' and rcall('HEXISTS', state_key, 'revoked:' .. s.task) == 1
     if s.state == 'retry' and not (retry and (limit == 0 or attempts < limit)) then
       rcall('ZREM', delayed_key, id) -- rejected by id alone while it waited: it waits no more
       retrying = retrying - 1
     end
-    if retry and (limit == 0 or attempts < limit) then
+    if retry and not revoked and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('retry', attempts, s))
       rcall('ZADD', delayed_key, string.format('%d', now + retry_delay(retry, attempts)), id)
       if tonumber(s.expires_at) then rcall('ZADD', index_key, s.expires_at, id) else rcall('ZREM', index_key, id) end
       rcall('ZREM', queue_key, id) -- a ready one (rejected by id alone) is no longer ready
       if s.state ~= 'retry' then retrying = retrying + 1 end
       requeued = requeued + 1
-    elseif requeue and (limit == 0 or attempts < limit) then
+    elseif requeue and not revoked and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('ready', attempts, s))
       rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
       if tonumber(s.expires_at) then -- ready: indexed only to be dropped at its TTL
@@ -215,15 +220,16 @@ for i, id in ipairs(ids) do
       end
       requeued = requeued + 1
     else
+      local reason = revoked and 'revoked' or requeue and 'delivery-limit' or 'rejected'
       if dead_maxlen > 0 then
-        rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id,
-              'reason', requeue and 'delivery-limit' or 'rejected',
-              'delivery_count', requeue and attempts or s.count,
+        rcall('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', reason,
+              'delivery_count', reason == 'delivery-limit' and attempts or s.count,
               'priority', s.priority, 'payload', payload)
         dead_lettered = dead_lettered + 1
       else
         deleted = deleted + 1
       end
+      dropped[reason] = (dropped[reason] or 0) + 1
       rcall('HDEL', message_key, id)
       forget_task(state_key, id, s)
       rcall('HDEL', state_key, id)
@@ -245,7 +251,7 @@ elseif dead_lettered + deleted > 0 then
 end
 count_in_meta(meta_key, 'redelivered', requeued)
 if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
-count_in_meta(meta_key, 'dropped:' .. (requeue and 'delivery-limit' or 'rejected'), dead_lettered + deleted)
+for reason, n in pairs(dropped) do count_in_meta(meta_key, 'dropped:' .. reason, n) end
 local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
 if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 9
+-- version: 10
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -17,8 +17,10 @@
 --   3  dead_letter_maxlen  integer >= 0      approximate cap of the dead-letter stream; 0 deletes dropped messages outright
 --   4  batch               integer 1..10000  most entries looked at per queue and per kind in this call
 --   5  report_limit        integer >= 0      most dropped messages returned with their payload
--- returns: array {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more,
+-- returns: array {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more, revoked,
 --   then 5 items per reported dropped message: queue_position, id, delivery_count, reason, payload}
+--   revoked: timed-out deliveries Celery's revoke() named (cancel marked them), dead-lettered
+--   with reason 'revoked' instead of put back;
 --   promoted: delayed messages made ready; requeued: timed-out deliveries put back (count + 1);
 --   unclaimed: ready messages in neither the queue nor in flight, put back (not counted;
 --   only scripts before version 6, which let BZMPOP pop messages, left such);
@@ -82,10 +84,11 @@ end
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
--- message of the same task id (a retry) keeps its own.
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call.
 local function forget_task(state_key, id, s)
   if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task)
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -191,13 +194,14 @@ local function index_ready(index_key, id, s)
 end
 
 local promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = 0, 0, 0, 0, 0, 0, 0, 0
+local revoked = 0
 local reported = {}
 
 for q = 1, #KEYS / QUEUE_KEYS do
   local base = QUEUE_KEYS * (q - 1)
   local queue_key, delayed_key, index_key, meta_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local dead_key, message_key, state_key, wake_key = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7], KEYS[base + 8]
-  local requeued_before, expired_before, limit_before = requeued, expired, limit_reached
+  local requeued_before, expired_before, limit_before, revoked_before = requeued, expired, limit_reached, revoked
   local retrying = 0 -- the change of the queue's 'retrying' counter
   local ready_before = promoted + requeued + unclaimed
   local freed = false -- a delivery dropped: its slot of an in-flight cap is free
@@ -268,7 +272,10 @@ for q = 1, #KEYS / QUEUE_KEYS do
       unclaimed = unclaimed + 1
     else
       local attempts = s.count + 1
-      if ttl_at and ttl_at <= now then
+      if s.task ~= '' and rcall('HEXISTS', state_key, 'revoked:' .. s.task) == 1 then
+        drop(id, s, payload, 'revoked', s.count) -- revoked while in flight: never run again
+        revoked = revoked + 1
+      elseif ttl_at and ttl_at <= now then
         drop(id, s, payload, 'expired', attempts) -- timed out, and its TTL passed meanwhile
         expired = expired + 1
       elseif retry and (limit == 0 or attempts < limit) then
@@ -299,6 +306,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if retrying ~= 0 then rcall('HINCRBY', meta_key, 'retrying', retrying) end
   count_in_meta(meta_key, 'dropped:expired', expired - expired_before)
   count_in_meta(meta_key, 'dropped:delivery-limit', limit_reached - limit_before)
+  count_in_meta(meta_key, 'dropped:revoked', revoked - revoked_before)
   local expires = stored_ms(rcall('HGET', meta_key, 'expires'))
   if expires then
     local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
@@ -306,6 +314,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
 end
 
-local reply = {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more}
+local reply = {promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more, revoked}
 for _, item in ipairs(reported) do reply[#reply + 1] = item end
 return reply

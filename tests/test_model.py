@@ -139,6 +139,7 @@ class Msg:
     restored: bool = False  # the sweep moved it on while its last consumer still held it
     holder: tuple[int, int] | None = None  # (consumer, count) of its last delivery, until settled
     task: str | None = None  # the Celery task id it was published with
+    revoked: bool = False  # in flight when Celery's revoke() named it (cancel, reason 'revoked')
 
     def delivery(self) -> tuple[str, str, int, bytes]:
         return self.queue, self.id, self.delivery_count, self.payload
@@ -543,7 +544,10 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     continue
                 m.holder = None  # settled by its last consumer
                 attempts = count + 1
-                if requeue and attempts < LIMIT and self.retry_applies(queue, cause):
+                if requeue and m.revoked:  # it comes back after Celery revoked it: never again
+                    self.dead_letter(m, "revoked", count)
+                    dead += 1
+                elif requeue and attempts < LIMIT and self.retry_applies(queue, cause):
                     self.record_retry(m, attempts, t0, t1)
                     requeued += 1
                 elif requeue and attempts < LIMIT:
@@ -609,7 +613,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             report = self.lib.sweep(queues)
             t1 = self.now()
             promoted = self.resolve_promotions(queues, True, t0, t1)
-            requeued, expired, dead_lettered, dropped = 0, 0, 0, []
+            requeued, expired, dead_lettered, revoked, dropped = 0, 0, 0, 0, []
             for group in self.lib.slot_groups(queues):
                 for q in group:
                     due = [m for m in self.m.messages.values() if m.queue == q and (
@@ -624,7 +628,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                             expired += 1
                             continue
                         m.restored = bool(self.m.holders(q, m.id))
-                        if attempts < LIMIT and self.retry_applies(q, "failed"):
+                        if m.revoked:
+                            dropped.append((q, m.id, m.delivery_count, "revoked", m.payload))
+                            self.dead_letter(m, "revoked", m.delivery_count)
+                            revoked += 1
+                        elif attempts < LIMIT and self.retry_applies(q, "failed"):
                             self.record_retry(m, attempts, t0, t1)
                             requeued += 1
                         elif attempts < LIMIT:
@@ -635,8 +643,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                             dropped.append((q, m.id, attempts, "delivery-limit", m.payload))
                             self.dead_letter(m, "delivery-limit", attempts)
                             dead_lettered += 1
-            assert (report.promoted, report.requeued, report.limit_reached, report.expired) == (
-                promoted, requeued, dead_lettered, expired)
+            assert (report.promoted, report.requeued, report.limit_reached, report.expired,
+                    report.revoked) == (promoted, requeued, dead_lettered, expired, revoked)
             assert (report.unclaimed, report.backlog, report.orphans, report.more) == (0, 0, 0, False)
             assert [(d.queue, d.id, d.delivery_count, d.reason, d.payload)
                     for d in report.dropped_messages] == dropped[:10]
@@ -740,6 +748,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             [m] = found
             if m.state == "unacked":
                 assert (result.outcome, result.id) == ("in_flight", m.id)
+                m.revoked = m.revoked or reason == "revoked"  # marked: dead-lettered if it comes back
                 return
             assert (result.outcome, result.id, result.was) == ("cancelled", m.id, m.state)
             self.dead_letter(m, reason, m.delivery_count)
@@ -857,7 +866,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             mine = [m for m in self.m.messages.values() if m.queue == q]
             states = {text(i): text(v) for i, v in client.hgetall(k.state(q)).items()}
             assert states == {m.id: m.state_string() for m in mine} | {
-                f"task:{m.task}": m.id for m in mine if m.task}, q
+                f"task:{m.task}": m.id for m in mine if m.task} | {
+                f"revoked:{m.task}": "1" for m in mine if m.revoked}, q
             payloads = {text(i): v for i, v in client.hgetall(k.message(q)).items()}
             assert payloads == {m.id: m.payload for m in mine}, q
             dead = [(d.id, d.reason, d.delivery_count, d.priority, d.payload) for d in self.lib.dead_list(q)]

@@ -371,11 +371,14 @@ class ConsumingMixin:
             if dropped.reason == "expired":
                 logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
                                "while it waited and was %s", dropped.id, dropped.queue, where)
+            elif dropped.reason == "revoked":
+                logger.info("celery-redis-lua: message %s of queue %r came back after Celery revoked "
+                            "its task and was %s, not run again", dropped.id, dropped.queue, where)
             else:
                 logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
                              "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
                              self.lib.policy.delivery_limit, dropped.delivery_count, where)
-        unreported = report.limit_reached + report.expired - len(report.dropped_messages)
+        unreported = report.limit_reached + report.expired + report.revoked - len(report.dropped_messages)
         if unreported > 0:
             logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
                            "delivery limit) of queues %s", where, unreported, ", ".join(queues))

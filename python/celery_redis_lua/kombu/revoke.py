@@ -5,9 +5,11 @@
 worker forgets it at restart, so a countdown revoked while the workers were down ran anyway
 (celery/celery#8888). The transport reads the command on its way out: each task named that
 is still waiting in a queue (ready, delayed, waiting to retry) is dead-lettered there with
-reason ``revoked`` by the cancel script, atomically against a consumer taking it. The
-broadcast goes to the workers as before (``terminate=True`` included), so a task in flight
-is theirs to revoke. No patch to Celery: a producer on this transport is all it takes.
+reason ``revoked`` by the cancel script, atomically against a consumer taking it; one in
+flight is marked, so that if it comes back (its worker died, its lease lapsed, it was handed
+back) it is dead-lettered ``revoked`` instead of run again. The broadcast goes to the workers
+as before (``terminate=True`` included): a running task is theirs to revoke. No patch to
+Celery: a producer on this transport is all it takes.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def revoke_waiting(lib: ScriptLibrary, task_ids: list[str]) -> int:
     if failed:
         logger.warning("celery-redis-lua: revoke: %d of %d cancel calls failed (first: %s); those tasks "
                        "may still run", len(failed), len(calls), failed[0])
-    revoked = sum(1 for r in results if not isinstance(r, Exception) and r.outcome == "cancelled")
-    if revoked:
+    outcomes = [r.outcome for r in results if not isinstance(r, Exception)]
+    revoked, marked = outcomes.count("cancelled"), outcomes.count("in_flight")
+    if revoked or marked:
         logger.info("celery-redis-lua: revoke of %d task(s): %d waiting message(s) dead-lettered in the "
-                    "broker (reason 'revoked')", len(task_ids), revoked)
+                    "broker (reason 'revoked'), %d in flight marked not to run again", len(task_ids),
+                    revoked, marked)
     return revoked

@@ -80,6 +80,7 @@ class SweepReport:
     orphans: int
     more: bool
     dropped_messages: list[Dropped]
+    revoked: int = 0  # timed-out deliveries Celery's revoke() named: dead-lettered, not put back
 
     def __add__(self, other: SweepReport) -> SweepReport:
         return SweepReport(
@@ -87,6 +88,7 @@ class SweepReport:
             self.unclaimed + other.unclaimed, self.backlog + other.backlog,
             self.limit_reached + other.limit_reached, self.expired + other.expired,
             self.orphans + other.orphans, other.more, self.dropped_messages + other.dropped_messages,
+            self.revoked + other.revoked,
         )
 
 
@@ -195,13 +197,13 @@ def sweep(k: Keyspace, p: Policy, queues: Sequence[str], *, batch: int = SWEEP_B
     names = list(queues)
 
     def decode(reply: Sequence[Any]) -> SweepReport:
-        promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more = (
-            int(n) for n in reply[:8])
-        tail = reply[8:]
+        promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans, more, revoked = (
+            int(n) for n in reply[:9])
+        tail = reply[9:]
         dropped = [Dropped(names[int(tail[i]) - 1], text(tail[i + 1]), int(tail[i + 2]),
                            text(tail[i + 3]), as_bytes(tail[i + 4])) for i in range(0, len(tail), 5)]
         return SweepReport(promoted, requeued, unclaimed, backlog, limit_reached, expired, orphans,
-                           more=bool(more), dropped_messages=dropped)
+                           more=bool(more), dropped_messages=dropped, revoked=revoked)
 
     return Call("sweep", keys_of(k, names),
                 [p.visibility_ms, p.delivery_limit or 0, p.dead_letter_maxlen, batch, report_limit], decode)
