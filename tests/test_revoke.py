@@ -1,4 +1,4 @@
-"""What the transport reads of a pidbox broadcast (kombu/revoke.py): only a JSON ``revoke``
+"""What the transport reads of a pidbox broadcast (protocol/revoke.py): only a JSON ``revoke``
 command's task ids, one or a list; a waiting task is dead-lettered 'revoked' whether the
 broadcast came from Celery or from kombu's Mailbox directly, and other commands, other
 exchanges and a task in flight change nothing."""
@@ -13,7 +13,7 @@ from kombu.message import Message
 from kombu.pidbox import Mailbox
 
 from celery_redis_lua import Rejected, ScriptLibrary
-from celery_redis_lua.kombu.revoke import revoked_task_ids
+from celery_redis_lua.protocol.revoke import revoked_task_ids
 from helpers import server_now_ms, wait_for_server_time
 from kombu_support import Broker, drain
 

@@ -21,8 +21,8 @@ from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope, dumps
 from ..protocol.ops import Delivery
+from ..protocol.revoke import revoke_waiting, revoked_task_ids
 from ..protocol.runner import Call
-from .revoke import revoke_waiting, revoked_task_ids
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..protocol.library import ScriptLibrary
+from .library import ScriptLibrary
 
 logger = logging.getLogger(__name__)
 
