@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 9
+-- version: 10
 -- summary: Acknowledge messages of one queue: delete them and every trace of them, fenced by the delivery's count.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not touched); 'limits' (and 'paused' when it holds a cap) are read; 'retrying' less the retries cancelled (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters (not touched)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the message's task-id index entry goes too
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; the message's task-id index entry goes too
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped when an ack leaves nothing queued; pushed when it frees a slot of a capped queue, expiring with meta)
 -- ARGV:
 --   1.. id  string   message ids to acknowledge, each optionally as id:delivery_count
@@ -66,20 +66,32 @@ end
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
--- delivery Celery's revoke() named) goes in the same call.
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
 local function forget_task(state_key, id, s)
-  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
     redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
   end
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 -- ARGV[first..] as 'id' or 'id:delivery_count' (the count fences the call to that one

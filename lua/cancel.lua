@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: cancel
--- version: 7
+-- version: 8
 -- summary: Take a task's ready, delayed or retry-waiting message out of its queue so it never runs, as a dead letter with reason 'cancelled' (or 'revoked').
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; counters 'dropped:cancelled' or 'dropped:revoked', 'retrying' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; 'task:<task id>' -> id
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (dropped once nothing is queued)
 -- ARGV:
 --   1  task_id             string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
@@ -65,23 +65,35 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
--- delivery Celery's revoke() named) goes in the same call.
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
 local function forget_task(state_key, id, s)
-  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
     redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
   end
 end
 

@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 11
+-- version: 12
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limits' = 'IN_FLIGHT RATE' ('-' for unset; set by limit) and the rate's bucket 'limit_tat' (unix microseconds, read and written here only for a queue with a rate); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'
 --   wake     LIST    P wake:{Q}            the wake token: pushed again when a call leaves ready messages behind that its limits let go
 -- ARGV:
 --   1  count               integer 1..10000   most messages to deliver
@@ -78,10 +78,19 @@ end
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
--- delivery Celery's revoke() named) goes in the same call.
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
 local function forget_task(state_key, id, s)
-  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
     redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -117,18 +126,22 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
   local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
 end

@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 8
+-- version: 9
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments and last_id; 'paused' is read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; the task-id index 'task:<task id>' -> id
 --   wake     LIST    P wake:{Q}            the wake token: pushed when replayed messages are ready (not in a paused queue: none is delivered)
 -- ARGV:
 --   1   payloads       'stored' | 'given'  'stored': each entry's own payload; 'given': ARGV 3.. are pairs
@@ -86,6 +86,7 @@ end
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
   local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
 end

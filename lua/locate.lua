@@ -1,6 +1,6 @@
 #!lua flags=no-writes
 -- name: locate
--- version: 4
+-- version: 5
 -- summary: Where a task's message is in one queue: ready (and how many are ahead), delayed (ETA), waiting to retry (until when), in flight (deadline), or not here.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments (not read)
 --   dead     STREAM  P dead:{Q}            dead letters (not read; the CLI searches them)
 --   message  HASH    P message:{Q}         id -> payload (not read)
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; 'task:<task id>' -> id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; 'task:<task id>' -> id
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV:
 --   1  task_id  string, non-empty, at most 256 bytes   the Celery task id the producer passed to publish
@@ -29,13 +29,16 @@
 
 local rcall = redis.call
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 if #KEYS ~= 8 then

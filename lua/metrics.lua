@@ -1,18 +1,18 @@
 #!lua flags=no-writes
 -- name: metrics
--- version: 6
+-- version: 7
 -- summary: What a dashboard shows per queue: counts, the oldest ready message, the next ETA, and the counters.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages (score: priority band + ready time)
 --   delayed  ZSET    P delayed:{Q}         delayed messages (score: ETA, unix ms)
 --   index    ZSET    P messages_index:{Q}  in-flight messages and ready ones with a TTL (not read)
---   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying' and 'dropped:<reason>'; 'paused' (set by pause); 'limits' (set by limit: 'IN_FLIGHT RATE', '-' for unset)
+--   meta     HASH    P meta:{Q}            counters 'redelivered', 'retrying', 'dropped:<reason>' and 'deduplicated:<mode>'; 'paused' (set by pause); 'limits' (set by limit: 'IN_FLIGHT RATE', '-' for unset)
 --   dead     STREAM  P dead:{Q}            dead letters
 --   message  HASH    P message:{Q}         id -> payload (counted)
 --   state    HASH    P state:{Q}           id -> state (not read)
 --   wake     LIST    P wake:{Q}            wake token of blocked consumers (not read)
 -- ARGV: none
--- returns: array: the server's time (unix ms), then 13 items per queue: ready, delayed,
+-- returns: array: the server's time (unix ms), then 14 items per queue: ready, delayed,
 --   in_flight, dead, oldest_ready_at (unix ms at which the oldest ready message became
 --   ready, -1 for none), next_eta (unix ms of the earliest delayed message, -1 for none),
 --   redelivered (counter), and an array of reason, count pairs of messages dropped
@@ -22,7 +22,9 @@
 --   the in-flight limit and the rate (from 'limits', as the limit script stored them; '' when unset),
 --   and exists: 1 while the queue's meta hash exists (what makes a queue exist), 0 when it
 --   does not (its keys expired or were deleted, or nothing declared it): a caller that
---   found the queue earlier learns here that it is gone, and every count is then 0
+--   found the queue earlier learns here that it is gone, and every count is then 0;
+--   deduplicated: an array of mode, count pairs of publishes a dedup id dropped (simple,
+--   throttle) or messages a newer one replaced (debounce), since the queue was created
 -- errors:
 --   ERR celery-redis-lua: metrics: expected 8 keys per queue, got N
 -- why: one call answers a scrape for a group of queues, from one consistent snapshot.
@@ -62,7 +64,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local queue_key, meta_key = KEYS[base + 1], KEYS[base + 4]
   local ready, delayed = rcall('ZCARD', queue_key), rcall('ZCARD', KEYS[base + 2])
   local eta = rcall('ZRANGE', KEYS[base + 2], 0, 0, 'WITHSCORES')
-  local dropped = {}
+  local dropped, deduplicated = {}, {}
   local fields = rcall('HGETALL', meta_key) -- a handful of arguments and counters
   local redelivered, paused, retrying, cap, rate = 0, '', 0, '', ''
   for i = 1, #fields, 2 do
@@ -79,6 +81,9 @@ for q = 1, #KEYS / QUEUE_KEYS do
     elseif string.sub(fields[i], 1, 8) == 'dropped:' then
       dropped[#dropped + 1] = string.sub(fields[i], 9)
       dropped[#dropped + 1] = tonumber(fields[i + 1])
+    elseif string.sub(fields[i], 1, 13) == 'deduplicated:' then
+      deduplicated[#deduplicated + 1] = string.sub(fields[i], 14)
+      deduplicated[#deduplicated + 1] = tonumber(fields[i + 1])
     end
   end
   reply[#reply + 1] = ready
@@ -94,5 +99,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
   reply[#reply + 1] = cap
   reply[#reply + 1] = rate
   reply[#reply + 1] = #fields > 0 and 1 or 0 -- an empty hash does not exist
+  reply[#reply + 1] = deduplicated
 end
 return reply

@@ -1,15 +1,15 @@
 #!lua
 -- name: publish
--- version: 11
+-- version: 12
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
---   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again; 'dedup:<sha1>' -> the end of a throttle window (the sweep drops the hold)
 --   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limits' (set by limit: no wake token for a ready message at the in-flight cap)
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; the task-id index 'task:<task id>' -> id
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; the task-id index 'task:<task id>' -> id; a dedup id's hold 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL_MS|- MODE ID'
 --   wake     LIST    P wake:{Q}            the wake token: pushed when the list is empty, for a consumer blocked on BLPOP
 -- ARGV:
 --   1  payload        string, non-empty                    the kombu envelope, stored unchanged
@@ -20,13 +20,19 @@
 --   6  task_id        string, optional, at most 256 bytes  the Celery task id (the envelope's headers.id): indexed so that where and cancel find the message; '' or absent: not indexed
 --   7  exchange       string, optional, with 8             the exchange a cached route to this queue came from
 --   8  routed_ms      integer >= 0, optional, with 7       the binding table server's unix ms when that route was looked up (lookup's first reply)
+--   9  dedup_id       string, optional, 1..512 bytes       with 10 and 11 (7 and 8 may then be '': no route): a second publish of the same id to this queue is deduplicated by mode
+--  10  dedup_mode     'simple', 'throttle' or 'debounce'   simple: dropped while the holder waits or runs; throttle: dropped for dedup_ttl_ms after the first; debounce: the newest replaces the holder while it waits (ready, delayed or waiting for a retry)
+--  11  dedup_ttl_ms   integer 1..315360000000 or ''        how long a hold lasts at most (required for throttle); '' means until the holder goes
 -- returns: bulk string, the new message id: 14 hex digits, 13 of server unix microseconds and 1 of a counter;
 --   with a task_id whose indexed message holds the same payload, that message's id (nothing is written);
+--   with a dedup id held (simple, throttle), the array ['deduplicated', holder id] (nothing is written but
+--   meta's counter 'deduplicated:<mode>'); a debounce that replaced the waiting holder: ['replaced', new id,
+--   replaced id] (the replaced message is gone, not dead-lettered; counted as 'deduplicated:debounce');
 --   with a cached route (7, 8) older than the queue's last binding change for that exchange (rerouted),
 --   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
 -- errors:
 --   ERR celery-redis-lua: publish: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: publish: expected 5, 6 or 8 arguments, got N
+--   ERR celery-redis-lua: publish: expected 5, 6, 8 or 11 arguments, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
@@ -36,6 +42,10 @@
 --   ERR celery-redis-lua: publish: task_id must be at most 256 bytes, got N
 --   ERR celery-redis-lua: publish: exchange must be non-empty with routed_ms
 --   ERR celery-redis-lua: publish: routed_ms must be a non-negative integer, got 'V'
+--   ERR celery-redis-lua: publish: dedup_id must be 1..512 bytes, got N
+--   ERR celery-redis-lua: publish: dedup_mode must be simple, throttle or debounce, got 'V'
+--   ERR celery-redis-lua: publish: dedup_ttl_ms must be an integer in 1..315360000000 or '', got 'V'
+--   ERR celery-redis-lua: publish: dedup_ttl_ms is required with dedup_mode throttle
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
@@ -52,7 +62,11 @@
 --   up in the very millisecond of the change is refused too (it may have come before it).
 --   Every time it computes stays an exact double below 10^13 ms: an ETA by its bound, a TTL
 --   of at most 10 years; a queue's stored expires or message_ttl past 10 years (an older
---   version's, or set by hand) counts as 10 years.
+--   version's, or set by hand) counts as 10 years. A dedup id's hold is a field of the state
+--   hash, so it lives and expires with the queue; the holder's state string carries the id's
+--   sha1, so the script that settles the holder (ack, reject, sweep, consume, cancel, purge)
+--   releases the hold with no call more for a message without one. A throttle window outlives
+--   its holder: it is indexed at its end, where the sweep drops it.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -75,6 +89,38 @@ local function arm_wake(wake_key)
   if redis.call('LLEN', wake_key) > 0 then return false end
   redis.call('RPUSH', wake_key, '1')
   return true
+end
+
+-- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
+-- id, a field of the state hash; the task id is also the last word of the message's state
+-- string (parse_state's `task`). A message that goes takes its entry with it; a newer
+-- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
+local function forget_task(state_key, id, s)
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
+  end
+end
+
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
+local function parse_state(value)
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
+  return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
+          dedup = dedup, task = task}
 end
 
 local function fail(message)
@@ -103,6 +149,7 @@ end
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
   local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
 end
@@ -116,7 +163,9 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 then return fail('expected 5, 6 or 8 arguments, got ' .. #ARGV) end
+if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 then
+  return fail('expected 5, 6, 8 or 11 arguments, got ' .. #ARGV)
+end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
 local open = string.find(queue_key, '{', 1, true)
@@ -146,10 +195,27 @@ end
 local task_id = ARGV[6] or ''
 if #task_id > 256 then return fail('task_id must be at most 256 bytes, got ' .. #task_id) end
 local exchange, routed = ARGV[7], nil
+if exchange == '' and #ARGV == 11 and ARGV[8] == '' then exchange = nil end -- dedup without a route
 if exchange then
   if exchange == '' then return fail('exchange must be non-empty with routed_ms') end
   routed = string.match(ARGV[8], '^%d+$') and tonumber(ARGV[8])
   if not routed then return fail("routed_ms must be a non-negative integer, got '" .. ARGV[8] .. "'") end
+end
+
+local dedup_id, dedup_mode, dedup_ttl = ARGV[9], ARGV[10], nil
+if dedup_id then
+  if #dedup_id < 1 or #dedup_id > 512 then return fail('dedup_id must be 1..512 bytes, got ' .. #dedup_id) end
+  if dedup_mode ~= 'simple' and dedup_mode ~= 'throttle' and dedup_mode ~= 'debounce' then
+    return fail("dedup_mode must be simple, throttle or debounce, got '" .. dedup_mode .. "'")
+  end
+  dedup_ttl = integer(ARGV[11], -1)
+  if not dedup_ttl or (dedup_ttl <= 0 and dedup_ttl ~= -1) or dedup_ttl > MAX_DURATION_MS then
+    return fail("dedup_ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. " or '', got '" ..
+                ARGV[11] .. "'")
+  end
+  if dedup_ttl == -1 and dedup_mode == 'throttle' then
+    return fail('dedup_ttl_ms is required with dedup_mode throttle')
+  end
 end
 
 local time = rcall('TIME')
@@ -180,6 +246,35 @@ if task_id ~= '' then
   if stored and rcall('HGET', message_key, stored) == payload then return stored end
 end
 
+-- A dedup id held by a message of this queue: the hold is open until its end (UNTIL), and
+-- for simple and debounce while its holder is stored (a throttle window outlives it).
+local hold, replaced
+if dedup_id then
+  hold = 'dedup:' .. redis.sha1hex(dedup_id)
+  local held = rcall('HGET', state_key, hold)
+  local holder, until_ms, kind
+  if held then holder, until_ms, kind = string.match(held, '^(%S+) (%S+) (%a+)') end
+  local holds = holder and (until_ms == '-' or (tonumber(until_ms) or 0) > now)
+  local line = holds and rcall('HGET', state_key, holder) -- false: the holder went
+  if holds and not line and kind ~= 'throttle' then holds = false end -- its settle released it
+  if holds then
+    local s = line and parse_state(line)
+    if dedup_mode == 'debounce' and s and s.state ~= 'unacked' then
+      replaced = holder
+      rcall('HDEL', message_key, holder)
+      forget_task(state_key, holder, s)
+      rcall('HDEL', state_key, holder)
+      rcall('ZREM', s.state == 'ready' and queue_key or delayed_key, holder)
+      rcall('ZREM', index_key, holder)
+      if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end
+      rcall('HINCRBY', meta_key, 'deduplicated:debounce', 1)
+    elseif dedup_mode ~= 'debounce' then
+      rcall('HINCRBY', meta_key, 'deduplicated:' .. dedup_mode, 1)
+      return {'deduplicated', holder}
+    end -- a debounce while the holder runs (or after a throttle's holder went): stored, and holds
+  end
+end
+
 -- The token first: its LLEN is this script's last check of a key's type, so a wake key
 -- someone overwrote refuses the publish before anything of the message is written. A
 -- paused queue wakes nobody (resume does), nor does a ready message of a queue at its
@@ -196,9 +291,16 @@ rcall('HSET', meta_key, 'last_id', id)
 local ready_at = math.max(eta, now)
 local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
 rcall('HSET', message_key, id, payload)
-local line = state_line(eta > now and 'delayed' or 'ready', 0,
-                        {priority = priority, expires_at = expires_at, task = task_id})
-if task_id ~= '' then -- a later message of the same task id (a retry) takes the index over
+local releases = hold and dedup_mode ~= 'throttle' -- the holder's settle ends the hold
+local line = state_line(eta > now and 'delayed' or 'ready', 0, {
+  priority = priority, expires_at = expires_at, task = task_id, dedup = releases and string.sub(hold, 7) or ''})
+if hold then -- the message, its task index and the hold in one HSET
+  local until_ms = dedup_ttl > 0 and string.format('%d', now + dedup_ttl) or '-'
+  local writes = {id, line, hold, id .. ' ' .. until_ms .. ' ' .. dedup_mode .. ' ' .. dedup_id}
+  if task_id ~= '' then writes[5], writes[6] = 'task:' .. task_id, id end
+  rcall('HSET', state_key, unpack(writes))
+  if dedup_mode == 'throttle' then rcall('ZADD', index_key, until_ms, hold) end -- the sweep drops it then
+elseif task_id ~= '' then -- a later message of the same task id (a retry) takes the index over
   rcall('HSET', state_key, id, line, 'task:' .. task_id, id)
 else
   rcall('HSET', state_key, id, line)
@@ -214,4 +316,5 @@ if expires then
   local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
   for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
 end
+if replaced then return {'replaced', id, replaced} end
 return id

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 11
+-- version: 12
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -9,7 +9,7 @@
 --   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'limits' (and 'paused' when it holds a cap) are read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'
 --   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready (not in a paused queue), or a drop frees a slot of a capped queue
 -- ARGV:
 --   1   requeue             failed, returned or drop (1 and 0 are failed and drop)   failed: a consumer rejected it with requeue; returned: handed back unstarted; both are counted redeliveries; drop: dead-letter it
@@ -73,10 +73,19 @@ end
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
--- delivery Celery's revoke() named) goes in the same call.
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
 local function forget_task(state_key, id, s)
-  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
     redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -117,18 +126,22 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
   local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
 end

@@ -1,15 +1,15 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 10
+-- version: 11
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
---   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
+--   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again; 'dedup:<sha1>' -> the end of a throttle window (publish): its hold goes
 --   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'paused' (nothing promoted) and 'limits' are read
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
---   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'
+--   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; 'dedup:<sha1>' holds (publish)
 --   wake     LIST    P wake:{Q}            the wake token: pushed when the sweep makes messages ready (not in a paused queue), or drops a delivery of a capped queue
 -- ARGV:
 --   1  visibility_ms       integer > 0       unused since version 6 (no ready message sits popped); still checked
@@ -85,10 +85,19 @@ end
 -- id, a field of the state hash; the task id is also the last word of the message's state
 -- string (parse_state's `task`). A message that goes takes its entry with it; a newer
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
--- delivery Celery's revoke() named) goes in the same call.
+-- delivery Celery's revoke() named) goes in the same call. So does the hold on a dedup id
+-- (publish's simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID',
+-- the sha1 also in the message's state string), when it is still this message's.
 local function forget_task(state_key, id, s)
-  if s and s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
+  if not s then return end
+  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
     redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+  end
+  if s.dedup ~= '' then
+    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
+    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
+      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
+    end
   end
 end
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -109,18 +118,22 @@ local function count_in_meta(meta_key, field, n)
   if n > 0 then redis.call('HINCRBY', meta_key, field, n) end
 end
 
--- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[ TASK_ID]'; a malformed value reads as a fresh
--- ready message. The task id goes last because it may hold spaces; '' when there is none.
+-- 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; a malformed value reads as a
+-- fresh ready message. DEDUP: the sha1 (hex) of the dedup id this message holds until it goes
+-- (publish's simple and debounce modes), '' when none. The task id goes last because it may
+-- hold spaces; '' when there is none.
 local function parse_state(value)
-  local state, count, priority, expires_at, task = string.match(value, '^(%a+) (%d+) (%d+) (%S+) ?(.*)$')
-  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', task = ''} end
+  local state, count, priority, expires_at, dedup, task =
+    string.match(value, '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')
+  if not state then return {state = 'ready', count = 0, priority = 0, expires_at = '-', dedup = '', task = ''} end
   return {state = state, count = tonumber(count), priority = tonumber(priority), expires_at = expires_at,
-          task = task}
+          dedup = dedup, task = task}
 end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
   local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
 end
@@ -184,6 +197,25 @@ local function ready_score(priority, ready_at)
   return string.format('%d', (255 - priority) * PRIORITY_FACTOR + ready_at)
 end
 
+-- Of the index entries due, the message ids; the others are throttle windows (publish's dedup,
+-- 'dedup:<sha1>' at the window's end), which end here: the hold goes, unless a later publish
+-- made it another (a simple or debounce hold, or a later window, indexed at its own end).
+local function end_windows(index_key, state_key, entries)
+  local ids = {}
+  for _, entry in ipairs(entries) do
+    if string.sub(entry, 1, 6) == 'dedup:' then
+      local held = rcall('HGET', state_key, entry)
+      local until_ms, kind
+      if held then until_ms, kind = string.match(held, '^%S+ (%S+) (%a+)') end
+      if kind == 'throttle' and (tonumber(until_ms) or 0) <= now then rcall('HDEL', state_key, entry) end
+      rcall('ZREM', index_key, entry)
+    else
+      ids[#ids + 1] = entry
+    end
+  end
+  return ids
+end
+
 -- A ready message is indexed only to be dropped at its TTL; one without a TTL has no entry.
 local function index_ready(index_key, id, s)
   if tonumber(s.expires_at) then
@@ -245,6 +277,8 @@ for q = 1, #KEYS / QUEUE_KEYS do
   if #due == 2 * batch then more = 1 end
 
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
+  if #entries == batch then more = 1 end
+  entries = end_windows(index_key, state_key, entries)
   local retry = #entries > 0 and retry_policy(meta_key, 'failed') -- a timeout is a failed delivery
   for _, id in ipairs(entries) do
     local payload = rcall('HGET', message_key, id)
@@ -294,7 +328,6 @@ for q = 1, #KEYS / QUEUE_KEYS do
       end
     end
   end
-  if #entries == batch then more = 1 end
 
   if promoted + requeued + unclaimed > ready_before then
     if rcall('HEXISTS', meta_key, 'paused') == 0 then arm_wake(wake_key) end -- a paused queue wakes nobody

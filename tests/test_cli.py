@@ -4,6 +4,7 @@ show a password. tests/test_cli_admin.py covers `scripts` and `dead`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -116,6 +117,23 @@ def test_countdown_is_an_eta_by_the_servers_clock(url: str, standalone: redis.Re
     assert invoke("status", "--url", url).stdout.startswith("no queues")
 
 
+def test_publish_with_a_dedup_id_stores_one_and_names_it(url: str, standalone: redis.Redis) -> None:
+    """--dedup simple: the same task and arguments again is not stored while the first waits;
+    stderr names the message that holds the id. Throttle needs --dedup-ttl."""
+    first = invoke("publish", "tasks.add", "--args", "[1, 2]", "--dedup", "simple", "--url", url)
+    assert first.exit_code == 0 and "not stored" not in first.stderr, first.output
+    [held_by] = [i.decode() for i in standalone.hkeys(Keyspace().message("celery"))]
+    again = invoke("publish", "tasks.add", "--args", "[1, 2]", "--dedup", "simple", "--url", url)
+    assert again.exit_code == 0, again.output
+    assert f"celery-redis-lua publish: not stored: message {held_by} holds dedup id " \
+        f"'tasks.add:{hashlib.sha1(b'[[1,2],{}]').hexdigest()}'\n" in again.stderr
+    other = invoke("publish", "tasks.add", "--args", "[2, 1]", "--dedup", "simple", "--url", url)
+    assert "not stored" not in other.stderr
+    assert standalone.hlen(Keyspace().message("celery")) == 2
+    one_line_error(invoke("publish", "tasks.add", "--dedup", "throttle", "--url", url),
+                   "--dedup: dedup mode 'throttle' needs a ttl")
+
+
 def test_priority_out_of_range_is_the_scripts_one_line_error(url: str, standalone: redis.Redis) -> None:
     result = invoke("publish", "tasks.add", "--priority", "256", "--url", url)
     one_line_error(result, "priority must be an integer in 0..255, got '256'")
@@ -129,6 +147,8 @@ def test_priority_out_of_range_is_the_scripts_one_line_error(url: str, standalon
     ("--kwargs", "[1]", "--kwargs must be a JSON object"),
     ("--countdown", "-1", "--countdown must be >= 0"),
     ("--priority", "high", "'high' is not a valid integer"),
+    ("--dedup", "once", "'once' is not one of 'simple', 'throttle', 'debounce'"),
+    ("--dedup-ttl", "0", "--dedup: the task option dedup's 'ttl' must be a positive number of seconds"),
 ])
 def test_bad_publish_arguments_fail_in_one_line_and_store_nothing(
         url: str, standalone: redis.Redis, option: str, value: str, needle: str) -> None:

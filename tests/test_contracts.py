@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redis_lua import Call, Keyspace, Limits, Policy, ScriptLibrary
+from celery_redis_lua import Call, Dedup, Keyspace, Limits, Policy, ScriptLibrary
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.contract import Contract, parse_contract
 from celery_redis_lua.protocol.library import LOOPED
@@ -143,7 +143,8 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
     arguments under a sample Policy, and how many queues it covers."""
     k, p = KS, POLICY
     built = {
-        "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000)), 1),
+        "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000),
+                               dedup=Dedup("d1", "throttle", 1000)), 1),
         "consume": (ops.consume(k, p, QUEUES, 2), 2),
         "unpop": (ops.unpop(k, p, "wq1"), 1),
         "pause": (ops.pause(k, p, "wq1", "sample"), 1),

@@ -23,7 +23,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_redis_lua import Keyspace, Policy, ScriptLibrary
+from celery_redis_lua import Dedup, Keyspace, Policy, ScriptLibrary
 from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.retry import DelayedRetry
 from celery_redis_lua.tools.exporter import QueueCollector, serve
@@ -193,7 +193,8 @@ def test_the_endpoint_exports_celery_exporter_names_and_ours(exporter: tuple[Scr
     lib, port = exporter
     for i in range(7):
         lib.publish("jobs", f"m{i}", priority=i)
-    lib.publish("jobs", "later", eta_ms=server_now_ms(lib.client) + 30_000)
+    lib.publish("jobs", "later", eta_ms=server_now_ms(lib.client) + 30_000, dedup=Dedup("later"))
+    assert lib.publish("jobs", "later again", dedup=Dedup("later")).deduplicated
     lib.bind("ex", [lib.keys.binding_member("rk", "", "bound-only")])  # known from a binding alone
     lib.consume(["jobs"], 2)
     bound = ("celery_queue_length", (("queue_name", "bound-only"),))
@@ -206,6 +207,8 @@ def test_the_endpoint_exports_celery_exporter_names_and_ours(exporter: tuple[Scr
     assert 25 < samples[("celery_redis_lua_queue_next_eta_seconds", (("queue", "jobs"),))] <= 30
     assert samples[("celery_redis_lua_up", ())] == 1
     assert ("celery_redis_lua_queue_redeliveries_total", (("queue", "jobs"),)) in samples
+    deduplicated = ("celery_redis_lua_queue_deduplicated_total", (("mode", "simple"), ("queue", "jobs")))
+    assert samples[deduplicated] == 1
     [stats] = lib.stats(["jobs"])
     assert (stats.ready, stats.delayed, stats.in_flight) == (5, 1, 2)
 

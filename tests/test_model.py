@@ -34,6 +34,7 @@ it is the server that expires the keys.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -51,7 +52,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
-from celery_redis_lua import Consumed, Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
+from celery_redis_lua import Consumed, Dedup, Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.call import Call
 from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
@@ -70,6 +71,11 @@ RATES = ("1/h", "3/h", "20/h", "30/h")
 PRIORITIES = st.one_of(st.sampled_from([0, 5, 255]), st.integers(0, 255))
 PICKS = st.lists(st.integers(0, 63), min_size=1, max_size=3)
 TTLS = st.sampled_from([None, None, 1, 60_000])  # 1 ms: expired before the next step
+# A publish's dedup: one of two ids, a mode, and how long a hold lasts (5 ms: over within a
+# step or two, its end judged by the server's clock; throttle always takes one).
+MODES = ["simple", "throttle", "debounce"]
+DEDUPS = st.one_of(st.none(), st.tuples(st.sampled_from(["d1", "d2"]), st.sampled_from(MODES),
+                                        st.sampled_from([None, 5, 60_000])))
 T = TypeVar("T")
 
 # Every script that writes a queue's state is driven here, or listed with the reason it is
@@ -93,6 +99,9 @@ NOT_DRIVEN = {
     "fanout_leave": "a fanout stream's consumer group: tests/test_fanout.py",
 }
 CALLED: Counter[str] = Counter()  # what the model runs of each script, for the meta-test
+# The dedup stories the model told (a hold that drops, replaces, is released by its holder's
+# settle, or ended by the sweep), for the Valkey run to show each came up.
+DEDUP_STORIES: Counter[str] = Counter()
 
 
 def pick(items: list[T], picks: list[int]) -> list[T]:
@@ -140,12 +149,15 @@ class Msg:
     holder: tuple[int, int] | None = None  # (consumer, count) of its last delivery, until settled
     task: str | None = None  # the Celery task id it was published with
     revoked: bool = False  # in flight when Celery's revoke() named it (cancel, reason 'revoked')
+    dedup: str | None = None  # the sha1 of the dedup id whose hold it releases when it goes
 
     def delivery(self) -> tuple[str, str, int, bytes]:
         return self.queue, self.id, self.delivery_count, self.payload
 
     def state_string(self) -> str:
         expires = "-" if self.expires_at is None else str(self.expires_at)
+        if self.dedup is not None:
+            expires += f":{self.dedup}"
         line = f"{self.state} {self.delivery_count} {self.priority} {expires}"
         return line if self.task is None else f"{line} {self.task}"
 
@@ -153,6 +165,23 @@ class Msg:
     def waiting(self) -> bool:
         """In the delayed set: a countdown or a delayed retry."""
         return self.state in ("delayed", "retry")
+
+
+@dataclass
+class Hold:
+    """A dedup id held in a queue (the state hash's 'dedup:<sha1>')."""
+
+    holder: str
+    until: int | None  # server ms at which the hold ends at the latest; None: when the holder goes
+    mode: str
+    id: str
+
+    def field(self) -> str:
+        return f"{self.holder} {'-' if self.until is None else self.until} {self.mode} {self.id}"
+
+
+def digest(dedup_id: str) -> str:
+    return hashlib.sha1(dedup_id.encode()).hexdigest()
 
 
 @dataclass
@@ -178,6 +207,9 @@ class Model:
     last_id: dict[str, str] = field(default_factory=dict)  # newest id ever given, per queue name
     meta_last_id: dict[str, str | None] = field(default_factory=dict)  # what meta holds (None: no meta)
     queues: dict[str, QueueState] = field(default_factory=dict)
+    holds: dict[tuple[str, str], Hold] = field(default_factory=dict)  # (queue, sha1) -> its hold
+    windows: dict[tuple[str, str], int] = field(default_factory=dict)  # a throttle's index entry: its end
+    deduplicated: dict[str, Counter[str]] = field(default_factory=dict)  # queue -> mode -> count
 
     def in_state(self, state: str, queue: str | None = None) -> list[Msg]:
         return sorted((m for m in self.messages.values()
@@ -297,8 +329,14 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             self.remove(m)
 
         def remove(self, m: Msg) -> None:
+            """m goes (acked, dead-lettered, cancelled, purged, replaced): the hold on a dedup id
+            it carries goes with it, if it is still m's."""
             del self.m.messages[m.queue, m.id]
             self.m.gone.add((m.queue, m.id))
+            hold = self.m.holds.get((m.queue, m.dedup or ""))
+            if hold is not None and hold.holder == m.id:
+                del self.m.holds[m.queue, m.dedup or ""]
+                DEDUP_STORIES["released"] += 1
 
         def forget_queue(self, queue: str) -> None:
             """The queue went (deleted, or expired) with everything in it, its pause and limits
@@ -309,6 +347,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.m.gone.add(key)
             self.m.dead[queue] = []
             self.m.meta_last_id[queue] = None
+            for held in [key for key in self.m.holds if key[0] == queue]:
+                del self.m.holds[held]
+            for window in [key for key in self.m.windows if key[0] == queue]:
+                del self.m.windows[window]
+            self.m.deduplicated.pop(queue, None)
             self.m.queues[queue] = QueueState(retry=self.m.queues[queue].retry)
 
         # -- rules --------------------------------------------------------------------------
@@ -327,14 +370,21 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.publish([queue], priority, None, None, False)
 
         @rule(into=st.lists(st.sampled_from(queues), min_size=1, max_size=4), priority=PRIORITIES,
-              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans())
+              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans(), dedup=DEDUPS)
         def publish(self, into: list[str], priority: int, delay: int | None, ttl: int | None,
-                    task: bool) -> None:
+                    task: bool, dedup: tuple[str, str, int | None] | None = None) -> None:
             """Publish to each target queue in one pipeline: mostly within one ms, so ties
             of priority and time are broken by id (one queue) and by queue order (several).
             A 1 ms TTL is waited out at once (delayed messages get 60 s: their TTL counts
             from the ETA, which test_ttl_expiry covers). ``task``: with a task id (the
-            payload), which cancel finds."""
+            payload), which cancel finds. ``dedup``: each with one dedup id, mode and hold time
+            (predict_dedup)."""
+            settings = None
+            if dedup is not None:
+                dedup_id, mode, hold_ms = dedup
+                if mode == "throttle" and hold_ms is None:
+                    hold_ms = 60_000
+                settings = Dedup(dedup_id, mode, hold_ms)
             if delay is not None and ttl == 1:
                 ttl = 60_000
             t0 = self.now()
@@ -344,22 +394,31 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.m.published[queue] += 1
                 payloads.append(f"{queue}-{self.m.published[queue]}")
             ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl,
-                                                            task_id=p if task else None)
+                                                            task_id=p if task else None, dedup=settings)
                                      for q, p in zip(into, payloads, strict=True)])
             t1 = self.now()
-            for queue, payload, message_id in zip(into, payloads, ids, strict=True):
+            made = []
+            for queue, payload, message_id in zip(into, payloads, ids, strict=True):  # in the order run
+                if settings is not None and not self.predict_dedup(queue, settings, message_id, t0, t1):
+                    continue  # dropped: nothing stored
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
-                m = Msg(queue, message_id, payload.encode(), priority, "ready",
+                m = Msg(queue, message_id, payload.encode(), priority, "delayed" if eta else "ready",
                         task=payload if task else None)
+                if settings is not None and settings.mode != "throttle":
+                    m.dedup = digest(settings.id)
                 self.m.messages[queue, message_id] = m
+                made.append(m)
+            for m in made:  # what the pipeline left (a debounce may have replaced one it stored)
+                if (m.queue, m.id) not in self.m.messages:
+                    continue
                 if ttl is not None:
-                    state = text(client.hget(k.state(queue), message_id)).split(" ")
-                    m.expires_at = int(state[3])
+                    state = text(client.hget(k.state(m.queue), m.id)).split(" ")
+                    m.expires_at = int(state[3].partition(":")[0])
                     base = (t0, t1) if eta is None else (eta, eta)
                     assert base[0] + ttl <= m.expires_at <= base[1] + ttl, (m, base)
-                delayed_score = client.zscore(k.delayed(queue), message_id)
+                delayed_score = client.zscore(k.delayed(m.queue), m.id)
                 if delayed_score is not None:
                     assert eta is not None and int(delayed_score) == eta
                     m.state, m.eta = "delayed", eta
@@ -368,6 +427,68 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     self.record_ready(m, t0, t1)
             if ttl == 1:
                 wait_for_server_time(client, t1 + 2)  # past every 1 ms TTL just given
+
+        @rule(queue=st.sampled_from(queues), first=st.sampled_from(MODES),
+              then=st.sampled_from([None, None, *MODES]), hold_ms=st.sampled_from([None, 5, 5, 60_000]),
+              take=st.booleans(), wait=st.booleans())
+        def dedup_story(self, queue: str, first: str, then: str | None, hold_ms: int | None, take: bool,
+                        wait: bool) -> None:
+            """A dedup story in one step, which the publish rule composes only rarely: a message
+            of dedup id 'd3' (``first`` mode), maybe taken by a consumer (``take``: its holder
+            runs), maybe left until its hold's time is over (``wait``), then another of the
+            same id (``then`` mode; None: the same)."""
+            self.publish([queue], 0, None, None, False, ("d3", first, hold_ms))
+            if take:
+                self.do_consume(0, 5, [queue])
+            hold = self.m.holds.get((queue, digest("d3")))
+            if wait and hold is not None and hold.until is not None and hold.until < self.now() + 1000:
+                wait_for_server_time(client, hold.until + 1)  # a 5 ms hold
+            self.publish([queue], 0, None, None, False, ("d3", then or first, hold_ms))
+
+        def predict_dedup(self, queue: str, settings: Dedup, reply: Any, t0: int, t1: int) -> bool:
+            """A publish with a dedup id, run between t0 and t1: was it stored (True) or dropped,
+            and is the reply the one the hold predicts? A hold is open until its end (judged by
+            the server's clock: at the edge, the reply tells), and for simple and debounce
+            while its holder is stored; an open one drops a simple or throttle publish, and a
+            debounce replaces the holder while it waits."""
+            key = (queue, digest(settings.id))
+            hold = self.m.holds.get(key)
+            closed, opened = hold is None, hold is not None
+            if hold is not None and hold.until is not None:
+                closed, opened = hold.until <= t1, hold.until > t0  # both: at the edge
+            holder = self.m.messages.get((queue, hold.holder)) if hold is not None else None
+            allowed = {"stored"} if closed else set()
+            if settings.mode == "debounce":
+                replacing = opened and holder is not None and holder.state != "unacked"
+                if opened:
+                    allowed.add("replaced" if replacing else "stored")
+                outcome = "replaced" if reply.replaced is not None else "stored"
+                assert outcome in allowed, (outcome, hold, t0, t1)
+                DEDUP_STORIES[f"debounce {outcome}{' over a hold' if hold else ''}"] += 1
+                if reply.replaced is not None:
+                    assert holder is not None and reply.replaced == holder.id
+                    self.remove(holder)
+                    self.m.deduplicated.setdefault(queue, Counter())["debounce"] += 1
+            else:
+                if opened:
+                    allowed.add("dropped")
+                outcome = "dropped" if reply.deduplicated else "stored"
+                assert outcome in allowed, (outcome, hold, t0, t1)
+                DEDUP_STORIES[f"{settings.mode} {outcome}{' over a hold' if hold else ''}"] += 1
+                if reply.deduplicated:
+                    assert hold is not None and reply == hold.holder
+                    self.m.deduplicated.setdefault(queue, Counter())[settings.mode] += 1
+                    return False
+            until = None
+            if settings.ttl_ms is not None:
+                held = text(client.hget(k.state(queue), f"dedup:{key[1]}")).split(" ")
+                until = int(held[1])
+                assert t0 + settings.ttl_ms <= until <= t1 + settings.ttl_ms
+            self.m.holds[key] = Hold(str(reply), until, settings.mode, settings.id)
+            if settings.mode == "throttle":
+                assert until is not None
+                self.m.windows[key] = until
+            return True
 
         @rule(consumer=st.integers(0, CONSUMERS - 1), count=st.integers(1, 5),
               only=st.one_of(st.none(), st.sampled_from(queues)), lapse=st.booleans())
@@ -643,11 +764,26 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                             dropped.append((q, m.id, attempts, "delivery-limit", m.payload))
                             self.dead_letter(m, "delivery-limit", attempts)
                             dead_lettered += 1
+            self.end_windows(t0, t1)
             assert (report.promoted, report.requeued, report.limit_reached, report.expired,
                     report.revoked) == (promoted, requeued, dead_lettered, expired, revoked)
             assert (report.unclaimed, report.backlog, report.orphans, report.more) == (0, 0, 0, False)
             assert [(d.queue, d.id, d.delivery_count, d.reason, d.payload)
                     for d in report.dropped_messages] == dropped[:10]
+
+        def end_windows(self, t0: int, t1: int) -> None:
+            """The sweep (run between t0 and t1) ends the throttle windows due: their index entry
+            goes, and the hold, if it is still that window's (a later publish may have made it
+            a simple or debounce hold, or a later window)."""
+            for (queue, sha), until in list(self.m.windows.items()):
+                ended = until <= t0 or (until <= t1 and client.zscore(k.index(queue), f"dedup:{sha}") is None)
+                if not ended:
+                    continue
+                del self.m.windows[queue, sha]
+                DEDUP_STORIES["window ended"] += 1
+                hold = self.m.holds.get((queue, sha))
+                if hold is not None and hold.mode == "throttle" and (hold.until or 0) <= until:
+                    del self.m.holds[queue, sha]
 
         @rule()
         def wait_for_delayed(self) -> None:
@@ -855,7 +991,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             # its promotion).
             ttl_indexed = [m for m in self.m.messages.values() if m.queue == q and m.expires_at is not None
                            and m.state in ("ready", "retry")]
-            assert set(index) == {m.id for m in ttl_indexed + in_flight}, q
+            windows = {f"dedup:{sha}": until for (queue, sha), until in self.m.windows.items() if queue == q}
+            assert set(index) == {m.id for m in ttl_indexed + in_flight} | set(windows), q
+            assert {i: index[i] for i in windows} == windows, q
             for m in in_flight:
                 assert m.id not in queued, f"{m.id} is in flight and ready at once"
                 assert (index[m.id] < now) if m.timed_out_step else (index[m.id] > now + VIS // 2)
@@ -867,7 +1005,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             states = {text(i): text(v) for i, v in client.hgetall(k.state(q)).items()}
             assert states == {m.id: m.state_string() for m in mine} | {
                 f"task:{m.task}": m.id for m in mine if m.task} | {
-                f"revoked:{m.task}": "1" for m in mine if m.revoked}, q
+                f"revoked:{m.task}": "1" for m in mine if m.revoked} | {
+                f"dedup:{sha}": hold.field() for (queue, sha), hold in self.m.holds.items() if queue == q}, q
             payloads = {text(i): v for i, v in client.hgetall(k.message(q)).items()}
             assert payloads == {m.id: m.payload for m in mine}, q
             dead = [(d.id, d.reason, d.delivery_count, d.priority, d.payload) for d in self.lib.dead_list(q)]
@@ -884,6 +1023,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             assert (None if last is None else text(last)) == self.m.meta_last_id[q], q
             stored = client.hlen(k.message(q)) - client.zcard(k.queue(q)) - client.zcard(k.delayed(q))
             assert stored == len(self.m.in_state("unacked", q)), f"{q}: in flight {stored}"
+            counted = {text(f).partition(":")[2]: int(v) for f, v in client.hgetall(k.meta(q)).items()
+                       if text(f).startswith("deduplicated:")}
+            assert counted == dict(self.m.deduplicated.get(q, {})), q
             retrying = client.hget(k.meta(q), "retrying")
             assert int(retrying or 0) == len(self.m.in_state("retry", q)), q
             state = self.m.queues[q]
@@ -926,10 +1068,12 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 if ids:
                     assert self.lib.ack(q, ids) == sum((q, i) in self.m.messages for i in ids)
                     for i in ids:
-                        self.m.messages.pop((q, i), None)
+                        if (q, i) in self.m.messages:
+                            self.remove(self.m.messages[q, i])
             assert not self.m.messages
             expected = {k.meta(q) for q in queues if self.m.meta_last_id[q] is not None}
             expected |= {k.dead(q) for q in queues if self.m.dead[q]}
+            expected |= {k.state(q) for q, _ in self.m.holds} | {k.index(q) for q, _ in self.m.windows}
             assert all_keys(client) == expected
 
     return QueueMachine
@@ -946,9 +1090,14 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     """Two queues consumed together: one consume call merges them by priority; 'b' has an
     x-expires. Every script of DRIVEN runs."""
     CALLED.clear()
+    DEDUP_STORIES.clear()
     with closing(valkey_server.client(socket_timeout=10)) as client:
         run(client, Keyspace(), ["a", "b"], examples=150)
     assert set(CALLED) >= DRIVEN, f"never run: {sorted(DRIVEN - set(CALLED))}"
+    told = {story for story, n in DEDUP_STORIES.items() if n}
+    assert told >= {"simple dropped over a hold", "throttle dropped over a hold", "released",
+                    "debounce replaced over a hold", "simple stored over a hold", "window ended",
+                    "throttle stored over a hold", "debounce stored over a hold"}, DEDUP_STORIES
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:

@@ -7,6 +7,7 @@ from _celery_redis_lua_alias import ALIASES
 from .kombu.transport import Transport
 from .protocol.call import Call, ScriptError
 from .protocol.contract import Script, load_scripts
+from .protocol.dedup import BadDedup, Dedup
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
 from .protocol.ops import (
@@ -18,6 +19,7 @@ from .protocol.ops import (
     Delivery,
     Dropped,
     Limits,
+    Published,
     QueueStats,
     Rejected,
     SweepReport,
@@ -37,8 +39,8 @@ for _scheme, _target in ALIASES.items():
     TRANSPORT_ALIASES.setdefault(_scheme, _target)
 
 __all__ = [
-    "Acked", "Call", "Consumed", "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "Keyspace",
-    "KeyspaceError", "Limits", "Policy", "QueueStats", "Rejected", "Script", "ScriptError", "ScriptLibrary",
-    "ScriptRunner", "SweepReport", "Transport", "cancel", "clear_limits", "limit", "load_scripts", "pause",
-    "resume", "where",
+    "Acked", "BadDedup", "Call", "Consumed", "DeadLetter", "Declared", "Dedup", "Deleted", "Delivery",
+    "Dropped", "Keyspace", "KeyspaceError", "Limits", "Policy", "Published", "QueueStats", "Rejected",
+    "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport", "Transport", "cancel",
+    "clear_limits", "limit", "load_scripts", "pause", "resume", "where",
 ]

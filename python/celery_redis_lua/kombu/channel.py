@@ -165,7 +165,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         cached = publishing is not None and not publishing.fresh and publishing.looked_up_ms is not None
         route = (exchange, publishing.looked_up_ms) if cached and exchange and publishing else None
         call = self.lib.calls.publish(queue, dumps(message), priority=args.priority, eta_ms=args.eta_ms,
-                                      ttl_ms=args.ttl_ms, task_id=args.task_id, route=route)
+                                      ttl_ms=args.ttl_ms, task_id=args.task_id, route=route,
+                                      dedup=args.dedup)
         if self.unconfirmed is not None and self._send is not None:
             self.unconfirmed.add(self._send, queue, call)  # stored (or refused) when it goes
             return

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from . import dedup
 from .bounds import MAX_DURATION_MS, MAX_ETA_MS
+from .dedup import Dedup
 from .ops import Delivery
 
 TAG_SEPARATOR = "@"
@@ -51,6 +53,7 @@ class PublishArguments:
     eta_ms: int | None
     ttl_ms: int | None
     task_id: str | None = None  # the Celery task id (headers.id), indexed for where/cancel
+    dedup: Dedup | None = None  # a dedup id and its mode (headers x-dedup-*, the task option dedup)
 
 
 def _describe(message: dict[str, Any]) -> str:
@@ -114,7 +117,11 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
             raise BadEnvelope(f"{_describe(message)}: header 'expires' is more than {MAX_DURATION_MS} "
                               "ms (10 years) after its 'eta', the longest a message may wait")
         ttl_ms = own if ttl_ms is None else min(own, ttl_ms)
-    return PublishArguments(priority, eta, ttl_ms, task_id(message))
+    try:
+        deduplication = dedup.from_envelope(message)
+    except dedup.BadDedup as error:
+        raise BadEnvelope(f"{_describe(message)}: {error}") from None
+    return PublishArguments(priority, eta, ttl_ms, task_id(message), deduplication)
 
 
 def task_id(message: dict[str, Any]) -> str | None:

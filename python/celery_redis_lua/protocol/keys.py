@@ -122,7 +122,7 @@ class Keyspace:
         return f"{self.prefix}{self.message_key_prefix}{self._tag(queue)}"
 
     def state(self, queue: str) -> str:
-        """The hash of the queue's message states (id -> 'STATE COUNT PRIORITY EXPIRES_AT[ TASK_ID]',
+        """The hash of the queue's message states (id -> 'STATE COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]',
         the Celery task id last) and its task-id index (``task:<task id>`` -> id)."""
         return f"{self.prefix}state:{self._tag(queue)}"
 

@@ -136,12 +136,18 @@ def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
     dropped = CounterMetricFamily(f"{PREFIX}_queue_dropped", "Messages dead-lettered (or deleted when "
                                   "dead_letter_maxlen is 0) by reason, since the queue was created.",
                                   labels=["queue", "reason"])
+    deduplicated = CounterMetricFamily(f"{PREFIX}_queue_deduplicated", "Publishes a dedup id dropped "
+                                       "(simple, throttle) or messages a newer one replaced (debounce), by "
+                                       "mode, since the queue was created.", labels=["queue", "mode"])
     for m in found:
         redelivered.add_metric([m.queue], m.redelivered)
         for reason, count in sorted(m.dropped.items()):
             dropped.add_metric([m.queue, reason], count)
+        for mode, count in sorted(m.deduplicated.items()):
+            deduplicated.add_metric([m.queue, mode], count)
     yield redelivered
     yield dropped
+    yield deduplicated
 
 
 def serve(lib: ScriptLibrary, *, port: int, address: str, queues: Sequence[str] = (),

@@ -28,6 +28,7 @@ from .delivery import (
     Consumed,
     Delivery,
     Dropped,
+    Published,
     Rejected,
     SweepReport,
     ack,
@@ -61,9 +62,10 @@ from .tasks import Cancelled, Located, cancel, locate
 __all__ = [
     "EMPTY_SWEEP", "OPERATIONS", "RATE_PERIOD_SECONDS", "SWEEP_BATCH", "Acked", "Cancelled", "Consumed",
     "DeadLetter", "Declared", "Deleted", "Delivery", "Dropped", "FanoutBatch", "FanoutBound", "Limits",
-    "Located", "Operation", "Payload", "QueueMetrics", "QueueStats", "Rejected", "Routes", "StaleRoute",
-    "SweepReport", "ack", "bind", "cancel", "consume", "dead_list", "dead_purge", "dead_replay", "declare",
-    "delete", "exists", "extend", "fanout_bind", "fanout_consume", "fanout_leave", "fanout_publish",
-    "fanout_unbind", "fenced", "limit", "locate", "lookup", "metrics", "migrated", "operation", "pause",
-    "publish", "purge", "reject", "rerouted", "resume", "size", "stats", "sweep", "unbind", "unpop",
+    "Located", "Operation", "Payload", "Published", "QueueMetrics", "QueueStats", "Rejected", "Routes",
+    "StaleRoute", "SweepReport", "ack", "bind", "cancel", "consume", "dead_list", "dead_purge", "dead_replay",
+    "declare", "delete", "exists", "extend", "fanout_bind", "fanout_consume", "fanout_leave",
+    "fanout_publish", "fanout_unbind", "fenced", "limit", "locate", "lookup", "metrics", "migrated",
+    "operation", "pause", "publish", "purge", "reject", "rerouted", "resume", "size", "stats", "sweep",
+    "unbind", "unpop",
 ]

@@ -3,15 +3,19 @@ extend), and the sweep that hands back what nobody settled in time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..call import Call
+from ..dedup import Dedup
 from ..keys import Keyspace
 from ..policy import Policy
 from .base import Payload, as_bytes, keys_of, operation, optional_arg, text
 from .exchanges import StaleRoute
+
+logger = logging.getLogger(__name__)
 
 # -- what the scripts reply ---------------------------------------------------------------
 
@@ -33,6 +37,21 @@ class Consumed:
     # ms until the next token of a rate that holds back ready messages (also in wake_in_ms):
     # the consumer times this wait itself, the server's block timeouts being 1/hz coarse
     rate_in_ms: int | None = None
+
+
+class Published(str):
+    """The id of the message that holds the place (a str, as the reply's id): the one just
+    stored, or, ``deduplicated``, the one holding the dedup id (nothing was stored);
+    ``replaced``: the waiting message a debounce took the place of (gone)."""
+
+    deduplicated: bool
+    replaced: str | None
+
+    def __new__(cls, message_id: str, *, deduplicated: bool = False,
+                replaced: str | None = None) -> Published:
+        self = super().__new__(cls, message_id)
+        self.deduplicated, self.replaced = deduplicated, replaced
+        return self
 
 
 class Acked(int):
@@ -113,20 +132,35 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
             eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None,
-            route: tuple[str, int] | None = None) -> Call[str]:
+            route: tuple[str, int] | None = None, dedup: Dedup | None = None) -> Call[Published]:
     """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock); ``task_id``
     (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it.
     ``route`` is (exchange, looked_up_ms) of a cached route: the call raises
-    :class:`StaleRoute`, writing nothing, when the queue's bindings changed since."""
+    :class:`StaleRoute`, writing nothing, when the queue's bindings changed since.
+    ``dedup``: a second message of its id is dropped or replaces the first (protocol/dedup.py);
+    the reply says which message kept the place (:class:`Published`), logged at INFO."""
     args = [payload, priority, optional_arg(eta_ms), optional_arg(ttl_ms), p.visibility_ms, task_id or ""]
-    if route is not None:
-        args += [route[0], route[1]]
+    if route is not None or dedup is not None:
+        args += [route[0], route[1]] if route is not None else ["", ""]
+    if dedup is not None:
+        args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)]
 
-    def decode(reply: Any) -> str:
-        if isinstance(reply, list):  # ['stale-route', changed_ms or -1]
+    def decode(reply: Any) -> Published:
+        if not isinstance(reply, list):
+            return Published(text(reply))
+        if text(reply[0]) == "stale-route":  # ['stale-route', changed_ms or -1]
             changed = int(reply[1])
             raise StaleRoute(queue, None if changed < 0 else changed)
-        return text(reply)
+        assert dedup is not None, reply
+        if text(reply[0]) == "replaced":  # ['replaced', new id, replaced id]
+            published = Published(text(reply[1]), replaced=text(reply[2]))
+            logger.info("celery-redis-lua: queue %r: message %s replaces message %s, which held dedup id %r "
+                        "(debounce)", queue, published, published.replaced, dedup.id)
+            return published
+        kept = Published(text(reply[1]), deduplicated=True)  # ['deduplicated', holder id]
+        logger.info("celery-redis-lua: queue %r: a publish of dedup id %r was dropped (%s): message %s "
+                    "holds it", queue, dedup.id, dedup.mode, kept)
+        return kept
 
     return Call("publish", k.queue_keys(queue), args, decode)
 

@@ -4,7 +4,7 @@ dashboard shows (metrics)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..call import Call
@@ -43,6 +43,7 @@ class QueueMetrics:
     retrying: int = 0  # of the delayed, how many wait for a delayed retry (x-delayed-retry-type)
     limits: Limits = Limits()  # the queue's limits (the limit script); Limits() when it has none
     exists: bool = True  # its meta hash exists; False: gone (expired, deleted) or only bound
+    deduplicated: dict[str, int] = field(default_factory=dict)  # dedup mode -> publishes it dropped
 
     @property
     def oldest_ready_age_ms(self) -> int | None:
@@ -51,6 +52,11 @@ class QueueMetrics:
     @property
     def next_eta_in_ms(self) -> int | None:
         return None if self.next_eta is None else max(0, self.next_eta - self.now)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, int]:
+    """A reply's flat name, count pairs (the counters of a reason or a mode)."""
+    return {text(flat[j]): int(flat[j + 1]) for j in range(0, len(flat), 2)}
 
 
 def _paused_reason(value: Any) -> str | None:
@@ -72,7 +78,7 @@ def stats(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueStats
     return Call("stats", keys_of(k, names), [], decode)
 
 
-METRICS_ITEMS = 13  # per queue in the metrics script's reply
+METRICS_ITEMS = 14  # per queue in the metrics script's reply
 
 
 @operation
@@ -84,12 +90,12 @@ def metrics(k: Keyspace, p: Policy, queues: Sequence[str]) -> Call[list[QueueMet
         found = []
         for i in range(0, len(rows), METRICS_ITEMS):
             (ready, delayed, in_flight, dead, oldest, eta, redelivered, dropped, paused,
-             retrying, cap, rate, exists) = rows[i:i + METRICS_ITEMS]
+             retrying, cap, rate, exists, deduplicated) = rows[i:i + METRICS_ITEMS]
             found.append(QueueMetrics(
                 names[i // METRICS_ITEMS], now, int(ready), int(delayed), int(in_flight), int(dead),
                 int_or_none(oldest), int_or_none(eta), int(redelivered),
-                {text(dropped[j]): int(dropped[j + 1]) for j in range(0, len(dropped), 2)},
-                _paused_reason(paused), int(retrying), limits_of(cap, rate), bool(int(exists))))
+                _pairs(dropped), _paused_reason(paused), int(retrying), limits_of(cap, rate),
+                bool(int(exists)), _pairs(deduplicated)))
         return found
 
     return Call("metrics", keys_of(k, names), [], decode)

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ...protocol import producer
+from ...protocol import dedup, producer
 from ...protocol.library import ScriptLibrary
 from ..locate import Whereabouts, cancel_task, locate_task
 from .broker import connect, connection_options
@@ -38,11 +38,22 @@ def _json_option(value: str, name: str, kind: type) -> Any:
 @click.option("--task-id", default=None, help="Default: a new UUID.")
 @click.option("--visibility-timeout", type=float, default=300, show_default=True,
               help="The workers' visibility_timeout, seconds.")
+@click.option("--dedup", "dedup_mode", type=click.Choice(dedup.MODES), default=None,
+              help="Deduplicate by a dedup id: simple (while the first waits or runs), throttle (for "
+                   "--dedup-ttl after the first), debounce (the newest replaces the one waiting).")
+@click.option("--dedup-id", default=None, help="The dedup id (default: the task name and its arguments).")
+@click.option("--dedup-key", type=click.Choice(dedup.KEYS), default=None,
+              help="Build the dedup id from the task id or from the task name and arguments.")
+@click.option("--dedup-ttl", type=float, default=None, help="Seconds a hold lasts at most (throttle: "
+              "required).")
 @connection_options
 def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priority: int,
-            countdown: float, task_id: str | None, visibility_timeout: float, url: str,
+            countdown: float, task_id: str | None, visibility_timeout: float, dedup_mode: str | None,
+            dedup_id: str | None, dedup_key: str | None, dedup_ttl: float | None, url: str,
             prefix: str) -> None:
-    """Publish a Celery (protocol v2) task message; print its task id."""
+    """Publish a Celery (protocol v2) task message; print its task id. With --dedup, a message
+    of a dedup id held in the queue is not stored (or replaces the one waiting): said on
+    stderr, with the id of the message that holds it."""
     args = _json_option(args_json, "--args", list)
     kwargs = _json_option(kwargs_json, "--kwargs", dict)
     if countdown < 0:
@@ -56,9 +67,22 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
         eta_ms = seconds * 1000 + micros // 1000 + round(countdown * 1000)
     envelope = producer.build_envelope(task_name, args, kwargs, task_id=task_id, queue=queue,
                                        priority=priority, eta_ms=eta_ms)
-    lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms,
-                task_id=envelope["headers"]["id"])
+    option = {name: value for name, value in (("mode", dedup_mode), ("id", dedup_id), ("key", dedup_key),
+                                               ("ttl", dedup_ttl)) if value is not None}
+    if option:  # the task option Celery would carry, read back the one way the transport does
+        envelope["properties"][dedup.OPTION] = {"mode": "simple", **option}
+    try:
+        settings = dedup.from_envelope(envelope)
+    except dedup.BadDedup as error:
+        raise CliError(f"--dedup: {error}") from None
+    published = lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms,
+                            task_id=envelope["headers"]["id"], dedup=settings)
     click.echo(envelope["headers"]["id"])
+    if published.deduplicated:
+        click.echo(f"{PROG} publish: not stored: message {published} holds dedup id "
+                   f"{settings.id if settings else ''!r}", err=True)
+    elif published.replaced:
+        click.echo(f"{PROG} publish: replaced message {published.replaced} (debounce)", err=True)
 
 
 def _task_id(value: str) -> str:
