@@ -22,6 +22,7 @@ from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
+from ..protocol.call import NoReplicasError
 from ..protocol.cluster import (
     ClusterConfigError,
     ClusterUrl,
@@ -80,6 +81,10 @@ class Transport(virtual.Transport):
         redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
         redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
         IOError, OSError, InterruptedError,
+        # A primary fenced by min-replicas-to-write (no replica in reach) refuses every write
+        # before running it, as a demoted one does with READONLY (through Sentinel, a
+        # ConnectionError): the publish is retried, a consume reconnects, until it lifts.
+        NoReplicasError,
         # A cluster that lost a primary (until a replica is promoted), or whose slot map is
         # being rebuilt: reconnect and retry, as for a lost server.
         redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,

@@ -22,6 +22,24 @@ class ScriptError(ResponseError):
         self.script = script
 
 
+class NoReplicasError(ResponseError):
+    """``NOREPLICAS Not enough good replicas to write.``: a primary fenced by
+    ``min-replicas-to-write`` refused a command that may write, before running it. A moment's
+    refusal, like READONLY from a demoted primary: the kombu transport counts it among its
+    connection errors (a publish is retried, a consume reconnects) and an outbox sends its
+    acks again. redis-py has no class of its own for it."""
+
+
+NOREPLICAS = "NOREPLICAS"
+
+
+def refusal(error: ResponseError) -> ResponseError:
+    """``error`` as :class:`NoReplicasError` when it is a fenced primary's refusal; else as it is."""
+    if not isinstance(error, NoReplicasError) and str(error).startswith(NOREPLICAS):
+        return NoReplicasError(*error.args)
+    return error
+
+
 def _as_is(reply: Any) -> Any:
     return reply
 
@@ -38,7 +56,9 @@ class Call(Generic[T]):
 
 
 def to_script_error(script: str, error: ResponseError) -> ResponseError:
-    """Turn our scripts' error replies into :class:`ScriptError`; leave others alone."""
+    """Turn our scripts' error replies into :class:`ScriptError`, a fenced primary's into
+    :class:`NoReplicasError`; leave others alone."""
+    error = refusal(error)
     message = str(error)
     if message.startswith("ERR "):
         message = message[4:]
