@@ -26,11 +26,22 @@ def test_smoke_profile_passes_for_our_transport() -> None:
         sys.path.insert(0, str(ROOT))  # scripts/ beside the tests
     chaos = importlib.import_module("scripts.chaos.__main__")
     kinds = importlib.import_module("scripts.chaos.profiles").FAULT_KINDS
+    report = importlib.import_module("scripts.chaos.report")
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "1",
                                   "--no-doc"]))
     verdict = card["verdict"]
     detail = {key: verdict[key] for key in ("lost_ids", "broker", "early_examples",
-                                            "unattributable_examples", "faults_applied")}
+                                            "unattributable_examples", "faults_applied", "order")}
+    print(report.jepsen_line(verdict["jepsen"]), report.order_line(verdict["order"]), sep="\n")
+    jepsen, order = verdict["jepsen"], verdict["order"]
+    # In Jepsen's terms (issue 40 §5): every attempt's fraction adds up, nothing lost or unexpected.
+    assert jepsen["attempts"] == verdict["submitted"] + verdict["submit_errors"], jepsen
+    assert (jepsen["lost"], jepsen["unexpected"], jepsen["valid"]) == (0, 0, True), jepsen
+    assert jepsen["duplicated"] == verdict["duplicates"], jepsen
+    assert jepsen["ok"] + jepsen["lost"] == jepsen["acknowledged"] + jepsen["recovered"], jepsen
+    # The order check ran on the batches the workers recorded.
+    assert order["measured"] and order["first_deliveries"] > verdict["submitted"] // 2, detail
+    assert (order["priority_inversions"], order["fifo_violations"]) == (0, 0), detail
     assert verdict["submitted"] > 0 and verdict["executions"] >= verdict["submitted"]
     assert set(verdict["faults_applied"]) == set(kinds), detail
     assert verdict["lost"] == 0, detail

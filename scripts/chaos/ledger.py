@@ -1,5 +1,12 @@
 """The ledger: a separate Valkey where the producer, the workers and the fault injector
-record what happened, by task id, as JSON list entries under ``chaos:<kind>``."""
+record what happened, by task id, as JSON list entries under ``chaos:<kind>``.
+
+``submit``: id, t (before the publish), sent (after it returned), kind, priority, eligible
+(the ETA of a countdown, else t), seconds, queue; ``submit_error``: id, t, kind, error;
+``start`` / ``finish``: id, t, worker, pid (a start also its delivery count and receipt);
+``batch`` (our transport's workers, batches.py): t, after, pid, channel, deliveries as
+[queue, task id, delivery count] in the order taken; ``fault``, ``event``,
+``listener_error``."""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from typing import Any
 
 import redis
 
-KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error")
+KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error", "batch")
 _client: dict[str, Any] = {"pid": None, "client": None}
 
 
