@@ -127,3 +127,25 @@ def drain_quietly(conn: Connection) -> None:
     """One turn of the consumer's loop; a refusal or a timeout is the next turn's business."""
     with contextlib.suppress(TimeoutError, *conn.connection_errors):
         conn.drain_events(timeout=0.2)
+
+
+def test_a_reject_refused_by_a_fenced_primary_lands_once_it_lifts(fenced: Server) -> None:
+    """reject(requeue=True) goes at once; refused, it waits in the outbox and is sent again: the
+    message comes back once, counted, after the fence lifts (not after the visibility timeout)."""
+    admin = fenced.client(socket_timeout=10)
+    fence(fenced, on=False)
+    got: list[Message] = []
+    with (Connection(url(fenced), transport_options=options(VISIBILITY)) as conn,
+          Consumer(conn, [QUEUE], callbacks=[collector(got)])):
+        take_one(conn, got)
+        fence(fenced, on=True)
+        before = refused_scripts(admin)
+        got[0].reject(requeue=True)
+        wait_until(lambda: refused_scripts(admin) > before, timeout=10, what="the reject refused")
+        fence(fenced, on=False)
+        wait_until(lambda: drain_quietly(conn) or len(got) > 1, timeout=VISIBILITY / 2,
+                   what="the rejected message delivered again well before its visibility timeout")
+        lib = ScriptLibrary(admin, Keyspace())
+        wait_until(lambda: drain_quietly(conn) or lib.stats([NAME])[0].in_flight == 0, timeout=10,
+                   what="the second delivery acked")
+    assert [(m.payload, m.headers.get("x-delivery-count")) for m in got] == [({"n": 1}, 0), ({"n": 1}, 1)]

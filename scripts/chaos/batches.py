@@ -89,7 +89,8 @@ def _when_sent_ahead(channel: Any, args: tuple[Any, ...]) -> float | None:
     """The in-flight consume on the wait ``args[0]``: when its group's consume went out."""
     sent = getattr(args[0], "batch", None)
     group = tuple(sent.group) if sent is not None else None
-    return vars(channel).get(SENT_AHEAD, {}).pop(group, None)
+    when: float | None = vars(channel).get(SENT_AHEAD, {}).pop(group, None)
+    return when
 
 
 def install() -> None:
