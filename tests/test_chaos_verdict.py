@@ -283,3 +283,11 @@ def test_the_verdict_fails_on_an_unexpected_delivery_or_an_order_violation(anoma
     clean["event"] = [{"id": s["id"], "t": s["t"]} for s in starts[:4]]
     passed = verdict.compute(clean, {"pending": 0, "clean": True}, PROFILES["smoke"], "ours")
     assert passed["verdict"] == "PASS", "the same run without the anomaly passes"
+
+
+def test_the_ledger_client_follows_each_run_s_ledger() -> None:
+    """Two runs in one process (the two smoke tests in one pytest session): the second must not
+    write to the first one's ledger, stopped by then."""
+    first, second = ledger.client("redis://127.0.0.1:1/0"), ledger.client("redis://127.0.0.1:2/0")
+    assert [c.connection_pool.connection_kwargs["port"] for c in (first, second)] == [1, 2]
+    assert ledger.client("redis://127.0.0.1:2/0") is second
