@@ -8,6 +8,7 @@ receipt, which the chaos app stamps on it in the worker's consumer (a real worke
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -291,3 +292,45 @@ def test_the_ledger_client_follows_each_run_s_ledger() -> None:
     first, second = ledger.client("redis://127.0.0.1:1/0"), ledger.client("redis://127.0.0.1:2/0")
     assert [c.connection_pool.connection_kwargs["port"] for c in (first, second)] == [1, 2]
     assert ledger.client("redis://127.0.0.1:2/0") is second
+
+
+def test_the_order_check_on_a_real_worker_s_batches(valkey_server: Server, ledger_server: Server,
+                                                    tmp_path: Path) -> None:
+    """A backlog of priority 0 and 9 tasks waits before the worker starts: every one is ready
+    before any batch, so the worker's batches (4 at a time: prefetch 4 x 1 thread) must take
+    the eight priority-9 ones first and each priority in publish order, and the check must
+    find that so."""
+    broker_url = f"redislua://127.0.0.1:{valkey_server.port}/0"
+    ledger_url = f"redis://127.0.0.1:{ledger_server.port}/0"
+    valkey_server.client(socket_timeout=10).flushall()
+    producer = Celery("order", broker=broker_url, set_as_current=False)
+    try:
+        for i in range(24):
+            priority = 9 if i % 3 == 2 else 0
+            began = time.time()
+            sent = producer.send_task("chaos.work", ("fast", 0.0), queue="celery", priority=priority)
+            ledger.record("submit", ledger_url, id=sent.id, t=began, sent=time.time(), kind="fast",
+                          priority=priority, eligible=began, seconds=0.0, queue="celery")
+    finally:
+        producer.close()
+    env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_url}
+    worker = ChaosWorker("order", "threads", 1, env, tmp_path)
+    worker.start()
+    try:
+        client = ledger_server.client()
+        wait_until(lambda: client.llen("chaos:finish") >= 24, timeout=60, what="the backlog run")
+    finally:
+        worker.stop()
+    records = ledger.read(ledger_url)
+    found = jepsen.order(records, [])
+    assert (found["first_deliveries"], found["priority_inversions"], found["fifo_violations"]) == \
+        (24, 0, 0), found
+    priority = {entry["id"]: entry["priority"] for entry in records["submit"]}
+    batches = sorted(records["batch"], key=lambda b: b["t"])
+    assert [priority[tid] for b in batches for _, tid, _ in b["deliveries"]] == [9] * 8 + [0] * 16, \
+        "the backlog is taken highest priority first"
+    # The same batches judged as if the priorities were the other way round (a transport that
+    # served priority 0 first, as kombu's stock Redis transport does Celery's 9): inversions.
+    for entry in records["submit"]:
+        entry["priority"] = 9 - entry["priority"]
+    assert jepsen.order(records, [])["priority_inversions"] > 0
