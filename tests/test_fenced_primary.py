@@ -5,7 +5,9 @@ as it handles ``READONLY`` from a demoted primary: retried, never dropped.
 A real standalone server started with ``min-replicas-to-write 1`` and no replica, so every
 script that may write (publish, declare, consume, ack) and the wake-list BLPOP are refused
 before they run; ``CONFIG SET min-replicas-to-write 0`` from another client lifts the fence,
-as a replica catching up would. Through plain kombu.
+as a replica catching up would. Through plain kombu. A publish (and its declare) waits the
+fence out in the channel for up to ``fence_timeout`` (10 s by default), then raises a
+connection error that kombu's retry policy may retry.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kombu import Connection, Consumer
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.fence import NoReplicasError
 from conftest import require_kind
 from helpers import wait_until
 from scripts.servers import Server
@@ -149,3 +152,11 @@ def test_a_reject_refused_by_a_fenced_primary_lands_once_it_lifts(fenced: Server
         wait_until(lambda: drain_quietly(conn) or lib.stats([NAME])[0].in_flight == 0, timeout=10,
                    what="the second delivery acked")
     assert [(m.payload, m.headers.get("x-delivery-count")) for m in got] == [({"n": 1}, 0), ({"n": 1}, 1)]
+
+
+def test_with_fence_timeout_0_a_refused_publish_raises_at_once(fenced: Server) -> None:
+    """The option's floor: no wait in the channel (kombu's own retry policy, if any, decides)."""
+    options = {"visibility_timeout": VISIBILITY, "fence_timeout": 0}
+    with Connection(url(fenced), transport_options=options) as conn, pytest.raises(NoReplicasError):
+        conn.Producer().publish({"n": 1}, exchange=QUEUE.exchange, routing_key=NAME, declare=[QUEUE])
+    assert refused_scripts(fenced.client(socket_timeout=10)) == 1, "refused once, not tried again"

@@ -22,7 +22,6 @@ from redis.sentinel import MasterNotFoundError
 
 from _celery_redis_lua_alias import SCHEMES
 
-from ..protocol.call import NoReplicasError
 from ..protocol.cluster import (
     ClusterConfigError,
     ClusterUrl,
@@ -32,6 +31,7 @@ from ..protocol.cluster import (
     startup_nodes,
 )
 from ..protocol.eviction import Eviction, read_eviction
+from ..protocol.fence import NoReplicasError
 from ..protocol.ops import Declared
 from ..protocol.options import OptionError, TransportOptions, parse_options
 from ..protocol.sentinel import (
@@ -83,7 +83,7 @@ class Transport(virtual.Transport):
         IOError, OSError, InterruptedError,
         # A primary fenced by min-replicas-to-write (no replica in reach) refuses every write
         # before running it, as a demoted one does with READONLY (through Sentinel, a
-        # ConnectionError): the publish is retried, a consume reconnects, until it lifts.
+        # ConnectionError): a consume reconnects, a publish past fence_timeout is retried.
         NoReplicasError,
         # A cluster that lost a primary (until a replica is promoted), or whose slot map is
         # being rebuilt: reconnect and retry, as for a lost server.

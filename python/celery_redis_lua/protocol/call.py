@@ -10,6 +10,8 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
+from .fence import refusal
+
 ERROR_PREFIX = "celery-redis-lua:"
 T = TypeVar("T")
 
@@ -20,24 +22,6 @@ class ScriptError(ResponseError):
     def __init__(self, script: str, message: str) -> None:
         super().__init__(message)
         self.script = script
-
-
-class NoReplicasError(ResponseError):
-    """``NOREPLICAS Not enough good replicas to write.``: a primary fenced by
-    ``min-replicas-to-write`` refused a command that may write, before running it. A moment's
-    refusal, like READONLY from a demoted primary: the kombu transport counts it among its
-    connection errors (a publish is retried, a consume reconnects) and an outbox sends its
-    acks again. redis-py has no class of its own for it."""
-
-
-NOREPLICAS = "NOREPLICAS"
-
-
-def refusal(error: ResponseError) -> ResponseError:
-    """``error`` as :class:`NoReplicasError` when it is a fenced primary's refusal; else as it is."""
-    if not isinstance(error, NoReplicasError) and str(error).startswith(NOREPLICAS):
-        return NoReplicasError(*error.args)
-    return error
 
 
 def _as_is(reply: Any) -> Any:
@@ -57,7 +41,7 @@ class Call(Generic[T]):
 
 def to_script_error(script: str, error: ResponseError) -> ResponseError:
     """Turn our scripts' error replies into :class:`ScriptError`, a fenced primary's into
-    :class:`NoReplicasError`; leave others alone."""
+    :class:`~.fence.NoReplicasError`; leave others alone."""
     error = refusal(error)
     message = str(error)
     if message.startswith("ERR "):

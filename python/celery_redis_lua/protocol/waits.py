@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
-from .call import refusal
 from .connections import bound_connection, bounded_client, dedicated_connection, read_replies
+from .fence import refusal
 from .runner import REDIRECTED
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
