@@ -3,8 +3,8 @@
 Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
 CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
 The one task records its start (worker, pid, delivery count, and when the worker received
-that delivery) and finish in the ledger; with our transport a worker also records each
-consume batch it took (batches.py: the verdict's order check).
+that delivery) and finish in the ledger; a worker also records each consume batch it took
+(batches.py: the verdict's order check; with kombu's stock transport, each BRPOP's message).
 Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
 topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
 run also proves that an expiring queue and its binding outlive every refresh interval.
@@ -37,8 +37,11 @@ app.conf.update(
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
 
-if os.environ.get("CHAOS_BROKER_URL", "").startswith("redislua") and "CHAOS_LEDGER_URL" in os.environ:
-    batches.install()  # a worker of our transport: which consume batch took each message
+if "CHAOS_LEDGER_URL" in os.environ and "CHAOS_BROKER_URL" in os.environ:  # a worker
+    if os.environ["CHAOS_BROKER_URL"].startswith("redislua"):
+        batches.install()  # which consume batch took each message
+    else:
+        batches.install_stock()  # kombu's stock Redis transport: each BRPOP's message
 
 # x-expires longer than any fault keeps consumers away (a broker restart, a pause): the
 # queue must live as long as it has consumers, and its binding be refreshed meanwhile.

@@ -8,7 +8,8 @@ anything, a worker records in the ledger (kind ``batch``) when that consume went
 and what it took, in order, as (queue, task id, delivery count). The harness's instrument,
 not a transport feature: it wraps three methods of the kombu channel, ``consume_now`` (a
 consume waited for), ``_send_consume`` (one sent ahead in Celery's hub, its reply read by
-``_consume_arrived``) and ``_deliver_all`` (a reply's deliveries).
+``_consume_arrived``) and ``_deliver_all`` (a reply's deliveries). For kombu's stock Redis
+transport, its BRPOP read: one message a batch (:func:`install_stock`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,44 @@ def _when_sent_ahead(channel: Any, args: tuple[Any, ...]) -> float | None:
     group = tuple(sent.group) if sent is not None else None
     when: float | None = vars(channel).get(SENT_AHEAD, {}).pop(group, None)
     return when
+
+
+def stock_reading(original: Callable[..., Any]) -> Callable[..., Any]:
+    """kombu's stock Redis channel: a BRPOP reply is a batch of one, read in ``_brpop_read``
+    (sent by ``_brpop_start``, which stamps ``_brpop_sent_at``, monotonic). What it delivers is
+    seen through the transport's ``_deliver`` for the time of the call; a message restored
+    after its visibility timeout carries ``redelivered`` (its count, 1 here)."""
+    @functools.wraps(original)
+    def wrapper(self: Any, **options: Any) -> Any:
+        sent = getattr(self, "_brpop_sent_at", None)
+        after = None if sent is None else time.time() - (time.monotonic() - sent)
+        transport, taken = self.connection, []
+
+        def deliver(message: dict[str, Any], queue: str) -> Any:
+            headers = message.get("headers") or {}
+            taken.append([queue, headers.get("id"), 1 if headers.get("redelivered") else 0])
+            return type(transport)._deliver(transport, message, queue)
+
+        transport._deliver = deliver
+        try:
+            return original(self, **options)
+        finally:
+            del transport._deliver
+            if taken:
+                ledger.record("batch", t=time.time(), after=after, pid=os.getpid(), channel=id(self),
+                              deliveries=taken)
+    return wrapper
+
+
+def install_stock() -> None:
+    """Wrap kombu's stock Redis channel's BRPOP read (once per process)."""
+    from kombu.transport.redis import Channel
+
+    if getattr(Channel, "_chaos_batches", False):
+        return
+    stock: Any = Channel
+    stock._brpop_read = stock_reading(Channel._brpop_read)
+    stock._chaos_batches = True
 
 
 def install() -> None:
