@@ -250,6 +250,15 @@ def test_countdowns_are_in_order_by_their_eta_not_their_publish() -> None:
     assert order(batch(7.0, ["c1", "c2"]), submits=submits) == order_fields(1, 2, fifo_violations=1)
 
 
+def test_where_the_worker_holds_countdowns_they_are_ready_at_their_publish() -> None:
+    """kombu's stock transport delivers a countdown at once (the worker holds it until its ETA):
+    taken before a task published after it is in order, not its ETA's."""
+    submits = [submit("c1", 1, countdown=5.0), submit("f", 2)]
+    ledger = ledger_of(submit=submits, batch=[batch(1.5, ["c1"]), batch(2.5, ["f"])])
+    assert jepsen.order(ledger, [])["fifo_violations"] == 1, "by its ETA, c1 was not ready yet"
+    assert jepsen.order(ledger, [], etas_in_broker=False)["fifo_violations"] == 0
+
+
 def test_a_redelivery_is_left_out_of_the_order_check() -> None:
     """l1 came back (counted): it was taken before, by a consume whose reply nobody read."""
     assert order(batch(10.1, ["h", "l2"]), batch(10.2, ["l1", "l3"], counts={"l1": 1})) == order_fields(2, 3)
@@ -262,7 +271,7 @@ def test_a_fifo_violation_across_a_fault_is_explained() -> None:
 
 
 def test_without_recorded_batches_the_order_is_not_measured() -> None:
-    """kombu's stock transport, or a run before the batches were recorded."""
+    """A run before the batches were recorded (its scorecard recomputed from its ledger)."""
     assert jepsen.order(ledger_of(submit=WAITING), []) == {"measured": False}
 
 

@@ -133,9 +133,11 @@ def queue_of(submit: dict[str, Any]) -> str:
     return str(submit.get("queue") or ("expiring" if submit.get("kind") == "routed" else "celery"))
 
 
-def message(submit: dict[str, Any]) -> Message:
+def message(submit: dict[str, Any], etas_in_broker: bool = True) -> Message:
+    """A submission's readiness. A countdown is ready at its ETA where the broker holds it
+    (ours); kombu's stock transport delivers it at once (the worker holds it)."""
     sent = submit.get("sent", submit["t"])
-    if submit["eligible"] > submit["t"]:  # a countdown: ready at its ETA, by the server's clock
+    if etas_in_broker and submit["eligible"] > submit["t"]:  # ready at its ETA, by the server's clock
         eta = submit["eligible"]
         return Message(submit["id"], queue_of(submit), submit.get("priority") or 0,
                        max(submit["t"], eta - ETA_SLACK), max(sent, eta + ETA_SLACK))
@@ -269,13 +271,14 @@ def violation(earlier: Message, later: Message, behind: Batch,
             "fault": explaining_fault(faults, earlier.ready_lo, behind.t)}
 
 
-def order(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]]) -> dict[str, Any]:
-    """The order check's fields (``measured`` False without recorded batches: kombu's stock
-    transport, or a run before 2026-12-06)."""
+def order(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]],
+          etas_in_broker: bool = True) -> dict[str, Any]:
+    """The order check's fields (``measured`` False without recorded batches: a run before
+    2026-12-06). ``etas_in_broker``: False for kombu's stock transport (see :func:`message`)."""
     taken = batches(records)
     if not taken:
         return {"measured": False}
-    messages = {entry["id"]: message(entry) for entry in records.get("submit", [])}
+    messages = {entry["id"]: message(entry, etas_in_broker) for entry in records.get("submit", [])}
     firsts = first_deliveries(taken)
     inversions = priority_inversions(messages, firsts, taken, faults)
     beyond = [i for i in inversions if i["batches"] > ALLOWED_INVERSION_BATCHES]

@@ -51,8 +51,9 @@ What each line means:
   (delivered, i.e. started, at least once), **lost** (confirmed, never delivered),
   **recovered** (the publish raised, delivered anyway), **unexpected** (deliveries of a
   message never published; must be 0), **duplicated** (deliveries beyond the first).
-- **order** (since 2026-12-06, ours): each worker records every consume batch it took (when
-  it went out, when its reply came, what it took, in order). Among first deliveries, a
+- **order** (since 2026-12-06): each worker records every consume batch it took (when it
+  went out, when its reply came, what it took, in order; for kombu's stock transport, each
+  BRPOP's message). Among first deliveries, a
   **priority inversion** is a batch that certainly ran after a higher-priority message was
   ready and before the batch that took it, yet took a lower-priority one of the same queue;
   more than one such batch for a message fails the run. A **FIFO violation** is a message taken
@@ -164,7 +165,7 @@ def jepsen_line(j: dict[str, Any]) -> str:
 
 def order_line(o: dict[str, Any]) -> str:
     if not o.get("measured"):
-        return "- order: not measured (no consume batches in the ledger: kombu's stock transport)"
+        return "- order: not measured (no consume batches in the ledger: a run before 2026-12-06)"
     return (f"- order: {o['batches']} consume batches, {o['first_deliveries']} first deliveries; "
             f"priority inversions beyond one batch {o['priority_inversions']} (explained by a fault "
             f"{o['priority_inversions_explained']}; within one batch "

@@ -251,7 +251,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "latency_seconds": {name: percentile(latencies, q) for name, q in
                             (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))},
         "jepsen": jepsen.total_queue(records),
-        "order": jepsen.order(records, faults),
+        "order": jepsen.order(records, faults, etas_in_broker=transport == "ours"),
     }
     ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
           and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
