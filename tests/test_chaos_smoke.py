@@ -7,12 +7,28 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from scripts.servers import ServerUnavailable, server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def in_jepsen_terms(verdict: dict[str, Any], detail: dict[str, Any]) -> None:
+    """Issue 40 §5: total-queue's fields add up, nothing lost or unexpected (a raised publish
+    that ran anyway is recovered), and the order check ran on the batches the workers recorded."""
+    report = importlib.import_module("scripts.chaos.report")
+    jepsen, order = verdict["jepsen"], verdict["order"]
+    print(report.jepsen_line(jepsen), report.order_line(order), sep="\n")
+    assert jepsen["attempts"] == verdict["submitted"] + verdict["submit_errors"], jepsen
+    assert (jepsen["lost"], jepsen["unexpected"], jepsen["valid"]) == (0, 0, True), jepsen
+    assert jepsen["recovered"] == verdict["submit_errors_executed"], jepsen
+    assert jepsen["duplicated"] == verdict["duplicates"], jepsen
+    assert jepsen["ok"] + jepsen["lost"] == jepsen["acknowledged"] + jepsen["recovered"], jepsen
+    assert order["measured"] and order["first_deliveries"] > verdict["submitted"] // 2, detail
+    assert (order["priority_inversions"], order["fifo_violations"]) == (0, 0), detail
 
 
 @pytest.mark.slow
@@ -30,7 +46,8 @@ def test_smoke_profile_passes_for_our_transport() -> None:
                                   "--no-doc"]))
     verdict = card["verdict"]
     detail = {key: verdict[key] for key in ("lost_ids", "broker", "early_examples",
-                                            "unattributable_examples", "faults_applied")}
+                                            "unattributable_examples", "faults_applied", "order")}
+    in_jepsen_terms(verdict, detail)
     assert verdict["submitted"] > 0 and verdict["executions"] >= verdict["submitted"]
     assert set(verdict["faults_applied"]) == set(kinds), detail
     assert verdict["lost"] == 0, detail
@@ -59,9 +76,10 @@ def test_smoke_profile_passes_through_sentinel_with_durability() -> None:
                                   "--durability", "replicas:1", "--no-doc"]))
     verdict = card["verdict"]
     detail = {key: verdict[key] for key in ("lost_ids", "broker", "early_examples",
-                                            "unattributable_examples", "faults_applied")}
+                                            "unattributable_examples", "faults_applied", "order")}
     assert verdict["submitted"] > 0
     assert {"primary_kill", "sentinel_failover"} <= set(verdict["faults_applied"]), detail
+    in_jepsen_terms(verdict, detail)
     assert verdict["failovers"] >= 2, detail
     assert verdict["lost"] == 0, detail
     assert verdict["pending"] == 0, detail

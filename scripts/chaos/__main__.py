@@ -40,6 +40,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
                              "scorecard's log_dir) under the current rules, as a new scorecard")
+    parser.add_argument("--jepsen-table", nargs="+", metavar="SCORECARD",
+                        help="no run: print the Jepsen-format table of docs/faults.md, a column "
+                             "per scorecard")
     args = parser.parse_args(argv)
     if args.transport == "stock" and (args.durability or args.durability_timeout):
         parser.error("--durability is an option of our transport only")
@@ -188,6 +191,9 @@ def recompute(path: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.jepsen_table:
+        print(report.jepsen_table([json.loads(Path(path).read_text()) for path in args.jepsen_table]))
+        return 0
     card = recompute(Path(args.verdict_of)) if args.verdict_of else run(args)
     path = report.write(card)
     if not args.no_doc:

@@ -3,7 +3,8 @@
 Configured from the environment: CHAOS_BROKER_URL (redislua:// or redis://),
 CHAOS_LEDGER_URL, CHAOS_TRANSPORT_OPTIONS (JSON), CHAOS_ACKS_LATE ("1" by default).
 The one task records its start (worker, pid, delivery count, and when the worker received
-that delivery) and finish in the ledger.
+that delivery) and finish in the ledger; a worker also records each consume batch it took
+(batches.py: the verdict's order check; with kombu's stock transport, each BRPOP's message).
 Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
 topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
 run also proves that an expiring queue and its binding outlive every refresh interval.
@@ -21,7 +22,7 @@ from celery.signals import task_received
 from kombu import Exchange, Queue
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
-from scripts.chaos import ledger
+from scripts.chaos import batches, ledger
 
 app = Celery("chaos", set_as_current=False)
 app.conf.update(
@@ -35,6 +36,12 @@ app.conf.update(
     worker_hijack_root_logger=False,
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+
+if "CHAOS_LEDGER_URL" in os.environ and "CHAOS_BROKER_URL" in os.environ:  # a worker
+    if os.environ["CHAOS_BROKER_URL"].startswith("redislua"):
+        batches.install()  # which consume batch took each message
+    else:
+        batches.install_stock()  # kombu's stock Redis transport: each BRPOP's message
 
 # x-expires longer than any fault keeps consumers away (a broker restart, a pause): the
 # queue must live as long as it has consumers, and its binding be refreshed meanwhile.

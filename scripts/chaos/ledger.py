@@ -1,5 +1,12 @@
 """The ledger: a separate Valkey where the producer, the workers and the fault injector
-record what happened, by task id, as JSON list entries under ``chaos:<kind>``."""
+record what happened, by task id, as JSON list entries under ``chaos:<kind>``.
+
+``submit``: id, t (before the publish), sent (after it returned), kind, priority, eligible
+(the ETA of a countdown, else t), seconds, queue; ``submit_error``: id, t, kind, error;
+``start`` / ``finish``: id, t, worker, pid (a start also its delivery count and receipt);
+``batch`` (our transport's workers, batches.py): t, after, pid, channel, deliveries as
+[queue, task id, delivery count] in the order taken; ``fault``, ``event``,
+``listener_error``."""
 
 from __future__ import annotations
 
@@ -10,16 +17,19 @@ from typing import Any
 
 import redis
 
-KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error")
-_client: dict[str, Any] = {"pid": None, "client": None}
+KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error", "batch")
+_client: dict[str, Any] = {"pid": None, "url": None, "client": None}
 
 
 def client(url: str | None = None) -> redis.Redis:
-    """One client per process (a prefork child builds its own after the fork)."""
-    if _client["pid"] != os.getpid():
-        _client["client"] = redis.Redis.from_url(url or os.environ["CHAOS_LEDGER_URL"])
-        _client["pid"] = os.getpid()
-    return _client["client"]
+    """One client per process and ledger (a prefork child builds its own after the fork; a
+    second run in one process, as the two smoke tests in one pytest session, its own ledger's)."""
+    url = url or os.environ["CHAOS_LEDGER_URL"]
+    if _client["pid"] != os.getpid() or _client["url"] != url:
+        _client["client"] = redis.Redis.from_url(url)
+        _client["pid"], _client["url"] = os.getpid(), url
+    ledger: redis.Redis = _client["client"]
+    return ledger
 
 
 def record(stream: str, url: str | None = None, /, **fields: Any) -> None:

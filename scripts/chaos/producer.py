@@ -65,7 +65,8 @@ class Producer(threading.Thread):
             return
         self.sent += 1
         ledger.record("submit", self.ledger_url, id=task_id, t=now, sent=time.time(), kind=kind,
-                      priority=priority, eligible=eligible, seconds=seconds)
+                      priority=priority, eligible=eligible, seconds=seconds,
+                      queue=options.get("queue", "celery"))
 
     def run(self) -> None:
         began, n = time.monotonic(), 0

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from scripts.chaos import jepsen
 from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
@@ -45,6 +46,19 @@ What each line means:
   fault, between the previous start and the duplicate); **unattributable** must be 0.
 - **broker clean**: no message hashes, index entries, ready/delayed/in-flight or dead entries left.
 - **latency**: from eligibility (submission, or ETA for a countdown) to the first start.
+- **Jepsen total-queue** (since 2026-12-06): the fields of Jepsen's `total-queue` checker, each
+  with its fraction of the attempts (every publish made, confirmed or raised): **ok**
+  (delivered, i.e. started, at least once), **lost** (confirmed, never delivered),
+  **recovered** (the publish raised, delivered anyway), **unexpected** (deliveries of a
+  message never published; must be 0), **duplicated** (deliveries beyond the first).
+- **order** (since 2026-12-06): each worker records every consume batch it took (when it
+  went out, when its reply came, what it took, in order; for kombu's stock transport, each
+  BRPOP's message). Among first deliveries, a
+  **priority inversion** is a batch that certainly ran after a higher-priority message was
+  ready and before the batch that took it, yet took a lower-priority one of the same queue;
+  more than one such batch for a message fails the run. A **FIFO violation** is a message taken
+  before one of its queue and priority that was ready strictly before it. Either is explained
+  by a fault between the waiting message's readiness (less 1 s) and its delivery.
 - **task events**: a real event receiver listens to the workers' `task-succeeded` events for
   the whole run; an event is lost when a task finished and its event never arrived, and
   explained when a connection fault hit while a worker held the task (from its eligibility
@@ -127,8 +141,60 @@ def summary(card: dict[str, Any], path: Path) -> str:
            f"`{v['listener_errors'][0][:160]}`)" if v.get("listener_restarts") else ""),
         f"- latency eligibility->start p50 {lat['p50']} s, p95 {lat['p95']} s, "
         f"p99 {lat['p99']} s, max {lat['max']} s",
+        *([jepsen_line(v["jepsen"])] if "jepsen" in v else []),
+        *([order_line(v["order"])] if "order" in v else []),
         "",
     ])
+
+
+JEPSEN_FIELDS = ("ok", "lost", "recovered", "unexpected", "duplicated")
+
+
+def frac_text(value: float | None) -> str:
+    """A fraction of the attempts as the scorecard holds it (6 decimals), trailing zeros cut."""
+    if value is None:
+        return "-"
+    return f"{value:.6f}".rstrip("0").rstrip(".") or "0"
+
+
+def jepsen_line(j: dict[str, Any]) -> str:
+    counts = ", ".join(f"{name} {j[name]} ({frac_text(j[name + '_frac'])})" for name in JEPSEN_FIELDS)
+    return (f"- Jepsen total-queue: attempts {j['attempts']} (acknowledged {j['acknowledged']}); "
+            f"{counts}; valid {'yes' if j['valid'] else 'no'}")
+
+
+def order_line(o: dict[str, Any]) -> str:
+    if not o.get("measured"):
+        return "- order: not measured (no consume batches in the ledger: a run before 2026-12-06)"
+    return (f"- order: {o['batches']} consume batches, {o['first_deliveries']} first deliveries; "
+            f"priority inversions beyond one batch {o['priority_inversions']} (explained by a fault "
+            f"{o['priority_inversions_explained']}; within one batch "
+            f"{o['priority_inversions_within_one_batch']}; "
+            f"largest {o['priority_inversion_max_batches']} batch(es)); FIFO violations "
+            f"{o['fifo_violations']} (explained by a fault {o['fifo_violations_explained']})")
+
+
+def jepsen_table(cards: list[dict[str, Any]]) -> str:
+    """The Jepsen-format table of docs/faults.md, a column per scorecard: total-queue's fields
+    with their fractions (derived from the counts of a scorecard made before they existed),
+    and the order check where the run recorded its consume batches."""
+    columns = []
+    for card in cards:
+        run, v = card["run"], card["verdict"]
+        j = v.get("jepsen") or jepsen.from_verdict(v)
+        columns.append((f"{'ours' if run['transport'] == 'ours' else 'stock kombu'}, {run['broker']}, "
+                        f"{run['profile']} s{run['seed']}", j, v.get("order") or {"measured": False}))
+    rows = [["attempts"] + [str(j["attempts"]) for _, j, _ in columns]]
+    rows += [[name] + [f"{j[name]} ({frac_text(j[name + '_frac'])})" for _, j, _ in columns]
+             for name in JEPSEN_FIELDS]
+    rows.append(["valid (nothing lost or unexpected)"]
+                + ["yes" if j["valid"] else "**no**" for _, j, _ in columns])
+    rows.append(["priority inversions > 1 batch / FIFO violations"] + [
+        f"{o['priority_inversions']} / {o['fifo_violations']}" if o.get("measured") else "not recorded"
+        for _, _, o in columns])
+    lines = ["| | " + " | ".join(label for label, _, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def failover_line(card: dict[str, Any]) -> str:

@@ -1,5 +1,7 @@
 """The verdict: lost, pending, early, duplicates (attributed to faults or not), broker
-clean, latency. Computed from the ledger and an inspection of the broker at the end."""
+clean, latency; and in Jepsen's terms (jepsen.py): total-queue's fields with their
+fractions, and the order check. Computed from the ledger and an inspection of the broker at
+the end."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import redis
 
 from celery_redis_lua import ScriptLibrary
-from scripts.chaos import ledger
+from scripts.chaos import jepsen, ledger
 from scripts.chaos.profiles import WORKER_FAULTS, Profile
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
@@ -134,6 +136,15 @@ def lost_to_failover(submit: dict[str, Any], failovers: list[dict[str, Any]]) ->
     return None
 
 
+def order_holds(verdict: dict[str, Any]) -> bool:
+    """Nothing delivered that nobody published (Jepsen's ``unexpected``), no priority inversion
+    beyond one consume batch and no FIFO violation that a fault does not explain (when the
+    run recorded its batches)."""
+    order = verdict["order"]
+    return not verdict["jepsen"]["unexpected"] and not order.get("priority_inversions") \
+        and not order.get("fifo_violations")
+
+
 def error_type(error: str) -> str:
     """'NotDurable' from "NotDurable('publish: ...')"."""
     return error.split("(", 1)[0] or error
@@ -239,9 +250,11 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         **events,
         "latency_seconds": {name: percentile(latencies, q) for name, q in
                             (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))},
+        "jepsen": jepsen.total_queue(records),
+        "order": jepsen.order(records, faults, etas_in_broker=transport == "ours"),
     }
     ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
-          and state["clean"] and not events["events_lost_unexplained"])
+          and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
     verdict["verdict"] = ("PASS" if ok else "FAIL") if transport == "ours" else "REPORT"
     verdict["would_pass"] = ok
     return verdict

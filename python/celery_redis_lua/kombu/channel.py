@@ -22,6 +22,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
 
 from ..protocol.envelope import dumps, publish_arguments
+from ..protocol.fence import wait_out
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery, StaleRoute
 from ..protocol.retry import DelayedRetry
@@ -170,7 +171,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         if self.unconfirmed is not None and self._send is not None:
             self.unconfirmed.add(self._send, queue, call)  # stored (or refused) when it goes
             return
-        self.lib.run(call)
+        # A producer's calls (publish, declare, bind) wait out a fenced primary (fence.py).
+        wait_out(lambda: self.lib.run(call), self.options.fence_timeout)
         if publishing is not None:
             publishing.stored.add(queue)
 
@@ -195,7 +197,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
     def _declare(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``; stored arguments out of range (an older version's, or set by
         hand) do not stop it: the scripts apply them as their bound, and the log names them."""
-        declared = self.connection.declared[queue] = self.lib.declare(queue, **kwargs)
+        declared = wait_out(lambda: self.lib.declare(queue, **kwargs), self.options.fence_timeout)
+        self.connection.declared[queue] = declared
         if declared.consumer_timeout_ms:  # stored by whoever declared it first
             self.connection.consumer_timeouts[queue] = declared.consumer_timeout_ms
         else:
@@ -275,9 +278,11 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             # Recorded with the queue before the group is made: a delete from anywhere finds it.
             self._declare(queue, fanout_exchange=exchange)
-            self.lib.run(self.fanout_bind_call(queue))
+            wait_out(lambda: self.lib.run(self.fanout_bind_call(queue)), self.options.fence_timeout)
         member = self._binding_member(exchange, routing_key, pattern, queue)
-        added = self.lib.bind(exchange, [member], lifetime_ms=self.binding_lifetime_ms(queue))
+        lifetime = self.binding_lifetime_ms(queue)
+        added = wait_out(lambda: self.lib.bind(exchange, [member], lifetime_ms=lifetime),
+                         self.options.fence_timeout)
         if added and self.typeof(exchange).type != "fanout":  # fanout publishes never route by table
             self.routes.changed(exchange)
         self._keep_alive(queue)

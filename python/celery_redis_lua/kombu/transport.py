@@ -31,6 +31,7 @@ from ..protocol.cluster import (
     startup_nodes,
 )
 from ..protocol.eviction import Eviction, read_eviction
+from ..protocol.fence import NoReplicasError
 from ..protocol.ops import Declared
 from ..protocol.options import OptionError, TransportOptions, parse_options
 from ..protocol.sentinel import (
@@ -80,6 +81,10 @@ class Transport(virtual.Transport):
         redis.ConnectionError, redis.AuthenticationError, redis.TimeoutError,
         redis.BusyLoadingError, redis.exceptions.TryAgainError, ConnectionError, socket.error,
         IOError, OSError, InterruptedError,
+        # A primary fenced by min-replicas-to-write (no replica in reach) refuses every write
+        # before running it, as a demoted one does with READONLY (through Sentinel, a
+        # ConnectionError): a consume reconnects, a publish past fence_timeout is retried.
+        NoReplicasError,
         # A cluster that lost a primary (until a replica is promoted), or whose slot map is
         # being rebuilt: reconnect and retry, as for a lost server.
         redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,

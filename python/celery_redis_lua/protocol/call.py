@@ -10,6 +10,8 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
+from .fence import refusal
+
 ERROR_PREFIX = "celery-redis-lua:"
 T = TypeVar("T")
 
@@ -38,7 +40,9 @@ class Call(Generic[T]):
 
 
 def to_script_error(script: str, error: ResponseError) -> ResponseError:
-    """Turn our scripts' error replies into :class:`ScriptError`; leave others alone."""
+    """Turn our scripts' error replies into :class:`ScriptError`, a fenced primary's into
+    :class:`~.fence.NoReplicasError`; leave others alone."""
+    error = refusal(error)
     message = str(error)
     if message.startswith("ERR "):
         message = message[4:]

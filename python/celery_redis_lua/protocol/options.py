@@ -119,6 +119,13 @@ class TransportOptions:
         "[Durable writes](deployment.md#durable-writes-opt-in)")
     durability_timeout: float = option(
         1.0, "seconds a write waits for `durability` before a publish raises `NotDurable`")
+    # A primary fenced by min-replicas-to-write refuses writes (NOREPLICAS, protocol/fence.py):
+    # a publish, declare or bind tries again, backing off, for this long before it raises.
+    fence_timeout: float = option(
+        10.0, "seconds a publish, declare or bind waits, trying again, while a primary fenced by "
+        "`min-replicas-to-write` refuses writes (`NOREPLICAS`) before it raises (a connection "
+        "error: kombu's retry policy may go on); 0: at once; see "
+        "[A fenced primary](deployment.md#a-fenced-primary-min-replicas-to-write)")
     # Acks are batched (protocol/outbox.py): one waits at most this long (seconds) for the next
     # consume to carry it, or for others to share its round trip; 0: at the keeper's next run.
     # 5 ms: a prefork refill comes within it, and it is all a killed worker can replay.
@@ -278,6 +285,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "min_other_sentinels": _number(0, integer=True),
     "durability": _typed(str),
     "durability_timeout": _number(0.001, high=3600),
+    "fence_timeout": _number(0, high=3600),
     "ack_flush_delay": _number(0, high=1),  # longer would stretch what a crash can replay
     "confirm_publish": _typed(bool, allow_none=False),
     "publish_pipeline": _number(1, integer=True, high=10_000),

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from .connections import bound_connection, bounded_client, dedicated_connection, read_replies
+from .fence import refusal
 from .runner import REDIRECTED
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
@@ -121,7 +122,8 @@ class BlockingRead:
     def read(self, timeout: float | None = None) -> Any:
         """The reply of the pending command (None when it timed out on the server). A wait
         the server ended with an UNBLOCKED error (its role changed: a primary demoted by a
-        failover) is a lost connection: kombu reconnects, and finds the new primary."""
+        failover) is a lost connection: kombu reconnects, and finds the new primary. A fenced
+        primary's refusal of the BLPOP is raised as NoReplicasError (call.py)."""
         try:
             if timeout is not None:
                 return self.connection.read_response(timeout=timeout)
@@ -133,7 +135,7 @@ class BlockingRead:
             return None
         except redis.ResponseError as error:
             if not str(error).startswith("UNBLOCKED"):
-                raise
+                raise refusal(error) from None  # BLPOP may write: a fenced primary refuses it
             self.disconnect()
             raise redis.ConnectionError(f"the server ended a blocking wait: {error}") from None
         finally:

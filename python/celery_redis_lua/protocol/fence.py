@@ -1,0 +1,51 @@
+"""A primary fenced by ``min-replicas-to-write``: its refusal, and a wait that rides it out.
+
+With ``min-replicas-to-write N`` a primary with fewer than N replicas that acknowledged
+within ``min-replicas-max-lag`` seconds refuses every command that may write with
+``NOREPLICAS Not enough good replicas to write.``: our scripts (their ``#!lua`` flags say they
+may write) and the wake-list BLPOP, before running them. So a refused call never ran, and
+running it again stores nothing twice. redis-py has no class of its own for the refusal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from redis.exceptions import ResponseError
+
+NOREPLICAS = "NOREPLICAS"
+# A refused call goes again after FIRST_RETRY_SECONDS, then doubling up to RETRY_SECONDS.
+FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
+T = TypeVar("T")
+
+
+class NoReplicasError(ResponseError):
+    """``NOREPLICAS``: a fenced primary refused a command that may write, before running it. A
+    moment's refusal, like READONLY from a demoted primary: the kombu transport counts it among
+    its connection errors (a consume reconnects), an outbox sends its acks again, and a
+    producer's calls wait it out (:func:`wait_out`, the ``fence_timeout`` option)."""
+
+
+def refusal(error: ResponseError) -> ResponseError:
+    """``error`` as :class:`NoReplicasError` when it is a fenced primary's refusal; else as it is."""
+    if not isinstance(error, NoReplicasError) and str(error).startswith(NOREPLICAS):
+        return NoReplicasError(*error.args)
+    return error
+
+
+def wait_out(run: Callable[[], T], timeout: float) -> T:
+    """``run()``, run again while a fenced primary refuses it, backing off from 50 ms to 1 s,
+    for up to ``timeout`` seconds; then its refusal is raised (0: at once)."""
+    deadline = time.monotonic() + timeout
+    pause = FIRST_RETRY_SECONDS
+    while True:
+        try:
+            return run()
+        except NoReplicasError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(pause, left))  # a backoff: nothing tells when a replica catches up
+            pause = min(pause * 2, RETRY_SECONDS)

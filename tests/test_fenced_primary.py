@@ -1,0 +1,162 @@
+"""Issue 40 §3: a fenced primary (``min-replicas-to-write 1`` with no replica in reach) refuses
+every write with ``NOREPLICAS Not enough good replicas to write.``; the transport handles it
+as it handles ``READONLY`` from a demoted primary: retried, never dropped.
+
+A real standalone server started with ``min-replicas-to-write 1`` and no replica, so every
+script that may write (publish, declare, consume, ack) and the wake-list BLPOP are refused
+before they run; ``CONFIG SET min-replicas-to-write 0`` from another client lifts the fence,
+as a replica catching up would. Through plain kombu. A publish (and its declare) waits the
+fence out in the channel for up to ``fence_timeout`` (10 s by default), then raises a
+connection error that kombu's retry policy may retry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from kombu import Connection, Consumer
+from kombu.message import Message
+
+from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.fence import NoReplicasError
+from conftest import require_kind
+from helpers import wait_until
+from scripts.servers import Server
+from test_ack_retry import (
+    NAME,
+    QUEUE,
+    ack_refused,
+    collector,
+    options,
+    redelivered,
+    refused_scripts,
+    take_one,
+)
+
+# The recipe of docs/deployment.md: writes need one replica that acked within 10 s.
+FENCE = ["--min-replicas-to-write", "1", "--min-replicas-max-lag", "10"]
+VISIBILITY = 10.0  # longer than the fence lasts here: an ack retried meanwhile is still due
+# kombu's ensure() for the publish: retried every 50-200 ms, for up to about 20 s.
+RETRY = {"max_retries": 100, "interval_start": 0.05, "interval_step": 0.05, "interval_max": 0.2}
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def fenced(request: pytest.FixtureRequest) -> Iterator[Server]:
+    require_kind(request.param)
+    with Server(request.param, args=FENCE) as server:
+        yield server
+
+
+def fence(server: Server, on: bool) -> None:
+    server.client(socket_timeout=10).config_set("min-replicas-to-write", 1 if on else 0)
+
+
+def url(server: Server) -> str:
+    return f"redislua://127.0.0.1:{server.port}/0"
+
+
+def test_a_publish_refused_by_a_fenced_primary_is_retried_until_the_fence_lifts(fenced: Server) -> None:
+    admin = fenced.client(socket_timeout=10)
+    outcome: list[BaseException | None] = []
+    with Connection(url(fenced), transport_options={"visibility_timeout": VISIBILITY}) as conn:
+        def publish() -> None:
+            try:
+                conn.Producer().publish({"n": 1}, exchange=QUEUE.exchange, routing_key=NAME,
+                                        declare=[QUEUE], retry=True, retry_policy=RETRY)
+            except BaseException as error:  # the test reads it
+                outcome.append(error)
+            else:
+                outcome.append(None)
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        # Refused more than once: the publish (its declare first) was tried again.
+        wait_until(lambda: outcome or refused_scripts(admin) >= 3, timeout=10,
+                   what="the publish refused with NOREPLICAS, then tried again")
+        assert not outcome, f"the publish ended while the primary was fenced: {outcome[0]!r}"
+        fence(fenced, on=False)
+        publisher.join(30)
+        assert outcome == [None], "the publish did not land once the fence lifted"
+    [stats] = ScriptLibrary(admin, Keyspace()).stats([NAME])
+    assert (stats.ready, stats.in_flight) == (1, 0), "the publish must be stored exactly once"
+
+
+def test_an_ack_and_the_consumes_refused_by_a_fenced_primary_land_once_it_lifts(fenced: Server) -> None:
+    admin = fenced.client(socket_timeout=10)
+    lib = ScriptLibrary(admin, Keyspace())
+
+    def settled() -> bool:
+        [stats] = lib.stats([NAME])
+        return (stats.ready, stats.in_flight, stats.delayed) == (0, 0, 0)
+
+    fence(fenced, on=False)
+    got: list[Message] = []
+    with (Connection(url(fenced), transport_options=options(VISIBILITY)) as conn,
+          Consumer(conn, [QUEUE], callbacks=[collector(got)])):
+        take_one(conn, got)
+        fence(fenced, on=True)
+        ack_refused(got[0], admin, "the ack refused with NOREPLICAS")
+        # The consumer's loop goes on meanwhile: its consumes (and BLPOPs) are refused too,
+        # each a connection error for kombu (a reconnect, as after READONLY through Sentinel).
+        errors: list[BaseException] = []
+        refused = refused_scripts(admin)
+        deadline = time.monotonic() + 10
+        while refused_scripts(admin) < refused + 2:
+            assert time.monotonic() < deadline, "no consume was refused during the fence"
+            try:
+                conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+            except conn.connection_errors as error:
+                errors.append(error)
+        assert got[1:] == [], "nothing may be delivered while the primary refuses writes"
+        fence(fenced, on=False)
+        wait_until(lambda: drain_quietly(conn) or settled(), timeout=VISIBILITY,
+                   what="the ack sent during the fence to land")
+        # The same consumer takes what is published after the fence.
+        conn.Producer().publish({"n": 2}, exchange=QUEUE.exchange, routing_key=NAME)
+        wait_until(lambda: drain_quietly(conn) or len(got) > 1, timeout=10,
+                   what="a delivery after the fence")
+    assert [(m.payload, m.headers.get("x-delivery-count")) for m in got[1:]] == [({"n": 2}, 0)], \
+        f"the acked message came back: {redelivered(got)}"
+    assert any("NOREPLICAS" in str(error) for error in errors), errors
+
+
+def drain_quietly(conn: Connection) -> None:
+    """One turn of the consumer's loop; a refusal or a timeout is the next turn's business."""
+    with contextlib.suppress(TimeoutError, *conn.connection_errors):
+        conn.drain_events(timeout=0.2)
+
+
+def test_a_reject_refused_by_a_fenced_primary_lands_once_it_lifts(fenced: Server) -> None:
+    """reject(requeue=True) goes at once; refused, it waits in the outbox and is sent again: the
+    message comes back once, counted, after the fence lifts (not after the visibility timeout)."""
+    admin = fenced.client(socket_timeout=10)
+    fence(fenced, on=False)
+    got: list[Message] = []
+    with (Connection(url(fenced), transport_options=options(VISIBILITY)) as conn,
+          Consumer(conn, [QUEUE], callbacks=[collector(got)])):
+        take_one(conn, got)
+        fence(fenced, on=True)
+        before = refused_scripts(admin)
+        got[0].reject(requeue=True)
+        wait_until(lambda: refused_scripts(admin) > before, timeout=10, what="the reject refused")
+        fence(fenced, on=False)
+        wait_until(lambda: drain_quietly(conn) or len(got) > 1, timeout=VISIBILITY / 2,
+                   what="the rejected message delivered again well before its visibility timeout")
+        lib = ScriptLibrary(admin, Keyspace())
+        wait_until(lambda: drain_quietly(conn) or lib.stats([NAME])[0].in_flight == 0, timeout=10,
+                   what="the second delivery acked")
+    assert [(m.payload, m.headers.get("x-delivery-count")) for m in got] == [({"n": 1}, 0), ({"n": 1}, 1)]
+
+
+def test_with_fence_timeout_0_a_refused_publish_raises_at_once(fenced: Server) -> None:
+    """The option's floor: no wait in the channel (kombu's own retry policy, if any, decides)."""
+    options = {"visibility_timeout": VISIBILITY, "fence_timeout": 0}
+    with Connection(url(fenced), transport_options=options) as conn, pytest.raises(NoReplicasError):
+        conn.Producer().publish({"n": 1}, exchange=QUEUE.exchange, routing_key=NAME, declare=[QUEUE])
+    assert refused_scripts(fenced.client(socket_timeout=10)) == 1, "refused once, not tried again"
