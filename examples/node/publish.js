@@ -2,13 +2,15 @@
 // Publish one Celery task (protocol v2) through celery-redis-lua's publish script.
 //
 //   node publish.js --url redis://127.0.0.1:6379/0 --queue celery --task proj.tasks.add \
-//       --args '[1,2]' --priority 5 --countdown 3
+//       --args '[1,2]' --priority 5 --countdown 3 [--dedup-id report:42 --dedup simple]
 //
-// prints the task id. The script is lua/publish.lua of the repository (or --script /
+// prints the task id; with a dedup id held in the queue, says on stderr which message holds
+// it (nothing stored), or which waiting message a debounce replaced. The script is lua/publish.lua of the repository (or --script /
 // $CRL_PUBLISH_LUA); it is called with EVALSHA, and loaded once on NOSCRIPT. Its header
 // is the contract: KEYS queue, delayed, messages_index, meta, dead, message, state, wake of
 // the queue (every queue script takes these eight); ARGV payload, priority, eta_ms, ttl_ms,
-// visibility_ms, task_id.
+// visibility_ms, task_id, and for deduplication exchange and routed_ms ('' here), dedup_id,
+// dedup_mode (simple, throttle, debounce) and dedup_ttl_ms ('' for until the holder goes).
 'use strict';
 
 const crypto = require('node:crypto');
@@ -20,7 +22,8 @@ const { createClient } = require('redis');
 
 const USAGE = `usage: node publish.js --task NAME [--url URL] [--queue celery] [--args JSON-array]
        [--kwargs JSON-object] [--priority 0..255] [--countdown SECONDS] [--id TASK_ID]
-       [--prefix GLOBAL_KEYPREFIX] [--visibility-ms 300000] [--script PATH/publish.lua]`;
+       [--prefix GLOBAL_KEYPREFIX] [--visibility-ms 300000] [--script PATH/publish.lua]
+       [--dedup-id ID [--dedup simple|throttle|debounce] [--dedup-ttl-ms MS]]`;
 
 function fail(message) {
   process.stderr.write(`publish.js: ${message}\n`);
@@ -42,6 +45,9 @@ function options() {
         id: { type: 'string' },
         prefix: { type: 'string', default: '' },
         'visibility-ms': { type: 'string', default: '300000' },
+        'dedup-id': { type: 'string' },
+        dedup: { type: 'string', default: 'simple' },
+        'dedup-ttl-ms': { type: 'string', default: '' },
         script: {
           type: 'string',
           default: process.env.CRL_PUBLISH_LUA || path.join(__dirname, '..', '..', 'lua', 'publish.lua'),
@@ -158,11 +164,20 @@ async function main() {
     const keys = ['queue:', 'delayed:', 'messages_index:', 'meta:', 'dead:', 'message:', 'state:', 'wake:']
       .map((k) => opts.prefix + k + tag);
     const payload = JSON.stringify(envelope(opts, etaMs));
-    await evalScript(client, source, sha, keys, [
+    const argv = [
       payload, String(opts.priority), etaMs ? String(etaMs) : '', '', opts['visibility-ms'],
       opts.id, // the task id: indexed, so `celery-redis-lua where` and `cancel` find the message
-    ]);
+    ];
+    if (opts['dedup-id'] !== undefined) { // the script checks the mode and the ttl, and names a bad one
+      argv.push('', '', opts['dedup-id'], opts.dedup, opts['dedup-ttl-ms']);
+    }
+    const reply = await evalScript(client, source, sha, keys, argv);
     process.stdout.write(`${opts.id}\n`);
+    if (Array.isArray(reply) && reply[0] === 'deduplicated') {
+      process.stderr.write(`publish.js: not stored: message ${reply[1]} holds dedup id ${opts['dedup-id']}\n`);
+    } else if (Array.isArray(reply) && reply[0] === 'replaced') {
+      process.stderr.write(`publish.js: replaced message ${reply[2]} (debounce)\n`);
+    }
   } catch (error) {
     fail(String(error.message || error).split('\n')[0]);
   } finally {

@@ -174,3 +174,21 @@ def test_where_finds_a_foreign_task_ready_then_delayed(publish: Publish,
     delayed = locate_task(lib, later)
     assert delayed.state == "delayed" and delayed.eta_ms is not None
     assert delayed.eta_ms / 1000 - server_time(servers[0].client()) > 590
+
+
+def test_the_node_producer_passes_a_dedup_id_and_says_which_message_holds_it(
+        node_ready: Path, servers: tuple[Server, Server]) -> None:
+    """The same reply a Python producer reads: the second publish of a held dedup id is not
+    stored, and the Node producer names the message that holds it."""
+    node = shutil.which("node")
+    assert node is not None
+    line = [node, str(node_ready), "--url", f"redis://127.0.0.1:{servers[0].port}/0", "--queue", QUEUE,
+            "--task", "celery_e2e.app.note", "--args", '["once"]', "--dedup-id", "report:42"]
+    first = subprocess.run(line, capture_output=True, text=True, timeout=60, cwd="/")
+    again = subprocess.run(line, capture_output=True, text=True, timeout=60, cwd="/")
+    assert first.returncode == again.returncode == 0, (first.stderr, again.stderr)
+    [held_by] = [i.decode() for i in servers[0].client().hkeys(Keyspace().message(QUEUE))]
+    assert first.stderr == ""
+    assert again.stderr == f"publish.js: not stored: message {held_by} holds dedup id report:42\n"
+    bad = subprocess.run([*line, "--dedup", "once"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert bad.returncode == 1 and "dedup_mode must be simple, throttle or debounce, got 'once'" in bad.stderr

@@ -1,0 +1,118 @@
+"""A/B of one script's server cost: a git revision's version against the working tree's.
+
+Both versions are loaded into one throwaway server and run in interleaved rounds (A B A B
+...), each round on a flushed server; the cost is the INFO commandstats usec per EVALSHA
+(which includes the commands a script runs), median over the rounds, and the ratio new/old.
+It is how a change to a hot-path script shows it kept its cost ("within 5% of today's").
+
+    python -m scripts.bench.script_ab --script publish --base HEAD~1
+    python -m scripts.bench.script_ab --script publish --base main --variant dedup --kind redis
+    python -m scripts.bench.script_ab --script consume --base main --batch 10
+
+Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
+  publish  N publishes into one queue, pipelined; ``--variant dedup``: the new version with a
+           unique dedup id per message (simple), against the base without (what it costs).
+  consume  N messages published with the working tree's publish, then consumed ``--batch`` at
+           a time by the version under test (no ack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from scripts.servers import Server
+
+ROOT = Path(__file__).resolve().parents[2]
+PAYLOAD = '{"body":"W1sxLDJdLHt9LHt9XQ==","headers":{"id":"x","task":"tasks.add"}}' + "x" * 300
+
+
+def queue_keys(queue: str) -> list[str]:
+    return [f"{name}:{{{queue}}}" for name in
+            ("queue", "delayed", "messages_index", "meta", "dead", "message", "state", "wake")]
+
+
+def evalsha_usec(client: Any) -> tuple[int, int]:
+    stats = client.info("commandstats").get("cmdstat_evalsha", {"usec": 0, "calls": 0})
+    return int(stats["usec"]), int(stats["calls"])
+
+
+def measured(client: Any, run: Callable[[], None]) -> float:
+    """Server µs per EVALSHA of what ``run`` sends."""
+    usec0, calls0 = evalsha_usec(client)
+    run()
+    usec1, calls1 = evalsha_usec(client)
+    return (usec1 - usec0) / max(1, calls1 - calls0)
+
+
+def publish_round(client: Any, sha: str, n: int, tag: str, dedup: bool) -> float:
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        args: list[Any] = [PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}"]
+        if dedup:
+            args += ["", "", f"d-{tag}-{i}", "simple", ""]
+        pipe.evalsha(sha, 8, *queue_keys("q"), *args)
+    return measured(client, pipe.execute)
+
+
+def consume_round(client: Any, sha: str, publish_sha: str, n: int, batch: int, tag: str) -> float:
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.evalsha(publish_sha, 8, *queue_keys("q"), PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}")
+    pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for _ in range(n // batch):
+        pipe.evalsha(sha, 8, *queue_keys("q"), batch, 60_000, 0, 10_000)
+    return measured(client, pipe.execute) / batch  # per message
+
+
+def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, variant: str) -> dict[str, float]:
+    old_source = subprocess.run(["git", "show", f"{base}:lua/{script}.lua"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    new_source = (ROOT / "lua" / f"{script}.lua").read_text()
+    results: dict[str, list[float]] = {"old": [], "new": []}
+    with Server(kind) as server:
+        client = server.client(socket_timeout=60)
+        old, new = client.script_load(old_source), client.script_load(new_source)
+        publish_sha = client.script_load((ROOT / "lua" / "publish.lua").read_text())
+        for r in range(rounds):
+            for name, sha in (("old", old), ("new", new)):
+                client.flushall()
+                tag = f"{r}-{name}"
+                if script == "publish":
+                    cost = publish_round(client, sha, n, tag, dedup=name == "new" and variant == "dedup")
+                elif script == "consume":
+                    cost = consume_round(client, sha, publish_sha, n, batch, tag)
+                else:
+                    raise SystemExit(f"no workload for script {script!r} (publish, consume)")
+                results[name].append(cost)
+        client.close()
+    medians = {name: statistics.median(costs) for name, costs in results.items()}
+    return {**medians, "ratio": medians["new"] / medians["old"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--script", choices=["publish", "consume"], required=True)
+    parser.add_argument("--base", default="HEAD", help="the git revision whose script is A (default HEAD)")
+    parser.add_argument("--kind", choices=["valkey", "redis"], default="valkey")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("-n", type=int, default=4000, help="calls per round (publish) or messages (consume)")
+    parser.add_argument("--batch", type=int, default=10, help="consume: messages per call")
+    parser.add_argument("--variant", choices=["plain", "dedup"], default="plain")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.n < args.batch or args.batch < 1:
+        parser.error("--rounds and --batch must be >= 1 and -n at least --batch")
+    result = run(args.script, args.base, args.kind, args.rounds, args.n, args.batch, args.variant)
+    unit = "µs per message" if args.script == "consume" else "µs per call"
+    print(f"{args.script} on {args.kind} ({args.rounds} rounds of {args.n}, variant {args.variant}): "
+          f"{args.base} {result['old']:.2f}, working tree {result['new']:.2f} {unit}; "
+          f"new/old {result['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
