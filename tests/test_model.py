@@ -430,17 +430,25 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
 
         @rule(queue=st.sampled_from(queues), first=st.sampled_from(MODES),
               then=st.sampled_from([None, None, *MODES]), hold_ms=st.sampled_from([None, 5, 5, 60_000]),
-              take=st.booleans(), wait=st.booleans())
-        def dedup_story(self, queue: str, first: str, then: str | None, hold_ms: int | None, take: bool,
+              take=st.sampled_from(["no", "run", "requeue", "requeue"]), wait=st.booleans())
+        def dedup_story(self, queue: str, first: str, then: str | None, hold_ms: int | None, take: str,
                         wait: bool) -> None:
             """A dedup story in one step, which the publish rule composes only rarely: a message
             of dedup id 'd3' (``first`` mode), maybe taken by a consumer (``take``: its holder
-            runs), maybe left until its hold's time is over (``wait``), then another of the
-            same id (``then`` mode; None: the same)."""
+            runs, or is rejected with requeue: ready again, or waiting for a delayed retry),
+            maybe left until its hold's time is over (``wait``), then another of the same id
+            (``then`` mode; None: the same)."""
             self.publish([queue], 0, None, None, False, ("d3", first, hold_ms))
-            if take:
+            if take != "no":
                 self.do_consume(0, 5, [queue])
             hold = self.m.holds.get((queue, digest("d3")))
+            if take == "requeue" and hold is not None and (queue, hold.holder) in self.m.held[0]:
+                held = self.m.held[0]
+                queues_held = sorted({q for q, _ in held})
+                ids = sorted(i for q, i in held if q == queue)
+                self.reject(0, [queues_held.index(queue), ids.index(hold.holder)], True, False, False)
+                holder = self.m.messages.get((queue, hold.holder))
+                DEDUP_STORIES[f"holder {holder.state if holder else 'gone'} after a requeue"] += 1
             if wait and hold is not None and hold.until is not None and hold.until < self.now() + 1000:
                 wait_for_server_time(client, hold.until + 1)  # a 5 ms hold
             self.publish([queue], 0, None, None, False, ("d3", then or first, hold_ms))
@@ -467,6 +475,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 DEDUP_STORIES[f"debounce {outcome}{' over a hold' if hold else ''}"] += 1
                 if reply.replaced is not None:
                     assert holder is not None and reply.replaced == holder.id
+                    DEDUP_STORIES[f"debounce replaced a {holder.state} holder"] += 1
                     self.remove(holder)
                     self.m.deduplicated.setdefault(queue, Counter())["debounce"] += 1
             else:
@@ -1097,7 +1106,8 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     told = {story for story, n in DEDUP_STORIES.items() if n}
     assert told >= {"simple dropped over a hold", "throttle dropped over a hold", "released",
                     "debounce replaced over a hold", "simple stored over a hold", "window ended",
-                    "throttle stored over a hold", "debounce stored over a hold"}, DEDUP_STORIES
+                    "throttle stored over a hold", "debounce stored over a hold",
+                    "debounce replaced a retry holder"}, DEDUP_STORIES
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:
