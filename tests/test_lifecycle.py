@@ -58,6 +58,7 @@ def binding_score(broker: Broker, exchange: str, member: bytes) -> float | None:
 
 # -- defect 1: bindings of expiring queues went stale under a live consumer --------------------
 
+@pytest.mark.slow  # 22 s (it outlives binding lifetimes): make test-all, for CI's budget
 def test_a_consumed_expiring_queue_keeps_its_bindings_and_its_route(kind_broker: Broker) -> None:
     """Found by a user: a queue with x-expires bound to a topic exchange got a binding that
     lived max(x-expires, 300 s), and nothing refreshed it while its consumer lived; after

@@ -69,6 +69,7 @@ def receiving_events(app: Celery) -> Iterator[list[dict[str, Any]]]:
             thread.join(15)
 
 
+@pytest.mark.slow  # 28 s (it outlives binding lifetimes): make test-all, for CI's budget
 def test_routes_and_events_outlive_every_binding_lifetime_with_queue_expires(
         broker: Broker, producer: Celery, log_dir: Path) -> None:
     """Found by a user: with queue_expires set, a queue's binding to a named exchange lived
