@@ -403,7 +403,8 @@ def test_every_panel_of_the_dashboard_has_series(prometheus_binary: str, tmp_pat
     lib.declare("board", retry=DelayedRetry("failed", 60_000))
     for i in range(6):
         lib.publish("board", f"m{i}", task_id=f"t{i}")
-    lib.publish("board", "later", eta_ms=server_now_ms(lib.client) + 60_000)
+    lib.publish("board", "later", eta_ms=server_now_ms(lib.client) + 60_000, dedup=Dedup("later"))
+    assert lib.publish("board", "later again", dedup=Dedup("later")).deduplicated  # the dedup panel
     taken = lib.consume(["board"], 3).deliveries
     lib.reject("board", [taken[0].id], requeue=True, counts=[0])  # waits to retry; redelivered
     lib.reject("board", [taken[1].id], requeue=False, counts=[0])  # a dead letter
