@@ -235,6 +235,16 @@ class Model:
         return min(rooms) if rooms else None
 
 
+def envelope_task(payload: bytes) -> str | None:
+    """The task id dead_replay indexes: a Celery envelope's headers.id (a payload a named
+    replay gave, dead-lettered again since), else none."""
+    try:
+        found = json.loads(payload).get("headers", {}).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and 0 < len(found.encode()) <= 256 else None
+
+
 def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -918,7 +928,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
         @rule(queue=st.sampled_from(queues), count=st.integers(1, 3))
         def dead_replay(self, queue: str, count: int) -> None:
             """The oldest dead letters come back as new ready messages: a new id, count 0,
-            no TTL (the payload is no Celery envelope: no task id)."""
+            no TTL; a Celery envelope's task id indexed (a payload a named replay gave)."""
             replaying = self.m.dead[queue][:count]
             t0 = self.now()
             ids = self.lib.dead_replay(queue, count=count)
@@ -929,7 +939,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
-                m = Msg(queue, message_id, payload, priority, "ready")
+                m = Msg(queue, message_id, payload, priority, "ready", task=envelope_task(payload))
                 self.m.messages[queue, message_id] = m
                 self.record_ready(m, t0, t1)
 
