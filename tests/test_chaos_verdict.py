@@ -401,7 +401,7 @@ def test_an_operator_s_repair_of_a_corrupt_aof_is_reported_not_silent() -> None:
     """redis-check-aof --fix cut fsynced bytes: the tasks published in them are lost to the
     repair (their ids were in the bytes cut), with or without durability."""
     corrupt = {**POWER_LOSS, "kind": "aof_corrupt", "durable_until": None,
-               "server": "refused to load; loaded after redis-check-aof --fix",
+               "server": "refused to load; loaded after check-aof --fix",
                "repair": {"command": "redis-check-aof --fix appendonlydir/appendonly.aof.manifest",
                           "exit_code": 0}, "lost_task_ids": ["fsynced", "late"]}
     for durability in (None, "aof"):

@@ -100,7 +100,7 @@ def test_a_corrupt_aof_is_refused_then_repaired_by_the_operator_s_tool(server: S
     entry = aof.power_loss(server, server.log, "aof_corrupt", random.Random(3), probe=False,  # type: ignore[attr-defined]
                            phase_seconds=0)
     print(entry)
-    assert entry["server"] == "refused to load; loaded after redis-check-aof --fix", entry
+    assert entry["server"] == "refused to load; loaded after check-aof --fix", entry
     assert "Bad file format" in entry["refusal"] or "Bad file format" in " ".join(entry["server_said"]), entry
     assert entry["repair"]["exit_code"] == 0, entry["repair"]
     present = keys(server, "c")

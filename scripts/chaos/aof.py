@@ -314,7 +314,7 @@ def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int 
         entry["repair"] = check_aof(server, files)
         kept = entry["repair"]["file_bytes_after"] = files.incr.stat().st_size
         server.start(timeout=60)
-        entry["server"] = "refused to load; loaded after redis-check-aof --fix"
+        entry["server"] = "refused to load; loaded after check-aof --fix"
     entry["down_seconds"] = round(time.time() - killed, 3)
     entry["restart_seconds"] = round(time.time() - began, 3)
     entry["server_said"] = server_log_since(server, logged_from)
