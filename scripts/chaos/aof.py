@@ -139,8 +139,8 @@ def fsyncs(log: Path, path: Path) -> list[Fsync]:
     return found
 
 
-def commands(data: bytes) -> list[tuple[int, int, str]]:
-    """The complete RESP commands of an AOF file from its start: (begin, end, name)."""
+def commands(data: bytes) -> list[tuple[int, int, str, str]]:
+    """The complete RESP commands of an AOF file from its start: (begin, end, name, first key)."""
     found, at, size = [], 0, len(data)
     while at < size:
         begin = at
@@ -153,7 +153,7 @@ def commands(data: bytes) -> list[tuple[int, int, str]]:
             count = int(data[at + 1:line_end])
         except ValueError:
             break
-        at, name, ok = line_end + 2, "", True
+        at, args, ok = line_end + 2, [], True
         for i in range(count):
             line_end = data.find(b"\r\n", at)
             if line_end < 0 or data[at:at + 1] != b"$":
@@ -163,20 +163,31 @@ def commands(data: bytes) -> list[tuple[int, int, str]]:
             if line_end + 2 + length + 2 > size:
                 ok = False
                 break
-            if i == 0:
-                name = data[line_end + 2:line_end + 2 + length].decode(errors="replace").upper()
+            if i < 2:
+                args.append(data[line_end + 2:line_end + 2 + length].decode(errors="replace"))
             at = line_end + 2 + length + 2
         if not ok:
             break
-        found.append((begin, at, name))
+        found.append((begin, at, args[0].upper() if args else "", args[1] if len(args) > 1 else ""))
     return found
 
 
-def loadable_prefix(parsed: list[tuple[int, int, str]], cut: int) -> int:
+def published_ids(data: bytes, parsed: list[tuple[int, int, str, str]], kept: int) -> list[str]:
+    """The task ids of the messages stored by the commands from ``kept`` on: a publish's
+    effect is an HSET of the payload into the queue's ``message:{Q}`` hash (an ack's or a
+    consume's effects name the task too, in the state string, and are left out)."""
+    ids: dict[str, None] = {}
+    for begin, end, name, key in parsed:
+        if begin >= kept and name in ("HSET", "HMSET", "HSETNX") and key.startswith("message:"):
+            ids.update(dict.fromkeys(m.decode() for m in TASK_ID.findall(data[begin:end])))
+    return list(ids)
+
+
+def loadable_prefix(parsed: list[tuple[int, int, str, str]], cut: int) -> int:
     """How much of a file cut at ``cut`` the server keeps: up to the last complete command,
     less an unfinished MULTI (the server reverts a MULTI without its EXEC)."""
     kept, multi_at = 0, None
-    for begin, end, name in parsed:
+    for begin, end, name, _ in parsed:
         if end > cut:
             break
         if name == "MULTI":
@@ -280,7 +291,7 @@ def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int 
     parsed = commands(data)
     cut, corrupt_at = fsynced, None
     if kind == "power_loss_torn":
-        tail = next(((b, e) for b, e, _ in parsed if e > fsynced), None)
+        tail = next(((b, e) for b, e, _, _ in parsed if e > fsynced), None)
         if tail is not None and tail[1] - 1 > max(tail[0], fsynced) + 1:
             cut = rng.randint(max(tail[0], fsynced) + 1, tail[1] - 1)
         else:
@@ -318,15 +329,19 @@ def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int 
     entry["down_seconds"] = round(time.time() - killed, 3)
     entry["restart_seconds"] = round(time.time() - began, 3)
     entry["server_said"] = server_log_since(server, logged_from)
-    lost = data[kept:]
+    truncated = next((int(m.group(1)) for line in entry["server_said"]
+                      if (m := re.search(r"Truncating the AOF \S+ at offset (\d+)", line))), None)
+    if truncated is not None:  # the server's own figure: what it kept of the torn file
+        entry["server_truncated_at"] = truncated
+        kept = truncated
     entry["kept_bytes"] = kept
-    entry["lost_bytes"] = len(lost)
-    entry["lost_commands"] = dict(Counter(name for b, _, name in parsed if b >= kept))
+    entry["lost_bytes"] = len(data) - kept
+    entry["lost_commands"] = dict(Counter(name for b, _, name, _ in parsed if b >= kept))
     partial = len(data) - (parsed[-1][1] if parsed else 0)
     if partial:
         entry["lost_partial_command_bytes"] = partial  # a write the kill interrupted
-    ids = list(dict.fromkeys(m.decode() for m in TASK_ID.findall(lost)))
-    entry["lost_task_ids"] = ids[:EXAMPLES]
+    ids = published_ids(data, parsed, kept)
+    entry["lost_task_ids"] = ids[:EXAMPLES]  # of the publishes cut
     entry["lost_task_id_count"] = len(ids)
     # the last fsync whose bytes the server kept: every write finished before it survived
     entry["durable_until"] = max((f.began for f in records if f.size <= kept), default=None)
