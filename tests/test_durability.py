@@ -169,6 +169,20 @@ def test_aof_durability_confirms_the_fsync(aof_valkey: Server) -> None:
     assert calls >= 3  # the connect-time check, the publish, the ack
 
 
+def test_aof_durability_under_everysec_on_valkey_is_warned_of(aof_valkey: Server,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Valkey's WAITAOF confirms writes before the fsync under everysec (the chaos harness's
+    power loss, docs/deployment.md): the transport says so at connect; not with always."""
+    for fsync, warned in (("everysec", True), ("always", False)):
+        aof_valkey.client().config_set("appendfsync", fsync)
+        caplog.clear()
+        url = f"redislua://127.0.0.1:{aof_valkey.port}/0"
+        options = {"durability": "aof"}
+        with caplog.at_level(logging.WARNING), Connection(url, transport_options=options) as connection:
+            connection.connect()
+        assert ("WAITAOF confirms writes before they are fsynced (Valkey " in caplog.text) is warned, fsync
+
+
 def test_aof_durability_without_appendonly_is_refused_at_connect(valkey_server: Server) -> None:
     with Connection(f"redislua://127.0.0.1:{valkey_server.port}/0",
                     transport_options={"durability": "aof"}) as connection, \

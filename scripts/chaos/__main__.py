@@ -18,7 +18,7 @@ from scripts.chaos import faults, ledger, report, verdict
 from scripts.chaos.broker import BROKERS, Broker
 from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
-from scripts.chaos.profiles import PROFILES, Profile
+from scripts.chaos.profiles import ALL_FAULT_KINDS, POWER_LOSS_KINDS, PROFILES, Profile
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
 
@@ -36,6 +36,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              "'aof+replicas:1'): a publish waits until the write is confirmed")
     parser.add_argument("--durability-timeout", type=float, metavar="SECONDS",
                         help="ours only: the 'durability_timeout' transport option (default 1.0)")
+    parser.add_argument("--faults", metavar="KIND,...",
+                        help="the fault kinds of the schedule, comma-separated (default: every kind "
+                             "the broker allows, power loss excepted); e.g. power_loss,worker_kill. "
+                             f"Kinds: {', '.join(ALL_FAULT_KINDS)}")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -50,6 +54,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("kombu's stock Redis transport does not run on a cluster")
     if args.durability_timeout and not args.durability:
         parser.error("--durability-timeout needs --durability")
+    if args.faults:
+        kinds = tuple(dict.fromkeys(k.strip() for k in args.faults.split(",") if k.strip()))
+        unknown = [k for k in kinds if k not in ALL_FAULT_KINDS]
+        if unknown or not kinds:
+            parser.error(f"--faults: unknown kind(s) {unknown}; kinds: {', '.join(ALL_FAULT_KINDS)}")
+        args.faults = kinds
     return args
 
 
@@ -92,7 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.load_seconds:
         profile = replace(profile, load_seconds=args.load_seconds)
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
-    broker = Broker.create(args.broker)
+    kinds = args.faults or None
+    broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)))
     options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout,
                                **broker.transport_options()}
     if args.transport == "ours":
@@ -106,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     card: dict[str, Any] = {"run": {
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
-        "durability": args.durability,
+        "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()}}
@@ -130,7 +141,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         listener.start()
         injector = faults.FaultInjector(broker, workers, args.transport, profile,
                                         ledger_server.url, args.seed)
-        plan = faults.schedule(profile, args.seed, faults.fault_kinds(broker))
+        if broker.recorder_error:
+            log(f"power loss will be skipped: {broker.recorder_error}")
+            card["run"]["recorder_error"] = broker.recorder_error
+        plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
         began = time.monotonic()
@@ -142,8 +156,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as error:  # recorded; the run goes on to its verdict
                 entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
                 ledger.record("fault", ledger_server.url, **entry)
+            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal")  # in the scorecard
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
-                f"{ {k: v for k, v in entry.items() if k not in ('kind', 't')} }")
+                f"{ {k: v for k, v in entry.items() if k not in quiet} }")
         time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))
         producer.stop()
         log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from celery_redis_lua import Keyspace
+from scripts.chaos import aof
 from scripts.servers import Cluster, SentinelGroup, Server, server_version
 
 MASTER_NAME = "mymaster"
 # name -> (server kind, appendfsync, topology: "one", "sentinel" or "cluster")
 BROKERS = {"redis-aof": ("redis", "everysec", "one"), "redis-aof-always": ("redis", "always", "one"),
-           "valkey": ("valkey", "everysec", "one"),
+           "valkey": ("valkey", "everysec", "one"), "valkey-aof-always": ("valkey", "always", "one"),
            "redis-sentinel": ("redis", "everysec", "sentinel"),
            "valkey-sentinel": ("valkey", "everysec", "sentinel"),
            "redis-cluster": ("redis", "everysec", "cluster"),
@@ -36,9 +38,13 @@ class Broker:
     group: SentinelGroup | None = None
     cluster: Cluster | None = None
     started: float = field(default_factory=time.time)
+    # One server with the fsync recorder (power loss, scripts/chaos/aof.py): its log, or why not.
+    fsync_log: Path | None = None
+    recorder_error: str | None = None
 
     @classmethod
-    def create(cls, name: str) -> Broker:
+    def create(cls, name: str, fsync_recorder: bool = False) -> Broker:
+        """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server)."""
         kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
         if topology == "sentinel":
@@ -47,7 +53,14 @@ class Broker:
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
                                              args=args))
-        return cls(name, server=Server(kind, args=args))
+        broker = cls(name, server=Server(kind, args=args))
+        if fsync_recorder:
+            try:
+                assert broker.server is not None
+                broker.fsync_log = aof.attach_recorder(broker.server)
+            except aof.RecorderUnavailable as error:
+                broker.recorder_error = str(error)
+        return broker
 
     @property
     def sentinel(self) -> bool:

@@ -18,17 +18,19 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from scripts.chaos import ledger
+from scripts.chaos import aof, ledger
 from scripts.chaos.broker import Broker
 from scripts.chaos.profiles import (
     CLUSTER_FAULT_KINDS,
     FAULT_KINDS,
+    POWER_LOSS_KINDS,
     SENTINEL_FAULT_KINDS,
     STOCK_SKIPS,
     Profile,
@@ -82,6 +84,7 @@ class FaultInjector:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed * 31 + 5)
+        self.power_losses = 0
 
     def admin(self, server: Server) -> Any:
         return server.client(socket_timeout=10)
@@ -92,6 +95,8 @@ class FaultInjector:
             entry.update(skipped=STOCK_SKIPS[kind])
         elif kind in WORKER_SIGNALS:
             entry.update(self.worker_fault(kind))
+        elif kind in POWER_LOSS_KINDS:
+            entry.update(self.power_loss(kind))
         elif kind in SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS and not self.broker.replicated:
             entry.update(skipped="needs a Sentinel broker or a cluster")
         else:
@@ -257,6 +262,30 @@ class FaultInjector:
         return {"t": sent, "target": worker.hostname, "pool": worker.pool,
                 "exit_seconds": round(waited, 3), "down_seconds": round(time.time() - sent, 3),
                 "exit_code": exit_code}
+
+    def power_loss(self, kind: str) -> dict[str, Any]:
+        """SIGKILL and the AOF cut back to the last fsync (aof.py); the entry's ``t`` is the
+        kill. If the fault fails half-way, the server is started again (on whatever AOF it
+        has) so that the run goes on, and the entry says so."""
+        if self.broker.replicated:
+            return {"skipped": "power loss is injected on one server (redis-aof, valkey, ...); "
+                               "not yet on a Sentinel group or a cluster"}
+        if self.broker.fsync_log is None:
+            return {"skipped": self.broker.recorder_error or "the broker runs without the fsync recorder"}
+        server = self.broker.current()
+        self.power_losses += 1
+        try:
+            return {**aof.power_loss(server, self.broker.fsync_log, kind, self.rng, self.power_losses),
+                    "server_port": server.port}
+        except (RuntimeError, TimeoutError, OSError, redis.RedisError, subprocess.SubprocessError) as error:
+            entry: dict[str, Any] = {"error": repr(error)[:300]}
+            if server.process is None or server.process.poll() is not None:
+                try:
+                    server.start(timeout=60)
+                    entry["restarted_after_error"] = True
+                except (RuntimeError, TimeoutError) as again:
+                    entry["restart_error"] = repr(again)[:300]
+            return entry
 
     def pause(self, server: Server) -> dict[str, Any]:
         assert server.process is not None

@@ -15,6 +15,14 @@ SENTINEL_FAULT_KINDS = ("primary_kill", "sentinel_failover")
 # With a cluster (redis-cluster, valkey-cluster): SIGKILL of a primary (its replica takes over;
 # restarted a few seconds later, it rejoins as a replica) and CLUSTER FAILOVER on a replica.
 CLUSTER_FAULT_KINDS = ("primary_kill", "cluster_failover")
+# Power loss (issue 40 §2, scripts/chaos/aof.py): the broker SIGKILLed and its AOF cut back
+# to the last fsync (power_loss), also torn inside an unfsynced command (power_loss_torn), or
+# with a bad command in the fsynced part that only an operator's redis-check-aof --fix gets
+# past (aof_corrupt). One server only (redis-aof, redis-aof-always, valkey, valkey-aof-always);
+# picked with --faults, not in the default schedule.
+POWER_LOSS_KINDS = ("power_loss", "power_loss_torn", "aof_corrupt")
+ALL_FAULT_KINDS = (FAULT_KINDS + tuple(dict.fromkeys(SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS))
+                   + POWER_LOSS_KINDS)
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
 # Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
 STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.chaos import jepsen
+from scripts.chaos.profiles import POWER_LOSS_KINDS
 from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
@@ -104,7 +105,9 @@ def summary(card: dict[str, Any], path: Path) -> str:
     skipped = ", ".join(v["faults_skipped"]) or "none"
     raised = sum(1 for f in card.get("faults", []) if f.get("error") or f.get("settle_error"))
     durability = f", durability {run['durability']}" if run.get("durability") else ""
-    if "lost_unexplained" in v and v.get("durability") and v.get("failovers"):
+    if v.get("power_losses"):
+        lost = power_lost_text(v)
+    elif "lost_unexplained" in v and v.get("durability") and v.get("failovers"):
         lost = (f"lost {v['lost']} (never started {v['lost_never_started']}; with durability "
                 f"{v['durability']} no loss is explained by a failover)")
     elif "lost_unexplained" in v and (v["lost_explained_by_failover"] or v.get("failovers")):
@@ -131,6 +134,7 @@ def summary(card: dict[str, Any], path: Path) -> str:
         f"- faults applied: {applied}; skipped: {skipped}" + (
             f"; faults that raised {raised} (see the scorecard)" if raised else ""),
         *([failover_line(card)] if v.get("failovers") else []),
+        *([power_loss_line(card)] if v.get("power_losses") else []),
         f"- {lost}; pending {v['pending']}; "
         f"early {v['early']}; broker clean {'yes' if v['broker_clean'] else 'no'}",
         f"- duplicates {v['duplicates']} (by fault: {by_fault}); unattributable {v['unattributable']}",
@@ -210,6 +214,57 @@ def failover_line(card: dict[str, Any]) -> str:
                      f"(median {statistics.median(named):.1f} s)")
     if demoted:
         parts.append(f"a still-running old primary demoted after {min(demoted):.1f}-{max(demoted):.1f} s")
+    return "; ".join(parts)
+
+
+def power_lost_text(v: dict[str, Any]) -> str:
+    by = ", ".join(f"{k} {n}" for k, n in sorted(v["lost_by_power_loss"].items()))
+    parts = [f"never started {v['lost_never_started']}",
+             f"explained by power loss (published in the fsync window) {v['lost_explained_by_power_loss']}"
+             + (f" ({by}; publish found in the bytes cut: "
+                f"{v['lost_explained_by_power_loss_in_cut_bytes']})" if by else "")]
+    if v["lost_to_aof_repair"]:
+        parts.append(f"lost to an operator's repair of a corrupt AOF {v['lost_to_aof_repair']}")
+    if v.get("durability"):
+        parts.append(f"published in the fsync window though durability {v['durability']} confirmed "
+                     f"them {v['lost_in_fsync_window_despite_durability']}")
+    parts.append(f"unexplained {v['lost_unexplained']}")
+    return f"lost {v['lost']} ({'; '.join(parts)})"
+
+
+def power_loss_line(card: dict[str, Any]) -> str:
+    """What the power losses cut and what the server did (scripts/chaos/aof.py)."""
+    hits = [f for f in card.get("faults", []) if f.get("kind") in POWER_LOSS_KINDS
+            and not f.get("skipped") and not f.get("error")]
+    by_kind = Counter(f["kind"] for f in hits)
+    did = Counter(f["server"] for f in hits)
+    windows = sorted(f["unfsynced_seconds"] for f in hits if f.get("unfsynced_seconds") is not None)
+    commands: Counter[str] = Counter()
+    for f in hits:
+        commands.update(f.get("lost_commands", {}))
+    probes = [f["waitaof"] for f in hits if isinstance(f.get("waitaof"), dict)]
+    asked = [w for w in probes if "unavailable" not in w]
+    parts = [f"- power losses {len(hits)} ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}): "
+             f"AOF cut {sum(f['lost_bytes'] for f in hits)} bytes in all, "
+             f"{sum(commands.values())} commands "
+             f"({', '.join(f'{k} {n}' for k, n in commands.most_common(4))}), "
+             f"holding {sum(f['lost_task_id_count'] for f in hits)} task ids"]
+    if windows:
+        parts.append(f"last fsync before the kill {windows[0]:.2f}-{windows[-1]:.2f} s earlier "
+                     f"(median {statistics.median(windows):.2f} s)")
+    parts.append("the server " + ", ".join(f"{what} {n}" for what, n in sorted(did.items())))
+    repairs = [f["repair"] for f in hits if f.get("repair")]
+    if repairs:
+        parts.append(f"repairs: {', '.join(sorted({r['command'] for r in repairs}))}")
+    if asked:
+        early = sum(1 for w in asked if w["confirmed"] and not w["fsynced_when_confirmed"])
+        parts.append(f"WAITAOF 1 0 confirmed a marker before any fsync covered it in {early} of "
+                     f"{len(asked)} probes")
+    elif probes:
+        parts.append(f"WAITAOF: {probes[0]['unavailable'][:60]}")
+    skipped = [f for f in card.get("faults", []) if f.get("kind") in POWER_LOSS_KINDS and f.get("skipped")]
+    if skipped:
+        parts.append(f"skipped {len(skipped)}: {skipped[0]['skipped']}")
     return "; ".join(parts)
 
 

@@ -13,7 +13,7 @@ import redis
 
 from celery_redis_lua import ScriptLibrary
 from scripts.chaos import jepsen, ledger
-from scripts.chaos.profiles import WORKER_FAULTS, Profile
+from scripts.chaos.profiles import POWER_LOSS_KINDS, WORKER_FAULTS, Profile
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
 QUEUES = ("celery", "expiring")
@@ -136,6 +136,26 @@ def lost_to_failover(submit: dict[str, Any], failovers: list[dict[str, Any]]) ->
     return None
 
 
+def lost_to_power_loss(submit: dict[str, Any], power_losses: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The power loss whose fsync window holds a lost task's publish (scripts/chaos/aof.py):
+    confirmed (its publish returned) at or after ``durable_until``, the start of the last
+    fsync whose bytes the server kept, and begun before the kill. A publish confirmed
+    before that fsync began had been written before it, so it was on disk: its loss is no
+    power loss's doing."""
+    for fault in power_losses:
+        until = fault.get("durable_until")
+        if until is not None and until <= submit.get("sent", submit["t"]) \
+                and submit["t"] <= fault.get("killed_at", fault["t"]):
+            return fault
+    return None
+
+
+def lost_to_repair(tid: str, power_losses: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The corrupt AOF whose repair (redis-check-aof --fix, an operator's action) cut the
+    bytes holding the task's publish (its id among the ids in the bytes cut)."""
+    return next((f for f in power_losses if f.get("repair") and tid in f.get("lost_task_ids", ())), None)
+
+
 def order_holds(verdict: dict[str, Any]) -> bool:
     """Nothing delivered that nobody published (Jepsen's ``unexpected``), no priority inversion
     beyond one consume batch and no FIFO violation that a fault does not explain (when the
@@ -143,6 +163,11 @@ def order_holds(verdict: dict[str, Any]) -> bool:
     order = verdict["order"]
     return not verdict["jepsen"]["unexpected"] and not order.get("priority_inversions") \
         and not order.get("fifo_violations")
+
+
+def brief(fault: dict[str, Any]) -> dict[str, Any]:
+    """A power-loss entry without its list of task ids (for the examples)."""
+    return {k: v for k, v in fault.items() if k not in ("lost_task_ids", "server_said")}
 
 
 def error_type(error: str) -> str:
@@ -162,6 +187,11 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     """``durability``: the run's durability setting (ours only). Without one, a lost task
     may be explained by a failover's unreplicated writes (lost_to_failover); with one, a
     publish the broker confirmed was on the replica, so every loss counts against the run.
+    Likewise for a power loss (lost_to_power_loss): without ``aof`` in the setting a task
+    published in the fsync window is explained; with it, its publish waited for the fsync,
+    so no loss is. A task whose publish was in bytes an operator's repair of a corrupt AOF
+    cut (lost_to_repair) is reported as such, with or without durability: a documented
+    action, not a silent loss.
     Tasks whose publish raised (submit errors, NotDurable among them) were never confirmed:
     they are not lost if they never run; if they do run, their executions are counted, and
     duplicates among them attributed like any other."""
@@ -170,17 +200,36 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     starts, finishes = ledger.by_id(records["start"]), ledger.by_id(records["finish"])
     faults = sorted(records["fault"], key=lambda f: f["t"])
     failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
+    power_losses = [f for f in faults if f["kind"] in POWER_LOSS_KINDS and not f.get("skipped")
+                    and not f.get("error")]
+    aof_durable = bool(durability and "aof" in durability)
     window = 3 * profile.visibility_timeout + profile.slow_seconds[1] + 15
     lost = [tid for tid in submits if tid not in finishes]
     never_started = [tid for tid in lost if tid not in starts]
     lost_explained: list[dict[str, Any]] = []
-    if durability is None:
-        for tid in lost:
-            fault = lost_to_failover(submits[tid], failovers)
-            if fault is not None:
-                lost_explained.append({"id": tid, "kind": submits[tid]["kind"], "submit": submits[tid],
-                                       "started": tid in starts, "fault": fault})
-    lost_unexplained = [tid for tid in lost if tid not in {e["id"] for e in lost_explained}]
+    lost_power: list[dict[str, Any]] = []
+    lost_repaired: list[dict[str, Any]] = []
+    in_window_despite_durability: list[dict[str, Any]] = []
+    for tid in lost:
+        example = {"id": tid, "kind": submits[tid]["kind"], "submit": submits[tid], "started": tid in starts}
+        fault = lost_to_failover(submits[tid], failovers) if durability is None else None
+        if fault is not None:
+            lost_explained.append({**example, "fault": fault})
+            continue
+        fault = lost_to_repair(tid, power_losses)
+        if fault is not None:
+            lost_repaired.append({**example, "fault": brief(fault), "explained_by": "aof_repair"})
+            continue
+        fault = lost_to_power_loss(submits[tid], power_losses)
+        if fault is None:
+            continue
+        seen = {"fault": brief(fault), "in_cut_bytes": tid in fault.get("lost_task_ids", ())}
+        if aof_durable:  # confirmed as fsynced, yet published after the last fsync kept
+            in_window_despite_durability.append({**example, **seen})
+        else:
+            lost_power.append({**example, **seen, "explained_by": "power_loss"})
+    explained_ids = {e["id"] for e in lost_explained + lost_power + lost_repaired}
+    lost_unexplained = [tid for tid in lost if tid not in explained_ids]
     early, latencies = [], []
     duplicates: Counter[str] = Counter()
     unattributable: list[dict[str, Any]] = []
@@ -236,6 +285,14 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "lost_explained_by_failover": len(lost_explained), "lost_by_failover": dict(lost_by_fault),
         "lost_unexplained": len(lost_unexplained), "lost_explained_examples": lost_explained[:20],
         "failovers": len(failovers),
+        "power_losses": len(power_losses),
+        "lost_explained_by_power_loss": len(lost_power),
+        "lost_by_power_loss": dict(Counter(e["fault"]["kind"] for e in lost_power)),
+        "lost_explained_by_power_loss_in_cut_bytes": sum(1 for e in lost_power if e["in_cut_bytes"]),
+        "lost_to_aof_repair": len(lost_repaired),
+        "lost_in_fsync_window_despite_durability": len(in_window_despite_durability),
+        "lost_in_fsync_window_despite_durability_examples": in_window_despite_durability[:20],
+        "lost_power_examples": (lost_power + lost_repaired)[:20],
         "lost_ids": lost[:50], "pending": state["pending"], "broker_clean": state["clean"],
         "broker": state, "early": len(early), "early_examples": early[:20],
         "duplicates": sum(duplicates.values()) + len(unattributable),

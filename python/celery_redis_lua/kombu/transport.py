@@ -30,6 +30,7 @@ from ..protocol.cluster import (
     remember_nodes,
     startup_nodes,
 )
+from ..protocol.durability import EARLY_CONFIRMATION
 from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.fence import NoReplicasError
 from ..protocol.ops import Declared
@@ -289,6 +290,9 @@ class Transport(virtual.Transport):
         durability = self.options.policy.durability
         replicas = durability.check_server(client) if durability is not None else 0
         self._server_checked = True  # not when check_server raised: the next channel asks again
+        early = durability.early_confirmation(client) if durability is not None else None
+        if durability is not None and early is not None:
+            logger.warning("celery-redis-lua: " + EARLY_CONFIRMATION, durability.setting, early)
         if durability is not None and replicas < durability.replicas:
             logger.warning("celery-redis-lua: durability=%r asks for %d replica(s) but the primary "
                            "has %d connected; publishes fail (NotDurable) until enough are",

@@ -32,6 +32,14 @@ CONFIRMED_SCRIPTS = RAISE_WHEN_SHORT | {"ack", "reject", "declare", "bind"}
 # How WAIT and WAITAOF refuse to run on a replica (Redis 7.0 to 8, Valkey).
 DEMOTED = "cannot be used with replica instances"
 _SETTING = re.compile(r"^(?:(aof)|replicas:(\d+)|aof\+replicas:(\d+))$")
+# Under appendfsync everysec, WAITAOF confirms writes no fsync has covered yet whenever the
+# last fsync was less than a second ago: flushAppendOnlyFile's empty-buffer branch marks all
+# that was written as fsynced. Measured on Valkey 9.1.2 by the chaos harness's fsync recorder
+# (docs/RELIABILITY.md, power loss); Redis fixed it in 8.0 (redis/redis#13793), the code it
+# fixed dating from 2023 (redis/redis#12622).
+EARLY_CONFIRMATION = ("durability=%r: under appendfsync everysec this server's WAITAOF confirms "
+                      "writes before they are fsynced (%s; redis/redis#13793), so a power loss can "
+                      "take publishes it confirmed: set appendfsync always for 'aof' to hold")
 
 
 class NotDurable(Exception):
@@ -130,6 +138,24 @@ class Durability:
                 f"transport option 'durability'={self.setting!r} cannot be honoured by this "
                 f"server: {message}") from None
         return int(reply[1]) if self.aof else int(reply)
+
+    def early_confirmation(self, client: Any) -> str | None:
+        """With ``aof``: why this server's WAITAOF may confirm before the fsync (its version and
+        ``appendfsync everysec``), or None. Asked of a single server only (a cluster's or a
+        managed server's CONFIG may not answer: then nothing is said)."""
+        if not self.aof or hasattr(client, "get_primaries"):
+            return None
+        try:
+            fsync = client.config_get("appendfsync").get("appendfsync")
+            info = client.info("server")
+        except Exception:  # CONFIG refused (ACL, a managed service): nothing to go by
+            return None
+        if fsync != "everysec":
+            return None
+        if info.get("valkey_version"):
+            return f"Valkey {info['valkey_version']}"
+        version = tuple(int(x) for x in str(info.get("redis_version", "0.0")).split(".")[:2])
+        return f"Redis {info['redis_version']}" if (7, 2) <= version < (8, 0) else None
 
     @staticmethod
     def _probe_primary(client: Any, node: Any, probe: tuple[Any, ...]) -> Any:
