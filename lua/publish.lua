@@ -230,8 +230,9 @@ local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair'}
-if exchange then fields[8] = 'route:' .. exchange end
+local own = 'fair:' .. (fairness_key or '') -- the key's next start tag, in a fair queue
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair', own}
+if exchange then fields[9] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
 local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
@@ -240,7 +241,7 @@ local clock = tonumber(meta[7]) -- a fair queue's virtual clock V (nil: the queu
 -- A cached route: refused when the bindings to this queue changed since (or the queue is
 -- gone: declare and the first publish set last_id, so no last_id means no queue).
 if routed then
-  local changed = tonumber(meta[8])
+  local changed = tonumber(meta[9])
   if not last_id or (changed and changed >= routed) then
     return {'stale-route', changed or -1}
   end
@@ -300,10 +301,9 @@ local ready_at = math.max(eta, now)
 -- V set by the first key; a delayed message charges no key (it becomes ready at V).
 local score_at = now
 if fairness_key or clock then
-  local own = 'fair:' .. (fairness_key or '')
   local writes = {'last_id', id, 'fair', string.format('%d', clock or now)}
   if eta <= now then
-    score_at = math.max(clock or now, tonumber(rcall('HGET', meta_key, own)) or 0)
+    score_at = math.max(clock or now, tonumber(meta[8]) or 0)
     writes[5], writes[6] = own, string.format('%d', score_at + 1)
   end
   rcall('HSET', meta_key, unpack(writes))
