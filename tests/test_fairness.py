@@ -91,6 +91,19 @@ def test_what_becomes_ready_again_starts_at_the_virtual_clock(standalone: redis.
     assert [time_part(lib, "q", i) for i in replayed] == [fair_fields(lib, "q")["fair"]]
 
 
+def test_priorities_still_go_first_in_a_fair_queue(lib: ScriptLibrary) -> None:
+    """Fairness orders within a priority: the flood's priority-9 messages go before a quiet
+    key's priority 0, and the quiet key's priority 9 before the flood's third. The keys' state
+    is per queue, not per priority: the quiet key's priority-0 message took tag V, so its
+    priority-9 one starts at V + 1, tied with the flood's second (which has the smaller id)."""
+    for n in range(3):
+        lib.publish("q", f"flood-9-{n}", priority=9, fairness_key="flood")
+    lib.publish("q", "quiet-0", fairness_key="quiet")
+    lib.publish("q", "quiet-9", priority=9, fairness_key="quiet")
+    taken = [d.payload for d in lib.consume(["q"], 5).deliveries]
+    assert taken == [b"flood-9-0", b"flood-9-1", b"quiet-9", b"flood-9-2", b"quiet-0"]
+
+
 def test_a_queue_without_keys_stays_as_it_was(lib: ScriptLibrary) -> None:
     """No key ever: no 'fair' field, scores by the clock, consume as before."""
     t0 = server_now_ms(lib.client)
