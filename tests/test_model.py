@@ -469,14 +469,17 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 wait_for_server_time(client, hold.until + 1)  # a 5 ms hold
             self.publish([queue], 0, None, None, False, ("d3", then or first, hold_ms))
 
-        @rule(queue=st.sampled_from(queues), flood=st.integers(2, 4), priority=st.sampled_from([0, 5]))
-        def fair_story(self, queue: str, flood: int, priority: int) -> None:
-            """A fair-queue story in one step, which the publish rule composes only rarely: key
-            't1' floods ``flood`` messages, then 't2' sends one, and a consumer takes a batch:
-            't2' starts at the virtual clock, ahead of the flood's later tags."""
+        @rule(queue=st.sampled_from(queues), flood=st.integers(2, 4), priority=st.sampled_from([0, 5]),
+              requeue=st.booleans())
+        def fair_story(self, queue: str, flood: int, priority: int, requeue: bool) -> None:
+            """A fair-queue story in one step, which the other rules compose only rarely: key
+            't1' floods ``flood`` messages, then 't2' sends one, and a consumer takes all but
+            one: 't2' starts at the virtual clock, ahead of the flood's later tags. With
+            ``requeue``, it hands what it took back while the queue is still fair: ready at V."""
             self.publish([queue] * flood, priority, None, None, False, None, "t1")
             self.publish([queue], priority, None, None, False, None, "t2")
-            self.do_consume(0, flood + 1, [queue])
+            if self.do_consume(0, flood, [queue]) and requeue:
+                self.reject(0, list(range(flood)), True, False, False)
 
         def predict_fair(self, queue: str, message_id: str, key: str | None, eta: int | None, t0: int,
                          t1: int) -> int | None:
