@@ -1,12 +1,12 @@
 #!lua
 -- name: consume
--- version: 12
+-- version: 13
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limits' = 'IN_FLIGHT RATE' ('-' for unset; set by limit) and the rate's bucket 'limit_tat' (unix microseconds, read and written here only for a queue with a rate); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY)
+--   meta     HASH    P meta:{Q}            queue arguments; 'expires' (ms) is refreshed on all eight keys; 'paused' (set by pause): nothing of the queue is delivered or promoted; 'limits' = 'IN_FLIGHT RATE' ('-' for unset; set by limit) and the rate's bucket 'limit_tat' (unix microseconds, read and written here only for a queue with a rate); counters 'redelivered', 'retrying' (less those promoted), 'dropped:<reason>' (HINCRBY); a fair queue's virtual clock 'fair' (publish), moved up to the time part of what is taken, and with 'fair:<key>' dropped once nothing is ready
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'
@@ -60,6 +60,11 @@
 --   double and string.format('%d') cannot overflow (protocol/bounds.py).
 --   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
 --   years (stored_ms), so the expiry refresh never overflows string.format('%d').
+--   A fair queue (publish's fairness key: 'fair' in meta, read in the same HMGET, so a
+--   queue without one pays nothing) is taken by score as any other; its virtual clock V
+--   follows what is taken (the largest time part, never down), a due delayed message
+--   becomes ready at V (a countdown starts as a quiet key would), and a call that leaves it
+--   with nothing ready drops the 'fair' fields: the next key starts afresh at now.
 
 local rcall = redis.call
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
@@ -180,8 +185,8 @@ end
 -- consumed as if it were not in the call. The limits come in the same HMGET.
 local active = {}
 for _, q in ipairs(queues) do
-  local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limits')
-  q.expires, q.paused, q.limits = stored_ms(meta[1]), meta[2] ~= false, meta[3]
+  local meta = rcall('HMGET', q.meta, 'expires', 'paused', 'limits', 'fair')
+  q.expires, q.paused, q.limits, q.fair = stored_ms(meta[1]), meta[2] ~= false, meta[3], tonumber(meta[4])
   if not q.paused then active[#active + 1] = q end
 end
 
@@ -203,7 +208,7 @@ for _, q in ipairs(active) do
       local raw = rcall('HGET', q.state, id)
       if raw then -- else an orphan: nothing left to deliver
         local s = parse_state(raw)
-        rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + eta), id)
+        rcall('ZADD', q.queue, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + (q.fair or eta)), id)
         if tonumber(s.expires_at) then rcall('ZADD', q.index, s.expires_at, id) end -- dropped at its TTL
         rcall('HSET', q.state, id, state_line('ready', s.count, s))
         if s.state == 'retry' then retried = retried + 1 end -- a delayed retry (reject, sweep) is due
@@ -273,6 +278,7 @@ local function take(need)
     local n = q.room and math.min(need, q.room) or need
     local popped = rcall('ZPOPMIN', q.queue, n)
     for i = 1, #popped, 2 do taken[#taken + 1] = {q.pos, popped[i]} end
+    if q.fair and #popped > 0 then q.top = tonumber(popped[#popped]) end -- the largest score taken
     if limited then q.empty = #popped < 2 * n return taken, false end
     return taken, #popped < 2 * need
   end
@@ -293,6 +299,7 @@ local function take(need)
     local id = heads[best][positions[best]]
     positions[best] = positions[best] + 2
     taken[#taken + 1] = {open[best].pos, id}
+    if open[best].fair then open[best].top = best_score end -- each queue's heads come in order
     removed[best] = removed[best] or {}
     table.insert(removed[best], id)
   end
@@ -383,6 +390,7 @@ for _, q in ipairs(queues) do
   if q.paused then
     rcall('DEL', q.wake)
   elseif drained or q.empty or rcall('ZCARD', q.queue) == 0 then
+    q.drained = true
     if not q.delayed_left then rcall('DEL', q.wake) end
   elseif q.room == 0 then
     rcall('DEL', q.wake)
@@ -398,7 +406,23 @@ end
 reply[1] = wake_in
 if rate_in >= 0 then reply[#reply + 1] = rate_in end
 
--- 5. Consuming keeps a queue with x-expires alive, all eight keys at once.
+-- 5. A fair queue's virtual clock follows what was taken (the time part of the largest
+--    score, never down); one left with nothing ready forgets its keys (HKEYS once per
+--    drain: the fields are at most the keys seen since the last one).
+for _, q in ipairs(active) do
+  if q.fair and q.drained then
+    local names, fair = rcall('HKEYS', q.meta), {}
+    for _, name in ipairs(names) do
+      if name == 'fair' or string.sub(name, 1, 5) == 'fair:' then fair[#fair + 1] = name end
+    end
+    variadic('HDEL', q.meta, fair)
+  elseif q.fair and q.top then
+    local at = q.top - math.floor(q.top / PRIORITY_FACTOR) * PRIORITY_FACTOR
+    if at > q.fair then rcall('HSET', q.meta, 'fair', string.format('%d', at)) end
+  end
+end
+
+-- 6. Consuming keeps a queue with x-expires alive, all eight keys at once.
 for _, q in ipairs(queues) do
   count_in_meta(q.meta, 'dropped:expired', q.expired or 0)
   if q.expires then

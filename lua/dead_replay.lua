@@ -1,12 +1,12 @@
 #!lua
 -- name: dead_replay
--- version: 9
+-- version: 10
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages (expiry refresh only)
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments and last_id; 'paused' is read
+--   meta     HASH    P meta:{Q}            queue arguments and last_id; 'paused' is read, and a fair queue's virtual clock 'fair' (publish), at which a replayed message is ready
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; the task-id index 'task:<task id>' -> id
@@ -144,7 +144,9 @@ end
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local last_id = rcall('HGET', meta_key, 'last_id') -- replayed ids follow it, as published ones do
+local ids_and_clock = rcall('HMGET', meta_key, 'last_id', 'fair')
+local last_id = ids_and_clock[1] or nil -- replayed ids follow it, as published ones do
+local ready_at = tonumber(ids_and_clock[2]) or now -- a fair queue: its virtual clock V
 
 local replayed = {}
 for _, entry in ipairs(entries) do
@@ -164,7 +166,7 @@ for _, entry in ipairs(entries) do
     else
       rcall('HSET', state_key, id, line)
     end
-    rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
+    rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + ready_at), id)
     replayed[#replayed + 1] = id
   end
   rcall('XDEL', dead_key, entry[1])

@@ -1,12 +1,12 @@
 #!lua
 -- name: publish
--- version: 12
+-- version: 13
 -- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again; 'dedup:<sha1>' -> the end of a throttle window (the sweep drops the hold)
---   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limits' (set by limit: no wake token for a ready message at the in-flight cap)
+--   meta     HASH    P meta:{Q}            queue arguments (expires, message_ttl, max_priority), last_id, 'paused' (no wake token then), 'limits' (set by limit: no wake token for a ready message at the in-flight cap); a fair queue's virtual clock 'fair' (ms) and each fairness key's next start tag 'fair:<key>'
 --   dead     STREAM  P dead:{Q}            dead letters (only its expiry is refreshed here)
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; the task-id index 'task:<task id>' -> id; a dedup id's hold 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL_MS|- MODE ID'
@@ -23,6 +23,7 @@
 --   9  dedup_id       string, optional, 1..512 bytes       with 10 and 11 (7 and 8 may then be '': no route): a second publish of the same id to this queue is deduplicated by mode
 --  10  dedup_mode     'simple', 'throttle' or 'debounce'   simple: dropped while the holder waits or runs; throttle: dropped for dedup_ttl_ms after the first; debounce: the newest replaces the holder while it waits (ready, delayed or waiting for a retry)
 --  11  dedup_ttl_ms   integer 1..315360000000 or ''        how long a hold lasts at most (required for throttle); '' means until the holder goes
+--  12  fairness_key   string, optional, 1..256 bytes       the tenant: the queue becomes fair (7-11 may then be ''); within a priority a ready message is scored by its key's start tag max(V, F[key]), not by now
 -- returns: bulk string, the new message id: 14 hex digits, 13 of server unix microseconds and 1 of a counter;
 --   with a task_id whose indexed message holds the same payload, that message's id (nothing is written);
 --   with a dedup id held (simple, throttle), the array ['deduplicated', holder id] (nothing is written but
@@ -32,7 +33,7 @@
 --   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
 -- errors:
 --   ERR celery-redis-lua: publish: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: publish: expected 5, 6, 8 or 11 arguments, got N
+--   ERR celery-redis-lua: publish: expected 5, 6, 8, 11 or 12 arguments, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
@@ -46,6 +47,7 @@
 --   ERR celery-redis-lua: publish: dedup_mode must be simple, throttle or debounce, got 'V'
 --   ERR celery-redis-lua: publish: dedup_ttl_ms must be an integer in 1..315360000000 or '', got 'V'
 --   ERR celery-redis-lua: publish: dedup_ttl_ms is required with dedup_mode throttle
+--   ERR celery-redis-lua: publish: fairness_key must be 1..256 bytes, got N
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
@@ -163,8 +165,8 @@ end
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 then
-  return fail('expected 5, 6, 8 or 11 arguments, got ' .. #ARGV)
+if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 and #ARGV ~= 12 then
+  return fail('expected 5, 6, 8, 11 or 12 arguments, got ' .. #ARGV)
 end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
@@ -195,7 +197,7 @@ end
 local task_id = ARGV[6] or ''
 if #task_id > 256 then return fail('task_id must be at most 256 bytes, got ' .. #task_id) end
 local exchange, routed = ARGV[7], nil
-if exchange == '' and #ARGV == 11 and ARGV[8] == '' then exchange = nil end -- dedup without a route
+if exchange == '' and #ARGV >= 11 and ARGV[8] == '' then exchange = nil end -- dedup or a key, no route
 if exchange then
   if exchange == '' then return fail('exchange must be non-empty with routed_ms') end
   routed = string.match(ARGV[8], '^%d+$') and tonumber(ARGV[8])
@@ -203,6 +205,7 @@ if exchange then
 end
 
 local dedup_id, dedup_mode, dedup_ttl = ARGV[9], ARGV[10], nil
+if dedup_id == '' and ARGV[10] == '' and ARGV[11] == '' and #ARGV == 12 then dedup_id = nil end -- a key alone
 if dedup_id then
   if #dedup_id < 1 or #dedup_id > 512 then return fail('dedup_id must be 1..512 bytes, got ' .. #dedup_id) end
   if dedup_mode ~= 'simple' and dedup_mode ~= 'throttle' and dedup_mode ~= 'debounce' then
@@ -218,20 +221,27 @@ if dedup_id then
   end
 end
 
+local fairness_key = ARGV[12]
+if fairness_key and (#fairness_key < 1 or #fairness_key > 256) then
+  return fail('fairness_key must be 1..256 bytes, got ' .. #fairness_key)
+end
+
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- Queue arguments declared by consumers apply to every producer.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits'}
-if exchange then fields[7] = 'route:' .. exchange end
+local own = 'fair:' .. (fairness_key or '') -- the key's next start tag, in a fair queue
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair', own}
+if exchange then fields[9] = 'route:' .. exchange end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
 local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
+local clock = tonumber(meta[7]) -- a fair queue's virtual clock V (nil: the queue is not fair)
 
 -- A cached route: refused when the bindings to this queue changed since (or the queue is
 -- gone: declare and the first publish set last_id, so no last_id means no queue).
 if routed then
-  local changed = tonumber(meta[7])
+  local changed = tonumber(meta[9])
   if not last_id or (changed and changed >= routed) then
     return {'stale-route', changed or -1}
   end
@@ -286,9 +296,21 @@ if wake and cap and eta <= now then
 end
 if wake then arm_wake(wake_key) end
 local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
-rcall('HSET', meta_key, 'last_id', id)
-
 local ready_at = math.max(eta, now)
+-- A fair queue: the start tag max(V, F[key]) in place of now, F[key] moved past it, and
+-- V set by the first key; a delayed message charges no key (it becomes ready at V).
+local score_at = now
+if fairness_key or clock then
+  local writes = {'last_id', id, 'fair', string.format('%d', clock or now)}
+  if eta <= now then
+    score_at = math.max(clock or now, tonumber(meta[8]) or 0)
+    writes[5], writes[6] = own, string.format('%d', score_at + 1)
+  end
+  rcall('HSET', meta_key, unpack(writes))
+else
+  rcall('HSET', meta_key, 'last_id', id)
+end
+
 local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
 rcall('HSET', message_key, id, payload)
 local releases = hold and dedup_mode ~= 'throttle' -- the holder's settle ends the hold
@@ -308,7 +330,7 @@ end
 if eta > now then
   rcall('ZADD', delayed_key, string.format('%d', eta), id)
 else
-  rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + now), id)
+  rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + score_at), id)
   if ttl > 0 then rcall('ZADD', index_key, expires_at, id) end -- the sweep drops it at its TTL
 end
 

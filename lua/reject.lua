@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 12
+-- version: 13
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms; a delayed retry waits here
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again
---   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'limits' (and 'paused' when it holds a cap) are read
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'limits' (and 'paused' when it holds a cap) are read; so is a fair queue's virtual clock 'fair' (publish), at which a requeued message is ready again
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'
@@ -162,11 +162,12 @@ end
 -- kind `cause` ('failed' or 'returned') waits before it is ready again (nil: it does not),
 -- and for how long: min(retry_min * delivery_count, retry_max or MAX_DURATION_MS) ms, so a
 -- due time never passes now + 10 years, whatever was stored or however many deliveries.
+-- Read with it: a fair queue's virtual clock, at which what is made ready again is scored.
 local function retry_policy(meta_key, cause)
-  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max')
-  local min = stored_ms(r[2])
-  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil end
-  return {min = min, max = stored_ms(r[3])}
+  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max', 'fair')
+  local min, clock = stored_ms(r[2]), tonumber(r[4]) -- clock: a fair queue's V (publish), nil if not fair
+  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil, clock end
+  return {min = min, max = stored_ms(r[3])}, clock
 end
 
 local function retry_delay(policy, count)
@@ -199,7 +200,8 @@ if not ids then return fail("id '" .. expected .. "' must be an id or id:deliver
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
-local retry = requeue and retry_policy(meta_key, cause)
+local retry, clock = false, nil -- clock: a fair queue's V, the time part of a requeued message's score
+if requeue then retry, clock = retry_policy(meta_key, cause) end
 local requeued, dead_lettered, deleted, stale, retrying = 0, 0, 0, 0, 0
 local dropped = {} -- reason -> dead-lettered or deleted
 for i, id in ipairs(ids) do
@@ -225,7 +227,7 @@ for i, id in ipairs(ids) do
       requeued = requeued + 1
     elseif requeue and not revoked and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('ready', attempts, s))
-      rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + now), id)
+      rcall('ZADD', queue_key, string.format('%d', (255 - s.priority) * PRIORITY_FACTOR + (clock or now)), id)
       if tonumber(s.expires_at) then -- ready: indexed only to be dropped at its TTL
         rcall('ZADD', index_key, s.expires_at, id)
       else

@@ -1,12 +1,12 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 11
+-- version: 12
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
 --   index    ZSET    P messages_index:{Q}  id -> unix ms at which the sweep looks at it again; 'dedup:<sha1>' -> the end of a throttle window (publish): its hold goes
---   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'paused' (nothing promoted) and 'limits' are read
+--   meta     HASH    P meta:{Q}            queue arguments ('retry_type', 'retry_min', 'retry_max': declare); 'expires' (ms) is refreshed on all eight keys; counters 'redelivered', 'retrying', 'dropped:<reason>' (HINCRBY); 'paused' (nothing promoted) and 'limits' are read; so is a fair queue's virtual clock 'fair' (publish), at which what is promoted or restored is ready
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'; 'dedup:<sha1>' holds (publish)
@@ -154,11 +154,12 @@ end
 -- kind `cause` ('failed' or 'returned') waits before it is ready again (nil: it does not),
 -- and for how long: min(retry_min * delivery_count, retry_max or MAX_DURATION_MS) ms, so a
 -- due time never passes now + 10 years, whatever was stored or however many deliveries.
+-- Read with it: a fair queue's virtual clock, at which what is made ready again is scored.
 local function retry_policy(meta_key, cause)
-  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max')
-  local min = stored_ms(r[2])
-  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil end
-  return {min = min, max = stored_ms(r[3])}
+  local r = redis.call('HMGET', meta_key, 'retry_type', 'retry_min', 'retry_max', 'fair')
+  local min, clock = stored_ms(r[2]), tonumber(r[4]) -- clock: a fair queue's V (publish), nil if not fair
+  if not min or (r[1] ~= 'all' and r[1] ~= cause) then return nil, clock end
+  return {min = min, max = stored_ms(r[3])}, clock
 end
 
 local function retry_delay(policy, count)
@@ -257,13 +258,18 @@ for q = 1, #KEYS / QUEUE_KEYS do
   end
 
   local due = rcall('ZRANGE', delayed_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch, 'WITHSCORES')
-  if #due > 0 and rcall('HEXISTS', meta_key, 'paused') == 1 then due = {} end -- they wait for resume
+  local clock -- a fair queue's virtual clock (publish): what becomes ready here is scored at it
+  if #due > 0 then
+    local m = rcall('HMGET', meta_key, 'paused', 'fair')
+    if m[1] then due = {} end -- they wait for resume
+    clock = tonumber(m[2])
+  end
   for i = 1, #due, 2 do
     local id, eta = due[i], tonumber(due[i + 1])
     local raw = rcall('HGET', state_key, id)
     if raw then
       local s = parse_state(raw)
-      rcall('ZADD', queue_key, ready_score(s.priority, eta), id)
+      rcall('ZADD', queue_key, ready_score(s.priority, clock or eta), id)
       if tonumber(s.expires_at) then rcall('ZADD', index_key, s.expires_at, id) end
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
       if s.state == 'retry' then retrying = retrying - 1 end
@@ -279,7 +285,8 @@ for q = 1, #KEYS / QUEUE_KEYS do
   local entries = rcall('ZRANGE', index_key, '-inf', now, 'BYSCORE', 'LIMIT', 0, batch)
   if #entries == batch then more = 1 end
   entries = end_windows(index_key, state_key, entries)
-  local retry = #entries > 0 and retry_policy(meta_key, 'failed') -- a timeout is a failed delivery
+  local retry = false -- a timeout is a failed delivery
+  if #entries > 0 then retry, clock = retry_policy(meta_key, 'failed') end
   for _, id in ipairs(entries) do
     local payload = rcall('HGET', message_key, id)
     local raw = rcall('HGET', state_key, id)
@@ -300,7 +307,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
       index_ready(index_key, id, s)
       backlog = backlog + 1
     elseif s.state ~= 'unacked' then
-      rcall('ZADD', queue_key, ready_score(s.priority, now), id)
+      rcall('ZADD', queue_key, ready_score(s.priority, clock or now), id)
       index_ready(index_key, id, s)
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
       unclaimed = unclaimed + 1
@@ -319,7 +326,7 @@ for q = 1, #KEYS / QUEUE_KEYS do
         requeued, retrying = requeued + 1, retrying + 1
       elseif limit == 0 or attempts < limit then
         rcall('HSET', state_key, id, state_line('ready', attempts, s))
-        rcall('ZADD', queue_key, ready_score(s.priority, now), id)
+        rcall('ZADD', queue_key, ready_score(s.priority, clock or now), id)
         index_ready(index_key, id, s)
         requeued = requeued + 1
       else

@@ -10,7 +10,8 @@ from scripts.bench import script_ab
 
 
 @pytest.mark.parametrize(("script", "variant"),
-                         [("publish", "plain"), ("publish", "dedup"), ("consume", "plain")])
+                         [("publish", "plain"), ("publish", "dedup"), ("publish", "fair"),
+                                            ("consume", "plain"), ("consume", "fair")])
 def test_an_ab_run_measures_both_versions(script: str, variant: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     require_kind("valkey")

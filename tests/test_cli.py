@@ -134,6 +134,16 @@ def test_publish_with_a_dedup_id_stores_one_and_names_it(url: str, standalone: r
                    "--dedup: dedup mode 'throttle' needs a ttl")
 
 
+def test_publish_with_a_fairness_key_makes_the_queue_fair(url: str, standalone: redis.Redis) -> None:
+    """--fairness-key: the key's start tag is in meta; a bad key is refused by name, nothing stored."""
+    assert invoke("publish", "tasks.add", "--fairness-key", "tenant-42", "--url", url).exit_code == 0
+    meta = Keyspace().meta("celery")
+    assert int(standalone.hget(meta, "fair:tenant-42")) == int(standalone.hget(meta, "fair")) + 1
+    refused = invoke("publish", "tasks.add", "--fairness-key", "k" * 257, "--queue", "other", "--url", url)
+    one_line_error(refused, "--fairness-key must be a string of 1..256 bytes")
+    assert standalone.exists(Keyspace().queue("other")) == 0
+
+
 def test_priority_out_of_range_is_the_scripts_one_line_error(url: str, standalone: redis.Redis) -> None:
     result = invoke("publish", "tasks.add", "--priority", "256", "--url", url)
     one_line_error(result, "priority must be an integer in 0..255, got '256'")

@@ -144,7 +144,7 @@ def sample_calls() -> dict[str, tuple[Call[Any], int]]:
     k, p = KS, POLICY
     built = {
         "publish": (ops.publish(k, p, "wq1", "payload", priority=3, route=("ex", 1_700_000_000_000),
-                               dedup=Dedup("d1", "throttle", 1000)), 1),
+                               dedup=Dedup("d1", "throttle", 1000), fairness_key="tenant"), 1),
         "consume": (ops.consume(k, p, QUEUES, 2), 2),
         "unpop": (ops.unpop(k, p, "wq1"), 1),
         "pause": (ops.pause(k, p, "wq1", "sample"), 1),

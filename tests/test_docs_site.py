@@ -76,7 +76,7 @@ def test_the_flow_control_table_is_the_same_in_the_readme_and_the_docs() -> None
     title = "Flow control in the broker, compared"
     readme = table(section(README.read_text(), title))
     docs = table(section((DOCS / "operations.md").read_text(), title))
-    assert len(readme) == 11 and readme == docs
+    assert len(readme) == 12 and readme == docs
     assert "RabbitMQ 4.3 quorum queues" in readme[0] and "celery-redis-lua" in readme[0]
 
 

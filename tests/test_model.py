@@ -76,6 +76,7 @@ TTLS = st.sampled_from([None, None, 1, 60_000])  # 1 ms: expired before the next
 MODES = ["simple", "throttle", "debounce"]
 DEDUPS = st.one_of(st.none(), st.tuples(st.sampled_from(["d1", "d2"]), st.sampled_from(MODES),
                                         st.sampled_from([None, 5, 60_000])))
+FAIRNESS = st.sampled_from([None, "t1", "t2"])  # a publish's fairness key (the queue becomes fair)
 T = TypeVar("T")
 
 # Every script that writes a queue's state is driven here, or listed with the reason it is
@@ -102,6 +103,9 @@ CALLED: Counter[str] = Counter()  # what the model runs of each script, for the 
 # The dedup stories the model told (a hold that drops, replaces, is released by its holder's
 # settle, or ended by the sweep), for the Valkey run to show each came up.
 DEDUP_STORIES: Counter[str] = Counter()
+# The fair-queue stories (a consume that took keys out of publish order, a drain that forgot
+# the keys, a message made ready again at the virtual clock), for the Valkey run to show each.
+FAIR_STORIES: Counter[str] = Counter()
 
 
 def pick(items: list[T], picks: list[int]) -> list[T]:
@@ -150,6 +154,7 @@ class Msg:
     task: str | None = None  # the Celery task id it was published with
     revoked: bool = False  # in flight when Celery's revoke() named it (cancel, reason 'revoked')
     dedup: str | None = None  # the sha1 of the dedup id whose hold it releases when it goes
+    key: str | None = None  # the fairness key it was published with
 
     def delivery(self) -> tuple[str, str, int, bytes]:
         return self.queue, self.id, self.delivery_count, self.payload
@@ -194,6 +199,8 @@ class QueueState:
     cap: int | None = None
     rate: str | None = None
     tokens: int = 0  # left in the rate's bucket
+    fair: int | None = None  # a fair queue's virtual clock V (meta 'fair'); None: not fair
+    tags: dict[str, int] = field(default_factory=dict)  # fairness key -> its next start tag ('fair:<key>')
 
 
 @dataclass
@@ -296,13 +303,22 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             q = self.m.queues[queue]
             return q.retry_stored and q.retry in (cause, "all")
 
-        def record_ready(self, m: Msg, t0: int, t1: int) -> None:
-            """m was made ready by a script that ran between server times t0 and t1."""
+        def record_ready(self, m: Msg, t0: int, t1: int, at: int | None = None, clock: bool = False) -> None:
+            """m was made ready by a script that ran between server times t0 and t1: scored by
+            the clock (``clock``, or a queue that is not fair), by the start tag ``at`` (a
+            fair publish), or at a fair queue's virtual clock (requeued, restored, replayed)."""
             score = client.zscore(k.queue(m.queue), m.id)
             assert score is not None, f"{m.id} should be ready"
             score = int(score)
             assert score // F == 255 - m.priority, (m, score)
-            assert t0 <= score % F <= t1, (m, score, t0, t1)
+            fair = self.m.queues[m.queue].fair
+            if at is None and not clock and fair is not None:
+                at = fair
+                FAIR_STORIES["ready again at V"] += 1
+            if at is not None and not clock:
+                assert score % F == at, (m, score, at)
+            else:
+                assert t0 <= score % F <= t1, (m, score, t0, t1)
             m.state, m.score, m.eta, m.timed_out_step = "ready", score, None, None
 
         def record_retry(self, m: Msg, attempts: int, t0: int, t1: int) -> None:
@@ -330,7 +346,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 elif m.eta <= t0:
                     assert not still, f"{m.id} due at {m.eta} was not promoted at {t0}..{t1}"
                 if not still:
-                    m.state, m.score, m.eta = "ready", (255 - m.priority) * F + m.eta, None
+                    fair = self.m.queues[m.queue].fair  # a fair queue's countdown starts at V
+                    at = m.eta if fair is None else fair
+                    m.state, m.score, m.eta = "ready", (255 - m.priority) * F + at, None
                     promoted += 1
             return promoted
 
@@ -380,15 +398,17 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.publish([queue], priority, None, None, False)
 
         @rule(into=st.lists(st.sampled_from(queues), min_size=1, max_size=4), priority=PRIORITIES,
-              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans(), dedup=DEDUPS)
+              delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans(), dedup=DEDUPS,
+              fair=FAIRNESS)
         def publish(self, into: list[str], priority: int, delay: int | None, ttl: int | None,
-                    task: bool, dedup: tuple[str, str, int | None] | None = None) -> None:
+                    task: bool, dedup: tuple[str, str, int | None] | None = None,
+                    fair: str | None = None) -> None:
             """Publish to each target queue in one pipeline: mostly within one ms, so ties
             of priority and time are broken by id (one queue) and by queue order (several).
             A 1 ms TTL is waited out at once (delayed messages get 60 s: their TTL counts
             from the ETA, which test_ttl_expiry covers). ``task``: with a task id (the
             payload), which cancel finds. ``dedup``: each with one dedup id, mode and hold time
-            (predict_dedup)."""
+            (predict_dedup). ``fair``: each with that fairness key (predict_fair)."""
             settings = None
             if dedup is not None:
                 dedup_id, mode, hold_ms = dedup
@@ -404,18 +424,21 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 self.m.published[queue] += 1
                 payloads.append(f"{queue}-{self.m.published[queue]}")
             ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl,
-                                                            task_id=p if task else None, dedup=settings)
+                                                            task_id=p if task else None, dedup=settings,
+                                                            fairness_key=fair)
                                      for q, p in zip(into, payloads, strict=True)])
             t1 = self.now()
             made = []
+            tags: dict[str, int | None] = {}
             for queue, payload, message_id in zip(into, payloads, ids, strict=True):  # in the order run
                 if settings is not None and not self.predict_dedup(queue, settings, message_id, t0, t1):
                     continue  # dropped: nothing stored
+                tags[str(message_id)] = self.predict_fair(queue, str(message_id), fair, eta, t0, t1)
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
                 m = Msg(queue, message_id, payload.encode(), priority, "delayed" if eta else "ready",
-                        task=payload if task else None)
+                        task=payload if task else None, key=fair)
                 if settings is not None and settings.mode != "throttle":
                     m.dedup = digest(settings.id)
                 self.m.messages[queue, message_id] = m
@@ -434,7 +457,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     m.state, m.eta = "delayed", eta
                 else:
                     assert eta is None or eta <= t1, "a future ETA was made ready"
-                    self.record_ready(m, t0, t1)
+                    tag = tags[m.id]
+                    self.record_ready(m, t0, t1, at=tag, clock=tag is None)
             if ttl == 1:
                 wait_for_server_time(client, t1 + 2)  # past every 1 ms TTL just given
 
@@ -461,7 +485,48 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 DEDUP_STORIES[f"holder {holder.state if holder else 'gone'} after a requeue"] += 1
             if wait and hold is not None and hold.until is not None and hold.until < self.now() + 1000:
                 wait_for_server_time(client, hold.until + 1)  # a 5 ms hold
+                if hold.mode == "throttle" and take == "no":
+                    self.sweep()  # its window ends (the sweep drops the hold)
+            if take == "requeue":  # the story that needs it most: a debounce over a retry-waiting holder
+                then = "debounce"
             self.publish([queue], 0, None, None, False, ("d3", then or first, hold_ms))
+
+        @rule(queue=st.sampled_from(queues), flood=st.integers(2, 4), priority=st.sampled_from([0, 5]),
+              requeue=st.booleans())
+        def fair_story(self, queue: str, flood: int, priority: int, requeue: bool) -> None:
+            """A fair-queue story in one step, which the other rules compose only rarely: key
+            't1' floods ``flood`` messages, then 't2' sends one, and a consumer takes all but
+            one: 't2' starts at the virtual clock, ahead of the flood's later tags. With
+            ``requeue``, it hands what it took back while the queue is still fair: ready at V."""
+            self.publish([queue] * flood, priority, None, None, False, None, "t1")
+            self.publish([queue], priority, None, None, False, None, "t2")
+            if self.do_consume(0, flood, [queue]) and requeue:
+                self.reject(0, list(range(flood)), True, False, False)
+
+        def predict_fair(self, queue: str, message_id: str, key: str | None, eta: int | None, t0: int,
+                         t1: int) -> int | None:
+            """A stored publish (run between t0 and t1) of ``key`` to ``queue``: the start tag
+            its ready score holds (None: scored by the clock, the queue is not fair, or it is
+            delayed: it charges no key). The first key makes the queue fair at the script's
+            now (read back); a ready message of key K (unkeyed: '') starts at max(V, F[K])."""
+            q = self.m.queues[queue]
+            if key is None and q.fair is None:
+                return None
+            if q.fair is None:
+                q.fair = int(client.hget(k.meta(queue), "fair"))  # set once: publish never moves it
+                assert t0 <= q.fair <= t1, (q.fair, t0, t1)
+            still = client.hexists(k.message(queue), message_id)
+            if still:
+                delayed = client.zscore(k.delayed(queue), message_id) is not None
+            else:  # replaced by a debounce of the same pipeline: its ETA tells
+                assert eta is None or eta > t1, "cannot tell whether a replaced countdown was ready"
+                delayed = eta is not None
+            if delayed:
+                return None
+            own = key or ""
+            tag = max(q.fair, q.tags.get(own, 0))
+            q.tags[own] = tag + 1
+            return tag
 
         def predict_dedup(self, queue: str, settings: Dedup, reply: Any, t0: int, t1: int) -> bool:
             """A publish with a dedup id, run between t0 and t1: was it stored (True) or dropped,
@@ -528,6 +593,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             wake_etas: list[int] = []
             rate_waits: list[str] = []
             limited = False
+            called: list[str] = []  # the running queues of the calls made
             self.resolve_promotions([q for q in queues if q not in asked], False, t0, t1)
             for group in self.lib.slot_groups(asked):  # asked in turn until count is reached
                 visited = len(expected) < count
@@ -535,6 +601,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 if not visited:
                     continue
                 active = [q for q in group if not self.m.queues[q].paused]
+                called += active
                 rooms = {q: self.m.room(q) for q in active}
                 limited = limited or any(r is not None for r in rooms.values())
                 ready = [m for q in active for m in self.m.in_state("ready", q)]
@@ -573,6 +640,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 priorities = [priority[d.id] for d in consumed.deliveries if d.queue == q]
                 assert priorities == sorted(priorities, reverse=True)
             self.check_wake_in(consumed, wake_etas, rate_waits, t0, t1)
+            self.predict_clock(expected + expired, called)
             for m in expected:
                 m.state, m.score, m.timed_out_step, m.restored = "unacked", None, None, False
                 m.holder = (consumer, m.delivery_count)
@@ -583,6 +651,26 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 if cap is not None and now_in_flight > in_flight[q]:
                     assert now_in_flight <= cap, (q, now_in_flight, cap)
             return expected
+
+        def predict_clock(self, taken: list[Msg], called: list[str]) -> None:
+            """A fair queue's virtual clock after a consume: up to the time part of the largest
+            score it took (delivered or expired), never down; a queue left with nothing ready
+            forgets its keys (its clock too)."""
+            for q in called:
+                state = self.m.queues[q]
+                if state.fair is None:
+                    continue
+                mine = [m for m in taken if m.queue == q]
+                if not [m for m in self.m.in_state("ready", q) if m not in taken]:
+                    state.fair, state.tags = None, {}
+                    FAIR_STORIES["drained"] += 1
+                    continue
+                if mine:
+                    state.fair = max(state.fair, max(m.score or 0 for m in mine) % F)
+                out = [m for m in taken if m.queue == q and m.delivery_count == 0]
+                if any(a.priority == b.priority and a.key != b.key and a.id > b.id
+                       for i, a in enumerate(out) for b in out[i + 1:]):
+                    FAIR_STORIES["interleaved"] += 1  # a later key's message taken before an earlier one's
 
         def check_wake_in(self, consumed: Consumed, etas: list[int], rate_waits: list[str],
                           t0: int, t1: int) -> None:
@@ -1048,6 +1136,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             retrying = client.hget(k.meta(q), "retrying")
             assert int(retrying or 0) == len(self.m.in_state("retry", q)), q
             state = self.m.queues[q]
+            fair = {text(f): int(v) for f, v in client.hgetall(k.meta(q)).items()
+                    if text(f) == "fair" or text(f).startswith("fair:")}
+            expected_fair = {} if state.fair is None else {"fair": state.fair} | {
+                f"fair:{key}": tag for key, tag in state.tags.items()}
+            assert fair == expected_fair, q
             assert client.hexists(k.meta(q), "paused") == state.paused, q
             limits = client.hget(k.meta(q), "limits")
             expected = None if state.cap is None and state.rate is None else (
@@ -1110,6 +1203,7 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     x-expires. Every script of DRIVEN runs."""
     CALLED.clear()
     DEDUP_STORIES.clear()
+    FAIR_STORIES.clear()
     with closing(valkey_server.client(socket_timeout=10)) as client:
         run(client, Keyspace(), ["a", "b"], examples=150)
     assert set(CALLED) >= DRIVEN, f"never run: {sorted(DRIVEN - set(CALLED))}"
@@ -1118,6 +1212,8 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
                     "debounce replaced over a hold", "simple stored over a hold", "window ended",
                     "throttle stored over a hold", "debounce stored over a hold",
                     "debounce replaced a retry holder"}, DEDUP_STORIES
+    assert {story for story, n in FAIR_STORIES.items() if n} >= {
+        "interleaved", "drained", "ready again at V"}, FAIR_STORIES
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:

@@ -8,6 +8,7 @@ from .kombu.transport import Transport
 from .protocol.call import Call, ScriptError
 from .protocol.contract import Script, load_scripts
 from .protocol.dedup import BadDedup, Dedup
+from .protocol.fairness import BadFairnessKey
 from .protocol.keys import Keyspace, KeyspaceError
 from .protocol.library import ScriptLibrary
 from .protocol.ops import (
@@ -39,8 +40,8 @@ for _scheme, _target in ALIASES.items():
     TRANSPORT_ALIASES.setdefault(_scheme, _target)
 
 __all__ = [
-    "Acked", "BadDedup", "Call", "Consumed", "DeadLetter", "Declared", "Dedup", "Deleted", "Delivery",
-    "Dropped", "Keyspace", "KeyspaceError", "Limits", "Policy", "Published", "QueueStats", "Rejected",
-    "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport", "Transport", "cancel",
-    "clear_limits", "limit", "load_scripts", "pause", "resume", "where",
+    "Acked", "BadDedup", "BadFairnessKey", "Call", "Consumed", "DeadLetter", "Declared", "Dedup", "Deleted",
+    "Delivery", "Dropped", "Keyspace", "KeyspaceError", "Limits", "Policy", "Published", "QueueStats",
+    "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport", "Transport",
+    "cancel", "clear_limits", "limit", "load_scripts", "pause", "resume", "where",
 ]

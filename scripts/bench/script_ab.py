@@ -11,9 +11,12 @@ It is how a change to a hot-path script shows it kept its cost ("within 5% of to
 
 Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
   publish  N publishes into one queue, pipelined; ``--variant dedup``: the new version with a
-           unique dedup id per message (simple), against the base without (what it costs).
+           unique dedup id per message (simple), against the base without (what it costs);
+           ``--variant fair``: the new version with a fairness key (one of ten), against
+           the base without.
   consume  N messages published with the working tree's publish, then consumed ``--batch`` at
-           a time by the version under test (no ack).
+           a time by the version under test (no ack); ``--variant fair``: published with a
+           fairness key (one of ten), so the new version consumes a fair queue.
 """
 
 from __future__ import annotations
@@ -49,20 +52,24 @@ def measured(client: Any, run: Callable[[], None]) -> float:
     return (usec1 - usec0) / max(1, calls1 - calls0)
 
 
-def publish_round(client: Any, sha: str, n: int, tag: str, dedup: bool) -> float:
+def publish_round(client: Any, sha: str, n: int, tag: str, dedup: bool, fair: bool = False) -> float:
     pipe = client.pipeline(transaction=False)
     for i in range(n):
         args: list[Any] = [PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}"]
         if dedup:
             args += ["", "", f"d-{tag}-{i}", "simple", ""]
+        if fair:
+            args += ["", "", "", "", "", f"tenant-{i % 10}"]
         pipe.evalsha(sha, 8, *queue_keys("q"), *args)
     return measured(client, pipe.execute)
 
 
-def consume_round(client: Any, sha: str, publish_sha: str, n: int, batch: int, tag: str) -> float:
+def consume_round(client: Any, sha: str, publish_sha: str, n: int, batch: int, tag: str,
+                  fair: bool = False) -> float:
     pipe = client.pipeline(transaction=False)
     for i in range(n):
-        pipe.evalsha(publish_sha, 8, *queue_keys("q"), PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}")
+        key = ["", "", "", "", "", f"tenant-{i % 10}"] if fair else []
+        pipe.evalsha(publish_sha, 8, *queue_keys("q"), PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}", *key)
     pipe.execute()
     pipe = client.pipeline(transaction=False)
     for _ in range(n // batch):
@@ -84,9 +91,10 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
                 client.flushall()
                 tag = f"{r}-{name}"
                 if script == "publish":
-                    cost = publish_round(client, sha, n, tag, dedup=name == "new" and variant == "dedup")
+                    cost = publish_round(client, sha, n, tag, dedup=name == "new" and variant == "dedup",
+                                         fair=name == "new" and variant == "fair")
                 elif script == "consume":
-                    cost = consume_round(client, sha, publish_sha, n, batch, tag)
+                    cost = consume_round(client, sha, publish_sha, n, batch, tag, fair=variant == "fair")
                 else:
                     raise SystemExit(f"no workload for script {script!r} (publish, consume)")
                 results[name].append(cost)
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("-n", type=int, default=4000, help="calls per round (publish) or messages (consume)")
     parser.add_argument("--batch", type=int, default=10, help="consume: messages per call")
-    parser.add_argument("--variant", choices=["plain", "dedup"], default="plain")
+    parser.add_argument("--variant", choices=["plain", "dedup", "fair"], default="plain")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.n < args.batch or args.batch < 1:
         parser.error("--rounds and --batch must be >= 1 and -n at least --batch")

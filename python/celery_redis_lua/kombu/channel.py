@@ -167,7 +167,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         route = (exchange, publishing.looked_up_ms) if cached and exchange and publishing else None
         call = self.lib.calls.publish(queue, dumps(message), priority=args.priority, eta_ms=args.eta_ms,
                                       ttl_ms=args.ttl_ms, task_id=args.task_id, route=route,
-                                      dedup=args.dedup)
+                                      dedup=args.dedup, fairness_key=args.fairness_key)
         if self.unconfirmed is not None and self._send is not None:
             self.unconfirmed.add(self._send, queue, call)  # stored (or refused) when it goes
             return

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from . import dedup
+from . import dedup, fairness
 from .bounds import MAX_DURATION_MS, MAX_ETA_MS
 from .dedup import Dedup
 from .ops import Delivery
@@ -54,6 +54,7 @@ class PublishArguments:
     ttl_ms: int | None
     task_id: str | None = None  # the Celery task id (headers.id), indexed for where/cancel
     dedup: Dedup | None = None  # a dedup id and its mode (headers x-dedup-*, the task option dedup)
+    fairness_key: str | None = None  # the tenant (header x-fairness-key, the task option fairness_key)
 
 
 def _describe(message: dict[str, Any]) -> str:
@@ -121,7 +122,11 @@ def publish_arguments(message: dict[str, Any], default_ttl_ms: int | None) -> Pu
         deduplication = dedup.from_envelope(message)
     except dedup.BadDedup as error:
         raise BadEnvelope(f"{_describe(message)}: {error}") from None
-    return PublishArguments(priority, eta, ttl_ms, task_id(message), deduplication)
+    try:
+        fairness_key = fairness.from_envelope(message)
+    except fairness.BadFairnessKey as error:
+        raise BadEnvelope(f"{_describe(message)}: {error}") from None
+    return PublishArguments(priority, eta, ttl_ms, task_id(message), deduplication, fairness_key)
 
 
 def task_id(message: dict[str, Any]) -> str | None:

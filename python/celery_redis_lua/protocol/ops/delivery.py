@@ -10,6 +10,7 @@ from typing import Any
 
 from ..call import Call
 from ..dedup import Dedup
+from ..fairness import checked
 from ..keys import Keyspace
 from ..policy import Policy
 from .base import Payload, as_bytes, keys_of, operation, optional_arg, text
@@ -132,18 +133,22 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
             eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None,
-            route: tuple[str, int] | None = None, dedup: Dedup | None = None) -> Call[Published]:
+            route: tuple[str, int] | None = None, dedup: Dedup | None = None,
+            fairness_key: str | None = None) -> Call[Published]:
     """Store a message; ``eta_ms`` is an absolute unix time in ms (server clock); ``task_id``
     (the Celery task id) is indexed so that :func:`locate` and :func:`cancel` find it.
     ``route`` is (exchange, looked_up_ms) of a cached route: the call raises
     :class:`StaleRoute`, writing nothing, when the queue's bindings changed since.
     ``dedup``: a second message of its id is dropped or replaces the first (protocol/dedup.py);
-    the reply says which message kept the place (:class:`Published`), logged at INFO."""
+    the reply says which message kept the place (:class:`Published`), logged at INFO.
+    ``fairness_key``: the tenant; the queue becomes fair (protocol/fairness.py)."""
     args = [payload, priority, optional_arg(eta_ms), optional_arg(ttl_ms), p.visibility_ms, task_id or ""]
-    if route is not None or dedup is not None:
+    if route is not None or dedup is not None or fairness_key is not None:
         args += [route[0], route[1]] if route is not None else ["", ""]
     if dedup is not None:
         args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)]
+    if fairness_key is not None:
+        args += ["", "", "", checked(fairness_key)] if dedup is None else [checked(fairness_key)]
 
     def decode(reply: Any) -> Published:
         if not isinstance(reply, list):

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ...protocol import dedup, producer
+from ...protocol import dedup, fairness, producer
 from ...protocol.library import ScriptLibrary
 from ..locate import Whereabouts, cancel_task, locate_task
 from .broker import connect, connection_options
@@ -46,11 +46,13 @@ def _json_option(value: str, name: str, kind: type) -> Any:
               help="Build the dedup id from the task id or from the task name and arguments.")
 @click.option("--dedup-ttl", type=float, default=None, help="Seconds a hold lasts at most (throttle: "
               "required).")
+@click.option("--fairness-key", default=None, help="The tenant: the queue takes turns over the keys with "
+              "something ready, within a priority (1..256 bytes).")
 @connection_options
 def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priority: int,
             countdown: float, task_id: str | None, visibility_timeout: float, dedup_mode: str | None,
-            dedup_id: str | None, dedup_key: str | None, dedup_ttl: float | None, url: str,
-            prefix: str) -> None:
+            dedup_id: str | None, dedup_key: str | None, dedup_ttl: float | None,
+            fairness_key: str | None, url: str, prefix: str) -> None:
     """Publish a Celery (protocol v2) task message; print its task id. With --dedup, a message
     of a dedup id held in the queue is not stored (or replaces the one waiting): said on
     stderr, with the id of the message that holds it."""
@@ -75,8 +77,13 @@ def publish(task_name: str, args_json: str, kwargs_json: str, queue: str, priori
         settings = dedup.from_envelope(envelope)
     except dedup.BadDedup as error:
         raise CliError(f"--dedup: {error}") from None
+    if fairness_key is not None:
+        try:
+            envelope["properties"][fairness.OPTION] = fairness.checked(fairness_key, "--fairness-key")
+        except fairness.BadFairnessKey as error:
+            raise CliError(str(error)) from None
     published = lib.publish(queue, producer.dumps(envelope), priority=priority, eta_ms=eta_ms,
-                            task_id=envelope["headers"]["id"], dedup=settings)
+                            task_id=envelope["headers"]["id"], dedup=settings, fairness_key=fairness_key)
     click.echo(envelope["headers"]["id"])
     if published.deduplicated:
         click.echo(f"{PROG} publish: not stored: message {published} holds dedup id "
