@@ -72,8 +72,9 @@ bench-all: venv
 	$(BIN)/python -m scripts.bench $(ARGS)
 
 ## Chaos harness: workers, a producer and seeded faults, then a verdict on the ledger.
-## ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always
-##       --transport ours|stock --seed N'. Writes bench-results/chaos-*.json and docs/RELIABILITY.md.
+## ARGS='--profile smoke|long --broker valkey|redis-aof|redis-aof-always|valkey-aof-always|...
+##       --transport ours|stock --seed N [--faults power_loss,worker_kill,...]'. Writes
+## bench-results/chaos-*.json and docs/RELIABILITY.md.
 chaos: venv
 	$(BIN)/python -m scripts.chaos $(ARGS)
 

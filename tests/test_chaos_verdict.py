@@ -425,3 +425,18 @@ def test_the_report_says_what_the_power_losses_cut_and_explained() -> None:
     assert report.power_lost_text(found) == (
         "lost 1 (never started 1; explained by power loss (published in the fsync window) 1 "
         "(power_loss 1; publish found in the bytes cut: 1); unexplained 0)")
+
+
+def test_a_delivery_whose_consume_a_power_loss_cut_explains_the_second_run() -> None:
+    """The Redis AOF run of 2026-12-06 11:00 (seed 13): a countdown received by the threads
+    worker 0.05 s after the last fsync kept and 0.75 s before the kill; the consume was cut,
+    the restarted server delivered it again (delivery count 0 both times) to a prefork worker,
+    which started it first; the threads worker started its copy 1.6 s later."""
+    t0 = 1796555020.9571106
+    fault = {"kind": "power_loss", "t": t0 - 2.153, "killed_at": t0 - 2.153, "durable_until": t0 - 2.956}
+    prev = {"t": t0, "worker": "w1-prefork@chaos", "received": t0 - 0.1007}
+    dup = {"t": t0 + 1.5678, "worker": "w3-threads@chaos", "received": t0 - 2.9047}
+    assert verdict.attribute(prev, dup, [fault], WINDOW) is None, "the receipt rule alone does not"
+    assert verdict.consume_rolled_back(prev, dup, [fault]) is fault
+    received_before_the_window = {**dup, "received": t0 - 4.5}
+    assert verdict.consume_rolled_back(prev, received_before_the_window, [fault]) is None

@@ -274,11 +274,12 @@ class FaultInjector:
             return {"skipped": self.broker.recorder_error or "the broker runs without the fsync recorder"}
         server = self.broker.current()
         self.power_losses += 1
+        entry: dict[str, Any]
         try:
-            return {**aof.power_loss(server, self.broker.fsync_log, kind, self.rng, self.power_losses),
-                    "server_port": server.port}
+            entry = aof.power_loss(server, self.broker.fsync_log, kind, self.rng, self.power_losses)
+            return {**entry, "t": entry["killed_at"], "server_port": server.port}
         except (RuntimeError, TimeoutError, OSError, redis.RedisError, subprocess.SubprocessError) as error:
-            entry: dict[str, Any] = {"error": repr(error)[:300]}
+            entry = {"error": repr(error)[:300]}
             if server.process is None or server.process.poll() is not None:
                 try:
                     server.start(timeout=60)

@@ -86,6 +86,24 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     return (on_worker or broker_wide or [None])[0]
 
 
+def consume_rolled_back(prev: dict[str, Any], dup: dict[str, Any],
+                        power_losses: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A power loss that erased one execution's consume: that delivery was received in the
+    fsync window (from ``durable_until``, less a second, to the kill), so the server's record
+    of it was cut and the message was delivered again after the restart, while the worker
+    still held the first delivery. Its execution may start after the other's (a prefetched
+    task held across the reconnect), which the rule of ``attribute`` does not cover."""
+    for fault in power_losses:
+        until, killed = fault.get("durable_until"), fault.get("killed_at", fault["t"])
+        if until is None:
+            continue
+        for held, other in ((prev, dup), (dup, prev)):
+            received = held.get("received") or held["t"]
+            if until - 1.0 <= received <= killed and other["t"] >= killed:
+                return fault
+    return None
+
+
 def publish_retried(submit: dict[str, Any], faults: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A broker-wide fault that hit while the task's publish was in flight (between the
     producer's call and its return): the script ran, the reply was lost with the
@@ -198,7 +216,10 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     submits = {entry["id"]: entry for entry in records["submit"]}
     refused = {entry["id"]: entry for entry in records["submit_error"]}
     starts, finishes = ledger.by_id(records["start"]), ledger.by_id(records["finish"])
-    faults = sorted(records["fault"], key=lambda f: f["t"])
+    # a power loss is dated by its kill (entries recorded before 2026-12-06 11:10 had the
+    # moment the fault began, up to a second before it, as their ``t``)
+    faults = sorted(({**f, "t": f["killed_at"]} if "killed_at" in f else f for f in records["fault"]),
+                    key=lambda f: f["t"])
     failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
     power_losses = [f for f in faults if f["kind"] in POWER_LOSS_KINDS and not f.get("skipped")
                     and not f.get("error")]
@@ -242,7 +263,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         early += [{"id": tid, "by": round(submit["eligible"] - run["t"], 4)} for run in runs
                   if run["t"] < submit["eligible"] - EARLY_TOLERANCE]
         for prev, dup in itertools.pairwise(runs):
-            fault = attribute(prev, dup, faults, window)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
             retried = fault is None and publish_retried(submit, faults)
             if retried:
                 fault = retried
@@ -259,7 +280,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                                    "prev": prev, "dup": dup})
     for tid, refusal in refused.items():  # publish raised, the message ran anyway (maybe twice)
         for prev, dup in itertools.pairwise(starts.get(tid, [])):
-            fault = attribute(prev, dup, faults, window)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
             if fault is None:
                 unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
                                        "submit_error": True})
