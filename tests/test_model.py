@@ -1055,7 +1055,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
-                m = Msg(queue, message_id, payload, priority, "ready")
+                m = Msg(queue, message_id, payload, priority, "ready", task=envelope_task(payload))
                 if payloads is not None:
                     m.payload, m.task = payloads[entry].encode(), f"given-{entry}"
                 self.m.messages[queue, message_id] = m
