@@ -87,6 +87,7 @@ def test_a_consumed_expiring_queue_keeps_its_bindings_and_its_route(kind_broker:
 
 # -- defect 2: a consumed queue expired under its consumer ---------------------------------------
 
+@pytest.mark.slow  # 15 s of waiting out expiries: make test-all, for CI's budget
 def test_a_queue_with_a_consumer_never_expires_and_late_acks_touch_only_their_own(
         kind_broker: Broker) -> None:
     """Found by a user: with x-expires shorter than visibility_timeout / 3, the queue's keys
@@ -499,6 +500,7 @@ def test_a_delivery_held_while_the_keeper_sleeps_on_a_long_deadline_is_extended_
         sleeper.cancel()
 
 
+@pytest.mark.slow  # 15 s of waiting out expiries: make test-all, for CI's budget
 def test_the_keeper_keeps_a_stalled_consumer_s_expiring_queue_alive(kind_broker: Broker) -> None:
     """The solo pool runs a task inside the event loop: the loop does nothing while it runs.
     The keeper's thread refreshes the queue, so it does not expire under the task."""
