@@ -1,7 +1,7 @@
 #!lua
 -- name: publish
--- version: 13
--- summary: Store one message in one queue: ready at once, or delayed until an absolute ETA.
+-- version: 14
+-- summary: Store messages in one queue, one or a batch: each ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
 --   delayed  ZSET    P delayed:{Q}         delayed messages, score = ETA in unix ms
@@ -23,17 +23,21 @@
 --   9  dedup_id       string, optional, 1..512 bytes       with 10 and 11 (7 and 8 may then be '': no route): a second publish of the same id to this queue is deduplicated by mode
 --  10  dedup_mode     'simple', 'throttle' or 'debounce'   simple: dropped while the holder waits or runs; throttle: dropped for dedup_ttl_ms after the first; debounce: the newest replaces the holder while it waits (ready, delayed or waiting for a retry)
 --  11  dedup_ttl_ms   integer 1..315360000000 or ''        how long a hold lasts at most (required for throttle); '' means until the holder goes
---  12  fairness_key   string, optional, 1..256 bytes       the tenant: the queue becomes fair (7-11 may then be ''); within a priority a ready message is scored by its key's start tag max(V, F[key]), not by now
--- returns: bulk string, the new message id: 14 hex digits, 13 of server unix microseconds and 1 of a counter;
+--  12  fairness_key   string, optional, at most 256 bytes  the tenant: the queue becomes fair (7-11 may then be ''); within a priority a ready message is scored by its key's start tag max(V, F[key]), not by now; '' means none
+--  a batch: 2..1000 messages in 12 arguments each (24, 36, ... arguments), each as 1-12 above; stored as as many
+--      publishes in a row would store them, at one server time, in one call (a producer's group commit);
+--      every message is checked first: a bad one refuses the call, its error naming it ('publish: message 3: ...')
+-- returns: for one message: bulk string, the new message id: 14 hex digits, 13 of server unix microseconds and 1 of a counter;
 --   with a task_id whose indexed message holds the same payload, that message's id (nothing is written);
 --   with a dedup id held (simple, throttle), the array ['deduplicated', holder id] (nothing is written but
 --   meta's counter 'deduplicated:<mode>'); a debounce that replaced the waiting holder: ['replaced', new id,
 --   replaced id] (the replaced message is gone, not dead-lettered; counted as 'deduplicated:debounce');
 --   with a cached route (7, 8) older than the queue's last binding change for that exchange (rerouted),
---   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written)
+--   or to a queue that does not exist, the array ['stale-route', changed_ms or -1] (nothing is written);
+--   for a batch: an array of the replies, one per message in order, each as above
 -- errors:
 --   ERR celery-redis-lua: publish: expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got N
---   ERR celery-redis-lua: publish: expected 5, 6, 8, 11 or 12 arguments, got N
+--   ERR celery-redis-lua: publish: expected 5, 6, 8, 11 or 12 arguments, or 12 per message for 2..1000 messages, got N
 --   ERR celery-redis-lua: publish: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: publish: payload is missing or empty
 --   ERR celery-redis-lua: publish: priority must be an integer in 0..255, got 'V'
@@ -47,7 +51,7 @@
 --   ERR celery-redis-lua: publish: dedup_mode must be simple, throttle or debounce, got 'V'
 --   ERR celery-redis-lua: publish: dedup_ttl_ms must be an integer in 1..315360000000 or '', got 'V'
 --   ERR celery-redis-lua: publish: dedup_ttl_ms is required with dedup_mode throttle
---   ERR celery-redis-lua: publish: fairness_key must be 1..256 bytes, got N
+--   ERR celery-redis-lua: publish: fairness_key must be at most 256 bytes, got N
 -- why: ids grow with the server's clock, so an id is never used twice for one queue name,
 --   even after the queue expired or was deleted (a late ack of an old delivery cannot
 --   touch a new message), and messages of one priority come out in publish order (equal
@@ -68,12 +72,17 @@
 --   hash, so it lives and expires with the queue; the holder's state string carries the id's
 --   sha1, so the script that settles the holder (ack, reject, sweep, consume, cancel, purge)
 --   releases the hold with no call more for a message without one. A throttle window outlives
---   its holder: it is indexed at its end, where the sweep drops it.
+--   its holder: it is indexed at its end, where the sweep drops it. A batch costs its calls
+--   once, not once per message (one TIME, one HMGET of meta and one of the task index, one HSET
+--   or ZADD per key): what a producer's group commit saves is most of a publish's cost. A
+--   message with a dedup id reads its hold from the server, so what the batch gathered before
+--   it is written first.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
 local MAX_ETA_MS = PRIORITY_FACTOR - 1 -- a later ETA would overflow into the next priority band
 local MAX_DURATION_MS = 315360000000 -- 10 years in ms, the longest duration taken or read back (bounds.py)
+local MAX_BATCH = 1000 -- messages per call: 12,000 arguments, and each HSET within Lua's unpack limit (8,000)
 
 -- A duration stored in meta (ms), as the scripts apply it: one past MAX_DURATION_MS (an
 -- older version took any integer, or a hand set it) counts as MAX_DURATION_MS, longer than
@@ -162,11 +171,76 @@ local function integer(value, default)
   return tonumber(value)
 end
 
+-- The message whose `width` arguments start after ARGV[base], checked; nil and the error's
+-- text for a bad one (`label` names the message of a batch).
+local function parse(base, width, label)
+  local payload, task_id = ARGV[base + 1], ARGV[base + 6] or ''
+  if payload == '' then return nil, label .. 'payload is missing or empty' end
+  local priority = integer(ARGV[base + 2], 0)
+  if not priority or priority < 0 or priority > 255 then
+    return nil, label .. "priority must be an integer in 0..255, got '" .. ARGV[base + 2] .. "'"
+  end
+  local eta = integer(ARGV[base + 3], 0)
+  if not eta or eta < 0 or eta > MAX_ETA_MS then
+    return nil, label .. "eta_ms must be an integer in 0.." .. string.format('%d', MAX_ETA_MS) .. ", got '" ..
+                ARGV[base + 3] .. "'"
+  end
+  local ttl = integer(ARGV[base + 4], -1)
+  if not ttl or (ttl <= 0 and ttl ~= -1) or ttl > MAX_DURATION_MS then
+    return nil, label .. "ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) ..
+                " or -1, got '" .. ARGV[base + 4] .. "'"
+  end
+  local visibility = integer(ARGV[base + 5], nil)
+  if not visibility or visibility <= 0 then
+    return nil, label .. "visibility_ms must be a positive integer, got '" .. ARGV[base + 5] .. "'"
+  end
+  if #task_id > 256 then return nil, label .. 'task_id must be at most 256 bytes, got ' .. #task_id end
+  local m = {payload = payload, priority = priority, eta = eta, ttl = ttl, task = task_id}
+
+  local exchange = width >= 8 and ARGV[base + 7] or nil
+  if exchange == '' and width >= 11 and ARGV[base + 8] == '' then exchange = nil end -- dedup or a key, no route
+  if exchange then
+    if exchange == '' then return nil, label .. 'exchange must be non-empty with routed_ms' end
+    m.exchange, m.routed = exchange, string.match(ARGV[base + 8], '^%d+$') and tonumber(ARGV[base + 8])
+    if not m.routed then
+      return nil, label .. "routed_ms must be a non-negative integer, got '" .. ARGV[base + 8] .. "'"
+    end
+  end
+
+  local dedup_id, mode = width >= 11 and ARGV[base + 9] or nil, ARGV[base + 10]
+  if dedup_id == '' and mode == '' and ARGV[base + 11] == '' and width == 12 then dedup_id = nil end -- a key alone
+  if dedup_id then
+    if #dedup_id < 1 or #dedup_id > 512 then return nil, label .. 'dedup_id must be 1..512 bytes, got ' .. #dedup_id end
+    if mode ~= 'simple' and mode ~= 'throttle' and mode ~= 'debounce' then
+      return nil, label .. "dedup_mode must be simple, throttle or debounce, got '" .. mode .. "'"
+    end
+    local hold_ttl = integer(ARGV[base + 11], -1)
+    if not hold_ttl or (hold_ttl <= 0 and hold_ttl ~= -1) or hold_ttl > MAX_DURATION_MS then
+      return nil, label .. "dedup_ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) ..
+                  " or '', got '" .. ARGV[base + 11] .. "'"
+    end
+    if hold_ttl == -1 and mode == 'throttle' then
+      return nil, label .. 'dedup_ttl_ms is required with dedup_mode throttle'
+    end
+    m.dedup_id, m.dedup_mode, m.dedup_ttl = dedup_id, mode, hold_ttl
+  end
+
+  local key = width >= 12 and ARGV[base + 12] or ''
+  if #key > 256 then return nil, label .. 'fairness_key must be at most 256 bytes, got ' .. #key end
+  if key ~= '' then m.key = key end
+  return m
+end
+
 if #KEYS ~= 8 then
   return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
 end
-if #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 and #ARGV ~= 12 then
-  return fail('expected 5, 6, 8, 11 or 12 arguments, got ' .. #ARGV)
+-- One message in 5-12 arguments, or several in 12 each.
+local n, width = 1, #ARGV
+if #ARGV > 12 and #ARGV % 12 == 0 and #ARGV <= 12 * MAX_BATCH then
+  n, width = #ARGV / 12, 12
+elseif #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 and #ARGV ~= 12 then
+  return fail('expected 5, 6, 8, 11 or 12 arguments, or 12 per message for 2..' .. MAX_BATCH .. ' messages, got ' ..
+              #ARGV)
 end
 local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
@@ -174,169 +248,190 @@ local open = string.find(queue_key, '{', 1, true)
 local close = open and string.find(queue_key, '}', open + 1, true)
 if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
 
-local payload = ARGV[1]
-if payload == '' then return fail('payload is missing or empty') end
-local priority = integer(ARGV[2], 0)
-if not priority or priority < 0 or priority > 255 then
-  return fail("priority must be an integer in 0..255, got '" .. ARGV[2] .. "'")
-end
-local eta = integer(ARGV[3], 0)
-if not eta or eta < 0 or eta > MAX_ETA_MS then
-  return fail("eta_ms must be an integer in 0.." .. string.format('%d', MAX_ETA_MS) .. ", got '" .. ARGV[3] .. "'")
-end
-local ttl = integer(ARGV[4], -1)
-if not ttl or (ttl <= 0 and ttl ~= -1) or ttl > MAX_DURATION_MS then
-  return fail("ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. " or -1, got '" ..
-              ARGV[4] .. "'")
-end
-local visibility = integer(ARGV[5], nil)
-if not visibility or visibility <= 0 then
-  return fail("visibility_ms must be a positive integer, got '" .. ARGV[5] .. "'")
-end
-
-local task_id = ARGV[6] or ''
-if #task_id > 256 then return fail('task_id must be at most 256 bytes, got ' .. #task_id) end
-local exchange, routed = ARGV[7], nil
-if exchange == '' and #ARGV >= 11 and ARGV[8] == '' then exchange = nil end -- dedup or a key, no route
-if exchange then
-  if exchange == '' then return fail('exchange must be non-empty with routed_ms') end
-  routed = string.match(ARGV[8], '^%d+$') and tonumber(ARGV[8])
-  if not routed then return fail("routed_ms must be a non-negative integer, got '" .. ARGV[8] .. "'") end
-end
-
-local dedup_id, dedup_mode, dedup_ttl = ARGV[9], ARGV[10], nil
-if dedup_id == '' and ARGV[10] == '' and ARGV[11] == '' and #ARGV == 12 then dedup_id = nil end -- a key alone
-if dedup_id then
-  if #dedup_id < 1 or #dedup_id > 512 then return fail('dedup_id must be 1..512 bytes, got ' .. #dedup_id) end
-  if dedup_mode ~= 'simple' and dedup_mode ~= 'throttle' and dedup_mode ~= 'debounce' then
-    return fail("dedup_mode must be simple, throttle or debounce, got '" .. dedup_mode .. "'")
-  end
-  dedup_ttl = integer(ARGV[11], -1)
-  if not dedup_ttl or (dedup_ttl <= 0 and dedup_ttl ~= -1) or dedup_ttl > MAX_DURATION_MS then
-    return fail("dedup_ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) .. " or '', got '" ..
-                ARGV[11] .. "'")
-  end
-  if dedup_ttl == -1 and dedup_mode == 'throttle' then
-    return fail('dedup_ttl_ms is required with dedup_mode throttle')
-  end
-end
-
-local fairness_key = ARGV[12]
-if fairness_key and (#fairness_key < 1 or #fairness_key > 256) then
-  return fail('fairness_key must be 1..256 bytes, got ' .. #fairness_key)
+-- Every message is checked before anything is written: a bad one refuses the whole call.
+local messages = {}
+for i = 1, n do
+  local m, problem = parse((i - 1) * width, width, n > 1 and 'message ' .. i .. ': ' or '')
+  if not m then return fail(problem) end
+  messages[i] = m
 end
 
 local time = rcall('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
--- Queue arguments declared by consumers apply to every producer.
-local own = 'fair:' .. (fairness_key or '') -- the key's next start tag, in a fair queue
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair', own}
-if exchange then fields[9] = 'route:' .. exchange end
+-- Queue arguments declared by consumers apply to every producer; one HMGET for the call:
+-- the fixed fields, then each message's fairness tag ('fair:<key>', '' for none) and route.
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair'}
+local field_at = {}
+local tasks, task_at = {}, {} -- the task ids to look up, in one HMGET of the state hash
+for _, m in ipairs(messages) do
+  m.own = 'fair:' .. (m.key or '')
+  for _, name in ipairs({m.own, m.exchange and 'route:' .. m.exchange}) do
+    if not field_at[name] then fields[#fields + 1], field_at[name] = name, #fields + 1 end
+  end
+  if m.task ~= '' and not task_at[m.task] then tasks[#tasks + 1], task_at[m.task] = 'task:' .. m.task, #tasks + 1 end
+end
 local meta = rcall('HMGET', meta_key, unpack(fields))
 local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
 local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
 local clock = tonumber(meta[7]) -- a fair queue's virtual clock V (nil: the queue is not fair)
+local tags = {} -- 'fair:<key>' -> its next start tag, as this call moves it
+local indexed = #tasks > 0 and rcall('HMGET', state_key, unpack(tasks)) -- the task index before this call
 
--- A cached route: refused when the bindings to this queue changed since (or the queue is
--- gone: declare and the first publish set last_id, so no last_id means no queue).
-if routed then
-  local changed = tonumber(meta[9])
-  if not last_id or (changed and changed >= routed) then
-    return {'stale-route', changed or -1}
+-- What the call writes, gathered: one HSET or ZADD per key for every message, sent before a
+-- message with a dedup id is looked at (its hold is read from the server) and at the end.
+local writes = {message = {}, state = {}, ready = {}, delayed = {}, index = {}}
+local pending = {} -- task id -> {id, payload}: the task index as the unsent writes leave it
+local function flush()
+  if #writes.message == 0 then return end
+  rcall('HSET', message_key, unpack(writes.message))
+  rcall('HSET', state_key, unpack(writes.state))
+  for name, key in pairs({ready = queue_key, delayed = delayed_key, index = index_key}) do
+    if #writes[name] > 0 then rcall('ZADD', key, unpack(writes[name])) end
   end
+  writes = {message = {}, state = {}, ready = {}, delayed = {}, index = {}}
+  pending, indexed = {}, nil -- what was sent is read back from the server from now on
 end
-if max_priority and priority > max_priority then priority = max_priority end
-if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
+local function push(list, ...)
+  for _, value in ipairs({...}) do list[#list + 1] = value end
+end
 
 -- The same message again (kombu retrying a publish whose reply a dropped connection lost):
 -- the copy already stored is the answer, not a second one.
-if task_id ~= '' then
-  local stored = rcall('HGET', state_key, 'task:' .. task_id)
-  if stored and rcall('HGET', message_key, stored) == payload then return stored end
+local function stored_copy(m)
+  if m.task == '' then return nil end
+  local unsent = pending[m.task]
+  if unsent then return unsent.payload == m.payload and unsent.id or nil end
+  local stored
+  if indexed then stored = indexed[task_at[m.task]] else stored = rcall('HGET', state_key, 'task:' .. m.task) end
+  if stored and rcall('HGET', message_key, stored) == m.payload then return stored end
+  return nil
 end
 
 -- A dedup id held by a message of this queue: the hold is open until its end (UNTIL), and
 -- for simple and debounce while its holder is stored (a throttle window outlives it).
-local hold, replaced
-if dedup_id then
-  hold = 'dedup:' .. redis.sha1hex(dedup_id)
-  local held = rcall('HGET', state_key, hold)
+-- Returns the reply of a dropped message, or nil and the id of the holder a debounce replaced.
+local function settle_hold(m)
+  local held = rcall('HGET', state_key, m.hold)
   local holder, until_ms, kind
   if held then holder, until_ms, kind = string.match(held, '^(%S+) (%S+) (%a+)') end
   local holds = holder and (until_ms == '-' or (tonumber(until_ms) or 0) > now)
   local line = holds and rcall('HGET', state_key, holder) -- false: the holder went
   if holds and not line and kind ~= 'throttle' then holds = false end -- its settle released it
-  if holds then
-    local s = line and parse_state(line)
-    if dedup_mode == 'debounce' and s and s.state ~= 'unacked' then
-      replaced = holder
-      rcall('HDEL', message_key, holder)
-      forget_task(state_key, holder, s)
-      rcall('HDEL', state_key, holder)
-      rcall('ZREM', s.state == 'ready' and queue_key or delayed_key, holder)
-      rcall('ZREM', index_key, holder)
-      if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end
-      rcall('HINCRBY', meta_key, 'deduplicated:debounce', 1)
-    elseif dedup_mode ~= 'debounce' then
-      rcall('HINCRBY', meta_key, 'deduplicated:' .. dedup_mode, 1)
-      return {'deduplicated', holder}
-    end -- a debounce while the holder runs (or after a throttle's holder went): stored, and holds
+  if not holds then return nil end
+  local s = line and parse_state(line)
+  if m.dedup_mode == 'debounce' and s and s.state ~= 'unacked' then
+    rcall('HDEL', message_key, holder)
+    forget_task(state_key, holder, s)
+    rcall('HDEL', state_key, holder)
+    rcall('ZREM', s.state == 'ready' and queue_key or delayed_key, holder)
+    rcall('ZREM', index_key, holder)
+    if s.state == 'retry' then rcall('HINCRBY', meta_key, 'retrying', -1) end
+    rcall('HINCRBY', meta_key, 'deduplicated:debounce', 1)
+    return nil, holder
+  elseif m.dedup_mode ~= 'debounce' then
+    rcall('HINCRBY', meta_key, 'deduplicated:' .. m.dedup_mode, 1)
+    return {'deduplicated', holder}
   end
+  return nil -- a debounce while the holder runs (or after a throttle's holder went): stored, and holds
 end
 
 -- The token first: its LLEN is this script's last check of a key's type, so a wake key
 -- someone overwrote refuses the publish before anything of the message is written. A
 -- paused queue wakes nobody (resume does), nor does a ready message of a queue at its
 -- in-flight cap (the limit script): a consumer woken now would only be refused, and the
--- ack, reject or sweep that frees a slot pushes the token then.
-local wake = not paused
-if wake and cap and eta <= now then
-  wake = rcall('HLEN', message_key) - rcall('ZCARD', queue_key) - rcall('ZCARD', delayed_key) < cap
-end
-if wake then arm_wake(wake_key) end
-local id = next_id(last_id, tonumber(time[1]) * 1000000 + tonumber(time[2]))
-local ready_at = math.max(eta, now)
--- A fair queue: the start tag max(V, F[key]) in place of now, F[key] moved past it, and
--- V set by the first key; a delayed message charges no key (it becomes ready at V).
-local score_at = now
-if fairness_key or clock then
-  local writes = {'last_id', id, 'fair', string.format('%d', clock or now)}
-  if eta <= now then
-    score_at = math.max(clock or now, tonumber(meta[8]) or 0)
-    writes[5], writes[6] = own, string.format('%d', score_at + 1)
+-- ack, reject or sweep that frees a slot pushes the token then. Once armed, the token stays
+-- for the rest of the call (no consumer runs meanwhile), and a publish moves nothing in flight.
+local armed, in_flight = false, nil
+local function wake_for(m)
+  if armed or paused then return end
+  if cap and m.eta <= now then
+    in_flight = in_flight or rcall('HLEN', message_key) - rcall('ZCARD', queue_key) - rcall('ZCARD', delayed_key)
+    if in_flight >= cap then return end
   end
-  rcall('HSET', meta_key, unpack(writes))
-else
-  rcall('HSET', meta_key, 'last_id', id)
+  arm_wake(wake_key)
+  armed = true
 end
 
-local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
-rcall('HSET', message_key, id, payload)
-local releases = hold and dedup_mode ~= 'throttle' -- the holder's settle ends the hold
-local line = state_line(eta > now and 'delayed' or 'ready', 0, {
-  priority = priority, expires_at = expires_at, task = task_id, dedup = releases and string.sub(hold, 7) or ''})
-if hold then -- the message, its task index and the hold in one HSET
-  local until_ms = dedup_ttl > 0 and string.format('%d', now + dedup_ttl) or '-'
-  local writes = {id, line, hold, id .. ' ' .. until_ms .. ' ' .. dedup_mode .. ' ' .. dedup_id}
-  if task_id ~= '' then writes[5], writes[6] = 'task:' .. task_id, id end
-  rcall('HSET', state_key, unpack(writes))
-  if dedup_mode == 'throttle' then rcall('ZADD', index_key, until_ms, hold) end -- the sweep drops it then
-elseif task_id ~= '' then -- a later message of the same task id (a retry) takes the index over
-  rcall('HSET', state_key, id, line, 'task:' .. task_id, id)
-else
-  rcall('HSET', state_key, id, line)
-end
-if eta > now then
-  rcall('ZADD', delayed_key, string.format('%d', eta), id)
-else
-  rcall('ZADD', queue_key, string.format('%d', (255 - priority) * PRIORITY_FACTOR + score_at), id)
-  if ttl > 0 then rcall('ZADD', index_key, expires_at, id) end -- the sweep drops it at its TTL
+local stored_any = false
+-- Store message `m` as a publish of its own would, at this call's time: its reply.
+local function store(m)
+  -- A cached route: refused when the bindings to this queue changed since (or the queue is
+  -- gone: declare and the first publish set last_id, so no last_id means no queue).
+  if m.routed then
+    local changed = tonumber(meta[field_at['route:' .. m.exchange]])
+    if not last_id or (changed and changed >= m.routed) then
+      return {'stale-route', changed or -1}
+    end
+  end
+  local priority, ttl, eta = m.priority, m.ttl, m.eta
+  if max_priority and priority > max_priority then priority = max_priority end
+  if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
+  local copy = stored_copy(m)
+  if copy then return copy end
+
+  local replaced
+  if m.dedup_id then
+    flush()
+    m.hold = 'dedup:' .. redis.sha1hex(m.dedup_id)
+    local dropped
+    dropped, replaced = settle_hold(m)
+    if dropped then return dropped end
+  end
+
+  wake_for(m)
+  local id = next_id(last_id, now_us)
+  last_id, stored_any = id, true
+  -- A fair queue: the start tag max(V, F[key]) in place of now, F[key] moved past it, and
+  -- V set by the first key; a delayed message charges no key (it becomes ready at V).
+  local score_at = now
+  if m.key or clock then
+    clock = clock or now
+    tags.fair = string.format('%d', clock)
+    if eta <= now then
+      score_at = math.max(clock, tonumber(tags[m.own] or meta[field_at[m.own]]) or 0)
+      tags[m.own] = string.format('%d', score_at + 1)
+    end
+  end
+
+  local ready_at = math.max(eta, now)
+  local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
+  local releases = m.hold and m.dedup_mode ~= 'throttle' -- the holder's settle ends the hold
+  local line = state_line(eta > now and 'delayed' or 'ready', 0, {
+    priority = priority, expires_at = expires_at, task = m.task, dedup = releases and string.sub(m.hold, 7) or ''})
+  push(writes.message, id, m.payload)
+  push(writes.state, id, line)
+  if m.hold then -- the message, its task index and the hold in one HSET
+    local until_ms = m.dedup_ttl > 0 and string.format('%d', now + m.dedup_ttl) or '-'
+    push(writes.state, m.hold, id .. ' ' .. until_ms .. ' ' .. m.dedup_mode .. ' ' .. m.dedup_id)
+    if m.dedup_mode == 'throttle' then push(writes.index, until_ms, m.hold) end -- the sweep drops it then
+  end
+  if m.task ~= '' then -- a later message of the same task id (a retry) takes the index over
+    push(writes.state, 'task:' .. m.task, id)
+    pending[m.task] = {id = id, payload = m.payload}
+  end
+  if eta > now then
+    push(writes.delayed, string.format('%d', eta), id)
+  else
+    push(writes.ready, string.format('%d', (255 - priority) * PRIORITY_FACTOR + score_at), id)
+    if ttl > 0 then push(writes.index, expires_at, id) end -- the sweep drops it at its TTL
+  end
+  if replaced then return {'replaced', id, replaced} end
+  return id
 end
 
-if expires then
-  local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-  for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
+local replies = {}
+for i, m in ipairs(messages) do replies[i] = store(m) end
+flush()
+if stored_any then
+  local changes = {'last_id', last_id}
+  for name, value in pairs(tags) do push(changes, name, value) end
+  rcall('HSET', meta_key, unpack(changes))
+  if expires then
+    local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
+    for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
+  end
 end
-if replaced then return {'replaced', id, replaced} end
-return id
+if n == 1 then return replies[1] end
+return replies

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import sys
@@ -53,7 +54,9 @@ from hypothesis.stateful import run_state_machine_as_test as run_machine
 from redis.cluster import RedisCluster
 
 from celery_redis_lua import Consumed, Dedup, Keyspace, Limits, Policy, Rejected, ScriptError, ScriptLibrary
+from celery_redis_lua.protocol import ops
 from celery_redis_lua.protocol.call import Call
+from celery_redis_lua.protocol.ops import Outgoing
 from celery_redis_lua.protocol.retry import DelayedRetry
 from helpers import is_message_id, names_on_each_node, server_now_ms, wait_for_server_time, wait_until
 from scripts.servers import Cluster, Server
@@ -106,6 +109,8 @@ DEDUP_STORIES: Counter[str] = Counter()
 # The fair-queue stories (a consume that took keys out of publish order, a drain that forgot
 # the keys, a message made ready again at the virtual clock), for the Valkey run to show each.
 FAIR_STORIES: Counter[str] = Counter()
+# The sizes of the publish batches the model ran (publish_many), for the Valkey run to show them.
+BATCHES: Counter[int] = Counter()
 
 
 def pick(items: list[T], picks: list[int]) -> list[T]:
@@ -399,16 +404,18 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
 
         @rule(into=st.lists(st.sampled_from(queues), min_size=1, max_size=4), priority=PRIORITIES,
               delay=st.one_of(st.none(), st.integers(15, 100)), ttl=TTLS, task=st.booleans(), dedup=DEDUPS,
-              fair=FAIRNESS)
+              fair=FAIRNESS, batched=st.booleans())
         def publish(self, into: list[str], priority: int, delay: int | None, ttl: int | None,
                     task: bool, dedup: tuple[str, str, int | None] | None = None,
-                    fair: str | None = None) -> None:
+                    fair: str | None = None, batched: bool = False) -> None:
             """Publish to each target queue in one pipeline: mostly within one ms, so ties
             of priority and time are broken by id (one queue) and by queue order (several).
             A 1 ms TTL is waited out at once (delayed messages get 60 s: their TTL counts
             from the ETA, which test_ttl_expiry covers). ``task``: with a task id (the
             payload), which cancel finds. ``dedup``: each with one dedup id, mode and hold time
-            (predict_dedup). ``fair``: each with that fairness key (predict_fair)."""
+            (predict_dedup). ``fair``: each with that fairness key (predict_fair). ``batched``:
+            each run of one queue in one publish call (publish_many): its replies are those
+            of as many publishes in a row, so every prediction below is the same."""
             settings = None
             if dedup is not None:
                 dedup_id, mode, hold_ms = dedup
@@ -423,10 +430,20 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             for queue in into:
                 self.m.published[queue] += 1
                 payloads.append(f"{queue}-{self.m.published[queue]}")
-            ids = self.lib.run_many([self.lib.calls.publish(q, p, priority=priority, eta_ms=eta, ttl_ms=ttl,
-                                                            task_id=p if task else None, dedup=settings,
-                                                            fairness_key=fair)
-                                     for q, p in zip(into, payloads, strict=True)])
+            outgoing = [Outgoing(p, priority, eta, ttl, p if task else None, None, settings, fair)
+                        for p in payloads]
+            if batched:
+                runs = [(q, [m for _, m in run]) for q, run in itertools.groupby(
+                    zip(into, outgoing, strict=True), key=lambda pair: pair[0])]
+                BATCHES.update(len(messages) for _, messages in runs)
+                replies = self.lib.run_many([ops.publish_many(k, self.lib.policy, q, messages)
+                                             for q, messages in runs])
+                ids = [reply for batch in replies for reply in batch]
+            else:
+                ids = self.lib.run_many([self.lib.calls.publish(q, m.payload, priority=priority, eta_ms=eta,
+                                                                ttl_ms=ttl, task_id=m.task_id, dedup=settings,
+                                                                fairness_key=fair)
+                                         for q, m in zip(into, outgoing, strict=True)])
             t1 = self.now()
             made = []
             tags: dict[str, int | None] = {}
@@ -489,7 +506,8 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     self.sweep()  # its window ends (the sweep drops the hold)
             if take == "requeue":  # the story that needs it most: a debounce over a retry-waiting holder
                 then = "debounce"
-            self.publish([queue], 0, None, None, False, ("d3", then or first, hold_ms))
+            # Two of the id in one batch: the second meets the hold the first took (or kept).
+            self.publish([queue, queue], 0, None, None, False, ("d3", then or first, hold_ms), batched=True)
 
         @rule(queue=st.sampled_from(queues), flood=st.integers(2, 4), priority=st.sampled_from([0, 5]),
               requeue=st.booleans())
@@ -498,7 +516,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             't1' floods ``flood`` messages, then 't2' sends one, and a consumer takes all but
             one: 't2' starts at the virtual clock, ahead of the flood's later tags. With
             ``requeue``, it hands what it took back while the queue is still fair: ready at V."""
-            self.publish([queue] * flood, priority, None, None, False, None, "t1")
+            self.publish([queue] * flood, priority, None, None, False, None, "t1", batched=True)
             self.publish([queue], priority, None, None, False, None, "t2")
             if self.do_consume(0, flood, [queue]) and requeue:
                 self.reject(0, list(range(flood)), True, False, False)
@@ -1204,6 +1222,7 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     CALLED.clear()
     DEDUP_STORIES.clear()
     FAIR_STORIES.clear()
+    BATCHES.clear()
     with closing(valkey_server.client(socket_timeout=10)) as client:
         run(client, Keyspace(), ["a", "b"], examples=150)
     assert set(CALLED) >= DRIVEN, f"never run: {sorted(DRIVEN - set(CALLED))}"
@@ -1214,6 +1233,7 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
                     "debounce replaced a retry holder"}, DEDUP_STORIES
     assert {story for story, n in FAIR_STORIES.items() if n} >= {
         "interleaved", "drained", "ready again at V"}, FAIR_STORIES
+    assert sum(n for size, n in BATCHES.items() if size >= 3) > 0, BATCHES
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:

@@ -113,6 +113,7 @@ class ScriptLibrary:
     # -- one call each ----------------------------------------------------------------------
 
     publish = _Bound(ops.publish)
+    publish_many = _Bound(ops.publish_many)  # the publish script, several messages in one call
     unpop = _Bound(ops.unpop)
     pause = _Bound(ops.pause)
     resume = _Bound(ops.resume)

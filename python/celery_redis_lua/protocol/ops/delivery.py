@@ -130,6 +130,54 @@ def _consumed(queues: Sequence[str], reply: Sequence[Any]) -> Consumed:
 
 # -- the scripts --------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Outgoing:
+    """One message of :func:`publish_many`: what :func:`publish` takes besides the queue."""
+
+    payload: Payload
+    priority: int | str = 0
+    eta_ms: int | None = None
+    ttl_ms: int | None = None
+    task_id: str | None = None
+    route: tuple[str, int] | None = None
+    dedup: Dedup | None = None
+    fairness_key: str | None = None
+
+    def arguments(self, p: Policy, *, full: bool = False) -> list[Any]:
+        """publish.lua's ARGV for this message: as few as it needs (5-12), or all 12 (``full``:
+        the layout each message of a batch has, '' for what it does not use)."""
+        args = [self.payload, self.priority, optional_arg(self.eta_ms), optional_arg(self.ttl_ms),
+                p.visibility_ms, self.task_id or ""]
+        dedup, key, route = self.dedup, self.fairness_key, self.route
+        if not full and route is None and dedup is None and key is None:
+            return args
+        args += [route[0], route[1]] if route is not None else ["", ""]
+        if not full and key is None:
+            return [*args, dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)] if dedup is not None else args
+        args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)] if dedup is not None else ["", "", ""]
+        return [*args, "" if key is None else checked(key)]
+
+    def decode(self, queue: str, reply: Any) -> Published:
+        """The reply to this message: its id, or the message that kept its place (logged at
+        INFO); :class:`StaleRoute` when its cached route was refused."""
+        if not isinstance(reply, list):
+            return Published(text(reply))
+        if text(reply[0]) == "stale-route":  # ['stale-route', changed_ms or -1]
+            changed = int(reply[1])
+            raise StaleRoute(queue, None if changed < 0 else changed)
+        dedup = self.dedup
+        assert dedup is not None, reply
+        if text(reply[0]) == "replaced":  # ['replaced', new id, replaced id]
+            published = Published(text(reply[1]), replaced=text(reply[2]))
+            logger.info("celery-redis-lua: queue %r: message %s replaces message %s, which held dedup id %r "
+                        "(debounce)", queue, published, published.replaced, dedup.id)
+            return published
+        kept = Published(text(reply[1]), deduplicated=True)  # ['deduplicated', holder id]
+        logger.info("celery-redis-lua: queue %r: a publish of dedup id %r was dropped (%s): message %s "
+                    "holds it", queue, dedup.id, dedup.mode, kept)
+        return kept
+
+
 @operation
 def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: int | str = 0,
             eta_ms: int | None = None, ttl_ms: int | None = None, task_id: str | None = None,
@@ -142,32 +190,38 @@ def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: i
     ``dedup``: a second message of its id is dropped or replaces the first (protocol/dedup.py);
     the reply says which message kept the place (:class:`Published`), logged at INFO.
     ``fairness_key``: the tenant; the queue becomes fair (protocol/fairness.py)."""
-    args = [payload, priority, optional_arg(eta_ms), optional_arg(ttl_ms), p.visibility_ms, task_id or ""]
-    if route is not None or dedup is not None or fairness_key is not None:
-        args += [route[0], route[1]] if route is not None else ["", ""]
-    if dedup is not None:
-        args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)]
-    if fairness_key is not None:
-        args += ["", "", "", checked(fairness_key)] if dedup is None else [checked(fairness_key)]
+    message = Outgoing(payload, priority, eta_ms, ttl_ms, task_id, route, dedup, fairness_key)
+    return Call("publish", k.queue_keys(queue), message.arguments(p),
+                lambda reply: message.decode(queue, reply))
 
-    def decode(reply: Any) -> Published:
-        if not isinstance(reply, list):
-            return Published(text(reply))
-        if text(reply[0]) == "stale-route":  # ['stale-route', changed_ms or -1]
-            changed = int(reply[1])
-            raise StaleRoute(queue, None if changed < 0 else changed)
-        assert dedup is not None, reply
-        if text(reply[0]) == "replaced":  # ['replaced', new id, replaced id]
-            published = Published(text(reply[1]), replaced=text(reply[2]))
-            logger.info("celery-redis-lua: queue %r: message %s replaces message %s, which held dedup id %r "
-                        "(debounce)", queue, published, published.replaced, dedup.id)
-            return published
-        kept = Published(text(reply[1]), deduplicated=True)  # ['deduplicated', holder id]
-        logger.info("celery-redis-lua: queue %r: a publish of dedup id %r was dropped (%s): message %s "
-                    "holds it", queue, dedup.id, dedup.mode, kept)
-        return kept
 
-    return Call("publish", k.queue_keys(queue), args, decode)
+# What one publish call takes at most (publish.lua's MAX_BATCH is 1,000): 12 arguments each and
+# the 8 keys stay under 3,999 arguments, ElastiCache Serverless's limit per request.
+MAX_BATCH = 330
+
+
+def publish_many(k: Keyspace, p: Policy, queue: str,
+                 messages: Sequence[Outgoing]) -> Call[list[Published | StaleRoute]]:
+    """Store ``messages`` in ``queue`` in one call of the publish script (a batch: as many
+    publishes in a row would, at one server time): for each, in order, what :func:`publish`
+    would return, or the :class:`StaleRoute` it would raise. A bad message refuses the whole
+    call (the error names it), so a caller batching others' messages checks them first."""
+    batch = list(messages)
+    if not 0 < len(batch) <= MAX_BATCH:
+        raise ValueError(f"publish_many: 1..{MAX_BATCH} messages per call, got {len(batch)}")
+
+    def outcome(message: Outgoing, reply: Any) -> Published | StaleRoute:
+        try:
+            return message.decode(queue, reply)
+        except StaleRoute as refused:
+            return refused
+
+    if len(batch) == 1:  # one message: the reply is its own, not a list of one
+        return Call("publish", k.queue_keys(queue), batch[0].arguments(p),
+                    lambda reply: [outcome(batch[0], reply)])
+    args = [arg for message in batch for arg in message.arguments(p, full=True)]
+    return Call("publish", k.queue_keys(queue), args,
+                lambda replies: [outcome(m, r) for m, r in zip(batch, replies, strict=True)])
 
 
 @operation
