@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 14
+-- version: 15
 -- summary: Store messages in one queue, one or a batch: each ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -76,7 +76,10 @@
 --   once, not once per message (one TIME, one HMGET of meta and one of the task index, one HSET
 --   or ZADD per key): what a producer's group commit saves is most of a publish's cost. A
 --   message with a dedup id reads its hold from the server, so what the batch gathered before
---   it is written first.
+--   it is written first. Lua's allocations are a large part of a publish's cost in Redis (each
+--   table, closure and upvalue, and its collection over every loaded script), so the loop is
+--   written out, not made of functions over the call's state, and a single message builds
+--   only what a batch needs too.
 
 local rcall = redis.call
 local PRIORITY_FACTOR = 10000000000000 -- 10^13 ms per priority level (317 years)
@@ -195,26 +198,25 @@ local function parse(base, width, label)
     return nil, label .. "visibility_ms must be a positive integer, got '" .. ARGV[base + 5] .. "'"
   end
   if #task_id > 256 then return nil, label .. 'task_id must be at most 256 bytes, got ' .. #task_id end
-  local m = {payload = payload, priority = priority, eta = eta, ttl = ttl, task = task_id}
 
-  local exchange = width >= 8 and ARGV[base + 7] or nil
+  local exchange, routed = width >= 8 and ARGV[base + 7] or nil, nil
   if exchange == '' and width >= 11 and ARGV[base + 8] == '' then exchange = nil end -- dedup or a key, no route
   if exchange then
     if exchange == '' then return nil, label .. 'exchange must be non-empty with routed_ms' end
-    m.exchange, m.routed = exchange, string.match(ARGV[base + 8], '^%d+$') and tonumber(ARGV[base + 8])
-    if not m.routed then
+    routed = string.match(ARGV[base + 8], '^%d+$') and tonumber(ARGV[base + 8])
+    if not routed then
       return nil, label .. "routed_ms must be a non-negative integer, got '" .. ARGV[base + 8] .. "'"
     end
   end
 
-  local dedup_id, mode = width >= 11 and ARGV[base + 9] or nil, ARGV[base + 10]
+  local dedup_id, mode, hold_ttl = width >= 11 and ARGV[base + 9] or nil, ARGV[base + 10], nil
   if dedup_id == '' and mode == '' and ARGV[base + 11] == '' and width == 12 then dedup_id = nil end -- a key alone
   if dedup_id then
     if #dedup_id < 1 or #dedup_id > 512 then return nil, label .. 'dedup_id must be 1..512 bytes, got ' .. #dedup_id end
     if mode ~= 'simple' and mode ~= 'throttle' and mode ~= 'debounce' then
       return nil, label .. "dedup_mode must be simple, throttle or debounce, got '" .. mode .. "'"
     end
-    local hold_ttl = integer(ARGV[base + 11], -1)
+    hold_ttl = integer(ARGV[base + 11], -1)
     if not hold_ttl or (hold_ttl <= 0 and hold_ttl ~= -1) or hold_ttl > MAX_DURATION_MS then
       return nil, label .. "dedup_ttl_ms must be an integer in 1.." .. string.format('%d', MAX_DURATION_MS) ..
                   " or '', got '" .. ARGV[base + 11] .. "'"
@@ -222,97 +224,44 @@ local function parse(base, width, label)
     if hold_ttl == -1 and mode == 'throttle' then
       return nil, label .. 'dedup_ttl_ms is required with dedup_mode throttle'
     end
-    m.dedup_id, m.dedup_mode, m.dedup_ttl = dedup_id, mode, hold_ttl
   end
 
   local key = width >= 12 and ARGV[base + 12] or ''
   if #key > 256 then return nil, label .. 'fairness_key must be at most 256 bytes, got ' .. #key end
+  -- The common fields in the constructor, the rare ones after: a publish pays for each
+  -- byte its tables take (the allocation and Lua's collection, over every script loaded).
+  local m = {payload = payload, priority = priority, eta = eta, ttl = ttl, task = task_id, own = 'fair:' .. key}
+  if exchange then m.exchange, m.routed = exchange, routed end
+  if dedup_id then
+    m.dedup_id, m.dedup_mode, m.dedup_ttl, m.hold = dedup_id, mode, hold_ttl, 'dedup:' .. redis.sha1hex(dedup_id)
+  end
   if key ~= '' then m.key = key end
   return m
 end
 
-if #KEYS ~= 8 then
-  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
-end
--- One message in 5-12 arguments, or several in 12 each.
-local n, width = 1, #ARGV
-if #ARGV > 12 and #ARGV % 12 == 0 and #ARGV <= 12 * MAX_BATCH then
-  n, width = #ARGV / 12, 12
-elseif #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 and #ARGV ~= 12 then
-  return fail('expected 5, 6, 8, 11 or 12 arguments, or 12 per message for 2..' .. MAX_BATCH .. ' messages, got ' ..
-              #ARGV)
-end
-local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
-local open = string.find(queue_key, '{', 1, true)
-local close = open and string.find(queue_key, '}', open + 1, true)
-if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
-
--- Every message is checked before anything is written: a bad one refuses the whole call.
-local messages = {}
-for i = 1, n do
-  local m, problem = parse((i - 1) * width, width, n > 1 and 'message ' .. i .. ': ' or '')
-  if not m then return fail(problem) end
-  messages[i] = m
+-- Two values onto `list` (nil: a new one), returned: what a call gathers for one HSET or
+-- ZADD per key, for every message it stores.
+local function push(list, a, b)
+  list = list or {}
+  list[#list + 1], list[#list + 2] = a, b
+  return list
 end
 
-local time = rcall('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-
--- Queue arguments declared by consumers apply to every producer; one HMGET for the call:
--- the fixed fields, then each message's fairness tag ('fair:<key>', '' for none) and route.
-local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair'}
-local field_at = {}
-local tasks, task_at = {}, {} -- the task ids to look up, in one HMGET of the state hash
-for _, m in ipairs(messages) do
-  m.own = 'fair:' .. (m.key or '')
-  for _, name in ipairs({m.own, m.exchange and 'route:' .. m.exchange}) do
-    if not field_at[name] then fields[#fields + 1], field_at[name] = name, #fields + 1 end
-  end
-  if m.task ~= '' and not task_at[m.task] then tasks[#tasks + 1], task_at[m.task] = 'task:' .. m.task, #tasks + 1 end
-end
-local meta = rcall('HMGET', meta_key, unpack(fields))
-local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
-local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
-local clock = tonumber(meta[7]) -- a fair queue's virtual clock V (nil: the queue is not fair)
-local tags = {} -- 'fair:<key>' -> its next start tag, as this call moves it
-local indexed = #tasks > 0 and rcall('HMGET', state_key, unpack(tasks)) -- the task index before this call
-
--- What the call writes, gathered: one HSET or ZADD per key for every message, sent before a
--- message with a dedup id is looked at (its hold is read from the server) and at the end.
-local writes = {message = {}, state = {}, ready = {}, delayed = {}, index = {}}
-local pending = {} -- task id -> {id, payload}: the task index as the unsent writes leave it
-local function flush()
-  if #writes.message == 0 then return end
-  rcall('HSET', message_key, unpack(writes.message))
-  rcall('HSET', state_key, unpack(writes.state))
-  for name, key in pairs({ready = queue_key, delayed = delayed_key, index = index_key}) do
-    if #writes[name] > 0 then rcall('ZADD', key, unpack(writes[name])) end
-  end
-  writes = {message = {}, state = {}, ready = {}, delayed = {}, index = {}}
-  pending, indexed = {}, nil -- what was sent is read back from the server from now on
-end
-local function push(list, ...)
-  for _, value in ipairs({...}) do list[#list + 1] = value end
-end
-
--- The same message again (kombu retrying a publish whose reply a dropped connection lost):
--- the copy already stored is the answer, not a second one.
-local function stored_copy(m)
-  if m.task == '' then return nil end
-  local unsent = pending[m.task]
-  if unsent then return unsent.payload == m.payload and unsent.id or nil end
-  local stored
-  if indexed then stored = indexed[task_at[m.task]] else stored = rcall('HGET', state_key, 'task:' .. m.task) end
-  if stored and rcall('HGET', message_key, stored) == m.payload then return stored end
-  return nil
+-- Sends what a call gathered (the lists of push; nil: nothing for that key).
+local function send(to_message, to_state, to_ready, to_delayed, to_index)
+  rcall('HSET', KEYS[6], unpack(to_message))
+  rcall('HSET', KEYS[7], unpack(to_state))
+  if to_ready then rcall('ZADD', KEYS[1], unpack(to_ready)) end
+  if to_delayed then rcall('ZADD', KEYS[2], unpack(to_delayed)) end
+  if to_index then rcall('ZADD', KEYS[3], unpack(to_index)) end
 end
 
 -- A dedup id held by a message of this queue: the hold is open until its end (UNTIL), and
 -- for simple and debounce while its holder is stored (a throttle window outlives it).
 -- Returns the reply of a dropped message, or nil and the id of the holder a debounce replaced.
-local function settle_hold(m)
+local function settle_hold(m, now)
+  local queue_key, delayed_key, index_key, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local message_key, state_key = KEYS[6], KEYS[7]
   local held = rcall('HGET', state_key, m.hold)
   local holder, until_ms, kind
   if held then holder, until_ms, kind = string.match(held, '^(%S+) (%S+) (%a+)') end
@@ -337,101 +286,188 @@ local function settle_hold(m)
   return nil -- a debounce while the holder runs (or after a throttle's holder went): stored, and holds
 end
 
--- The token first: its LLEN is this script's last check of a key's type, so a wake key
--- someone overwrote refuses the publish before anything of the message is written. A
--- paused queue wakes nobody (resume does), nor does a ready message of a queue at its
--- in-flight cap (the limit script): a consumer woken now would only be refused, and the
--- ack, reject or sweep that frees a slot pushes the token then. Once armed, the token stays
--- for the rest of the call (no consumer runs meanwhile), and a publish moves nothing in flight.
-local armed, in_flight = false, nil
-local function wake_for(m)
-  if armed or paused then return end
-  if cap and m.eta <= now then
-    in_flight = in_flight or rcall('HLEN', message_key) - rcall('ZCARD', queue_key) - rcall('ZCARD', delayed_key)
-    if in_flight >= cap then return end
-  end
-  arm_wake(wake_key)
-  armed = true
+if #KEYS ~= 8 then
+  return fail('expected 8 keys (queue, delayed, index, meta, dead, message, state, wake), got ' .. #KEYS)
+end
+-- One message in 5-12 arguments, or several in 12 each.
+local n, width = 1, #ARGV
+if #ARGV > 12 and #ARGV % 12 == 0 and #ARGV <= 12 * MAX_BATCH then
+  n, width = #ARGV / 12, 12
+elseif #ARGV ~= 5 and #ARGV ~= 6 and #ARGV ~= 8 and #ARGV ~= 11 and #ARGV ~= 12 then
+  return fail('expected 5, 6, 8, 11 or 12 arguments, or 12 per message for 2..' .. MAX_BATCH .. ' messages, got ' ..
+              #ARGV)
+end
+local queue_key, delayed_key, meta_key = KEYS[1], KEYS[2], KEYS[4]
+local message_key, state_key, wake_key = KEYS[6], KEYS[7], KEYS[8]
+local open = string.find(queue_key, '{', 1, true)
+local close = open and string.find(queue_key, '}', open + 1, true)
+if not close or close == open + 1 then return fail("key '" .. queue_key .. "' has no {hash tag}") end
+
+-- Every message is checked before anything is written: a bad one refuses the whole call.
+local messages = {}
+for i = 1, n do
+  local m, problem = parse((i - 1) * width, width, n > 1 and 'message ' .. i .. ': ' or '')
+  if not m then return fail(problem) end
+  messages[i] = m
 end
 
-local stored_any = false
--- Store message `m` as a publish of its own would, at this call's time: its reply.
-local function store(m)
-  -- A cached route: refused when the bindings to this queue changed since (or the queue is
-  -- gone: declare and the first publish set last_id, so no last_id means no queue).
-  if m.routed then
-    local changed = tonumber(meta[field_at['route:' .. m.exchange]])
-    if not last_id or (changed and changed >= m.routed) then
-      return {'stale-route', changed or -1}
+local time = rcall('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+
+-- Queue arguments declared by consumers apply to every producer; one HMGET for the call:
+-- the fixed fields, then each message's fairness tag ('fair:<key>', '' for none) and route;
+-- and one of the task index for the messages' task ids. `at`: a field's place in its reply.
+local fields, tasks, at = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair'}, nil, {}
+for _, m in ipairs(messages) do
+  if not at[m.own] then fields[#fields + 1], at[m.own] = m.own, #fields + 1 end
+  local route = m.exchange and 'route:' .. m.exchange
+  if route and not at[route] then fields[#fields + 1], at[route] = route, #fields + 1 end
+  if m.task ~= '' then
+    m.index = 'task:' .. m.task
+    if not at[m.index] then
+      tasks = tasks or {}
+      tasks[#tasks + 1], at[m.index] = m.index, #tasks + 1
     end
   end
-  local priority, ttl, eta = m.priority, m.ttl, m.eta
-  if max_priority and priority > max_priority then priority = max_priority end
-  if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
-  local copy = stored_copy(m)
-  if copy then return copy end
+end
+local meta = rcall('HMGET', meta_key, unpack(fields))
+local expires, queue_ttl, max_priority, last_id = stored_ms(meta[1]), stored_ms(meta[2]), tonumber(meta[3]), meta[4]
+local paused, cap = meta[5] ~= false, meta[6] and tonumber(string.match(meta[6], '^(%d+) '))
+local clock = tonumber(meta[7]) -- a fair queue's virtual clock V (nil: the queue is not fair)
+local tags -- 'fair:<key>' -> its next start tag, as this call moves it (a fair queue's)
+local indexed = tasks and rcall('HMGET', state_key, unpack(tasks)) -- the task index before this call
 
-  local replaced
-  if m.dedup_id then
-    flush()
-    m.hold = 'dedup:' .. redis.sha1hex(m.dedup_id)
-    local dropped
-    dropped, replaced = settle_hold(m)
-    if dropped then return dropped end
-  end
-
-  wake_for(m)
-  local id = next_id(last_id, now_us)
-  last_id, stored_any = id, true
-  -- A fair queue: the start tag max(V, F[key]) in place of now, F[key] moved past it, and
-  -- V set by the first key; a delayed message charges no key (it becomes ready at V).
-  local score_at = now
-  if m.key or clock then
-    clock = clock or now
-    tags.fair = string.format('%d', clock)
-    if eta <= now then
-      score_at = math.max(clock, tonumber(tags[m.own] or meta[field_at[m.own]]) or 0)
-      tags[m.own] = string.format('%d', score_at + 1)
+-- Each message stored as a publish of its own would store it, at the call's time, its
+-- writes gathered: one HSET or ZADD per key for the call, sent before a message with a
+-- dedup id is looked at (its hold is read from the server) and at the end. The loop is
+-- written out here, not as functions over the call's state: a publish pays for every table,
+-- closure and upvalue it makes, and that cost was a third of a single publish's.
+local to_message, to_state, to_ready, to_delayed, to_index
+local pending -- task id -> the message stored for it, in a batch: the index as the unsent writes leave it
+local first_id, armed, in_flight = last_id, false, nil
+local replies = n > 1 and {} or nil
+local reply
+for i, m in ipairs(messages) do
+  repeat -- `break`: `reply` is the message's answer
+    -- A cached route: refused when the bindings to this queue changed since (or the queue is
+    -- gone: declare and the first publish set last_id, so no last_id means no queue).
+    if m.routed then
+      local changed = tonumber(meta[at['route:' .. m.exchange]])
+      if not last_id or (changed and changed >= m.routed) then
+        reply = {'stale-route', changed or -1}
+        break
+      end
     end
-  end
+    local priority, ttl, eta = m.priority, m.ttl, m.eta
+    if max_priority and priority > max_priority then priority = max_priority end
+    if queue_ttl and (ttl == -1 or queue_ttl < ttl) then ttl = queue_ttl end
 
-  local ready_at = math.max(eta, now)
-  local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
-  local releases = m.hold and m.dedup_mode ~= 'throttle' -- the holder's settle ends the hold
-  local line = state_line(eta > now and 'delayed' or 'ready', 0, {
-    priority = priority, expires_at = expires_at, task = m.task, dedup = releases and string.sub(m.hold, 7) or ''})
-  push(writes.message, id, m.payload)
-  push(writes.state, id, line)
-  if m.hold then -- the message, its task index and the hold in one HSET
-    local until_ms = m.dedup_ttl > 0 and string.format('%d', now + m.dedup_ttl) or '-'
-    push(writes.state, m.hold, id .. ' ' .. until_ms .. ' ' .. m.dedup_mode .. ' ' .. m.dedup_id)
-    if m.dedup_mode == 'throttle' then push(writes.index, until_ms, m.hold) end -- the sweep drops it then
-  end
-  if m.task ~= '' then -- a later message of the same task id (a retry) takes the index over
-    push(writes.state, 'task:' .. m.task, id)
-    pending[m.task] = {id = id, payload = m.payload}
-  end
-  if eta > now then
-    push(writes.delayed, string.format('%d', eta), id)
+    -- The same message again (kombu retrying a publish whose reply a dropped connection
+    -- lost): the copy already stored is the answer, not a second one.
+    if m.index then
+      local unsent = pending and pending[m.task]
+      local stored
+      if unsent then
+        stored = unsent.payload == m.payload and unsent.id
+      else
+        if indexed then stored = indexed[at[m.index]] else stored = rcall('HGET', state_key, m.index) end
+        stored = stored and rcall('HGET', message_key, stored) == m.payload and stored
+      end
+      if stored then
+        reply = stored
+        break
+      end
+    end
+
+    local replaced
+    if m.hold then -- what was gathered goes first: the hold is read from the server
+      if to_message then
+        send(to_message, to_state, to_ready, to_delayed, to_index)
+        to_message, to_state, to_ready, to_delayed, to_index = nil, nil, nil, nil, nil
+        pending, indexed = nil, nil -- what was sent is read back from the server from now on
+      end
+      local dropped
+      dropped, replaced = settle_hold(m, now)
+      if dropped then
+        reply = dropped
+        break
+      end
+    end
+
+    -- The token first: its LLEN is this script's last check of a key's type, so a wake key
+    -- someone overwrote refuses the publish before anything of the message is written. A
+    -- paused queue wakes nobody (resume does), nor does a ready message of a queue at its
+    -- in-flight cap (the limit script): a consumer woken now would only be refused, and
+    -- the ack, reject or sweep that frees a slot pushes the token then. Once armed, the
+    -- token stays for the rest of the call (no consumer runs meanwhile), and a publish
+    -- moves nothing in flight.
+    if not armed and not paused then
+      if cap and eta <= now then
+        in_flight = in_flight or rcall('HLEN', message_key) - rcall('ZCARD', queue_key) - rcall('ZCARD', delayed_key)
+      end
+      if not (cap and eta <= now and in_flight >= cap) then
+        arm_wake(wake_key)
+        armed = true
+      end
+    end
+    local id = next_id(last_id, now_us)
+    last_id = id
+    -- A fair queue: the start tag max(V, F[key]) in place of now, F[key] moved past it, and
+    -- V set by the first key; a delayed message charges no key (it becomes ready at V).
+    local score_at = now
+    if m.key or clock then
+      clock = clock or now
+      tags = tags or {fair = string.format('%d', clock)}
+      if eta <= now then
+        score_at = math.max(clock, tonumber(tags[m.own] or meta[at[m.own]]) or 0)
+        tags[m.own] = string.format('%d', score_at + 1)
+      end
+    end
+
+    local ready_at = math.max(eta, now)
+    local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
+    local releases = m.hold and m.dedup_mode ~= 'throttle' -- the holder's settle ends the hold
+    local line = state_line(eta > now and 'delayed' or 'ready', 0, {
+      priority = priority, expires_at = expires_at, task = m.task, dedup = releases and string.sub(m.hold, 7) or ''})
+    to_message = push(to_message, id, m.payload)
+    to_state = push(to_state, id, line)
+    if m.hold then -- the message, its task index and the hold in one HSET
+      local until_ms = m.dedup_ttl > 0 and string.format('%d', now + m.dedup_ttl) or '-'
+      to_state = push(to_state, m.hold, id .. ' ' .. until_ms .. ' ' .. m.dedup_mode .. ' ' .. m.dedup_id)
+      if m.dedup_mode == 'throttle' then to_index = push(to_index, until_ms, m.hold) end -- the sweep drops it then
+    end
+    if m.index then -- a later message of the same task id (a retry) takes the index over
+      to_state = push(to_state, m.index, id)
+      if replies then
+        m.id = id
+        pending = pending or {}
+        pending[m.task] = m
+      end
+    end
+    if eta > now then
+      to_delayed = push(to_delayed, string.format('%d', eta), id)
+    else
+      to_ready = push(to_ready, string.format('%d', (255 - priority) * PRIORITY_FACTOR + score_at), id)
+      if ttl > 0 then to_index = push(to_index, expires_at, id) end -- the sweep drops it at its TTL
+    end
+    reply = replaced and {'replaced', id, replaced} or id
+  until true
+  if replies then replies[i] = reply end
+end
+
+if to_message then send(to_message, to_state, to_ready, to_delayed, to_index) end
+if last_id ~= first_id then -- something was stored
+  if tags then
+    local changes = {'last_id', last_id}
+    for name, value in pairs(tags) do changes[#changes + 1], changes[#changes + 2] = name, value end
+    rcall('HSET', meta_key, unpack(changes))
   else
-    push(writes.ready, string.format('%d', (255 - priority) * PRIORITY_FACTOR + score_at), id)
-    if ttl > 0 then push(writes.index, expires_at, id) end -- the sweep drops it at its TTL
+    rcall('HSET', meta_key, 'last_id', last_id)
   end
-  if replaced then return {'replaced', id, replaced} end
-  return id
-end
-
-local replies = {}
-for i, m in ipairs(messages) do replies[i] = store(m) end
-flush()
-if stored_any then
-  local changes = {'last_id', last_id}
-  for name, value in pairs(tags) do push(changes, name, value) end
-  rcall('HSET', meta_key, unpack(changes))
   if expires then
-    local at = string.format('%d', now + expires) -- one absolute time: the keys expire together
-    for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at) end
+    local at_ms = string.format('%d', now + expires) -- one absolute time: the keys expire together
+    for i = 1, 8 do rcall('PEXPIREAT', KEYS[i], at_ms) end
   end
 end
-if n == 1 then return replies[1] end
-return replies
+return replies or reply

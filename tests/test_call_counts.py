@@ -21,12 +21,15 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Consumed, Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.ops import Outgoing
 from scripts.servers import Server
 
 # Script -> (calls with one message, calls with ten). Fixed + per-message, as measured on
 # Valkey 9 and Redis 7.0 alike (2026-12-05):
-#   publish  8           TIME, HMGET meta, HGET task index (a retried publish is found),
-#                        LLEN wake, HSET last_id, HSET payload, HSET state + task index, ZADD
+#   publish  8           TIME, HMGET meta, HMGET task index (a retried publish is found),
+#                        LLEN wake, HSET payload, HSET state + task index, ZADD, HSET last_id
+#   publish  8           the same for a batch of ten in one call (publish_many, a producer's
+#    (batch)             group commit): the calls are the call's, not the messages'
 #   consume  7 + 3/msg   per message: HGET state, HGET task index, HSET state
 #   ack      6 + 2/msg   per message: HGET state (its task index entry), HDEL
 #   extend   4           TIME, ZMSCORE and one ZADD XX for up to 2,000 ids, HGET expires
@@ -34,6 +37,7 @@ from scripts.servers import Server
 #                        a delivery Celery revoked that comes back is dead-lettered) per message
 EXPECTED = {
     "publish": (8, 8 * 10),
+    "publish_many": (8, 8),
     "consume": (10, 37),
     "ack": (8, 26),
     "extend": (4, 4),
@@ -74,11 +78,18 @@ def publish(lib: ScriptLibrary, n: int) -> Counter[str]:
                                   for _ in range(n)])
 
 
+def publish_many(lib: ScriptLibrary, n: int) -> Counter[str]:
+    """``n`` messages of new task ids in one publish call."""
+    return commands(lib, lambda: lib.publish_many("hot", [Outgoing(b"{}", task_id=f"task-{next(TASK_IDS)}")
+                                                         for _ in range(n)]))
+
+
 def test_the_hot_path_runs_the_calls_it_is_known_to_run(lib: ScriptLibrary) -> None:
     seen: dict[str, list[Counter[str]]] = {name: [] for name in EXPECTED}
     publish(lib, 1)
     for n in (1, 10):
         seen["publish"].append(publish(lib, n))
+        seen["publish_many"].append(publish_many(lib, n))
         publish(lib, 20)  # more than a batch takes, so no consume empties the queue
         taken: list[Consumed] = []
         seen["consume"].append(commands(lib, lambda n=n, taken=taken: taken.append(lib.consume(["hot"], n))))

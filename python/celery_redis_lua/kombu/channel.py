@@ -23,8 +23,9 @@ from redis.cluster import RedisCluster
 
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.fence import wait_out
+from ..protocol.group import publish_confirmed
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Delivery, StaleRoute
+from ..protocol.ops import Delivery, Outgoing, StaleRoute
 from ..protocol.retry import DelayedRetry
 from ..protocol.unconfirmed import Send
 from ..protocol.waits import BlockingRead
@@ -163,16 +164,16 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             return  # stored before a refused route sent us round again
         args = publish_arguments(message, self.options.message_ttl_ms)
         exchange = message["properties"]["delivery_info"].get("exchange")
-        cached = publishing is not None and not publishing.fresh and publishing.looked_up_ms is not None
-        route = (exchange, publishing.looked_up_ms) if cached and exchange and publishing else None
-        call = self.lib.calls.publish(queue, dumps(message), priority=args.priority, eta_ms=args.eta_ms,
-                                      ttl_ms=args.ttl_ms, task_id=args.task_id, route=route,
-                                      dedup=args.dedup, fairness_key=args.fairness_key)
-        if self.unconfirmed is not None and self._send is not None:
-            self.unconfirmed.add(self._send, queue, call)  # stored (or refused) when it goes
+        looked_up = publishing.looked_up_ms if publishing is not None and not publishing.fresh else None
+        route = (exchange, looked_up) if exchange and looked_up is not None else None  # a cached route
+        outgoing = Outgoing(dumps(message), args.priority, args.eta_ms, args.ttl_ms, args.task_id, route,
+                            args.dedup, args.fairness_key)
+        if self.unconfirmed is not None and self._send is not None:  # stored (or refused) when it goes
+            self.unconfirmed.add(self._send, queue, outgoing.call(self.lib.keys, self.lib.policy, queue))
             return
-        # A producer's calls (publish, declare, bind) wait out a fenced primary (fence.py).
-        wait_out(lambda: self.lib.run(call), self.options.fence_timeout)
+        # Waits out a fenced primary (fence.py), with the process's publishes in flight (group.py).
+        wait_out(lambda: publish_confirmed(self.lib, queue, outgoing, grouped=self.options.group_commit),
+                 self.options.fence_timeout)
         if publishing is not None:
             publishing.stored.add(queue)
 

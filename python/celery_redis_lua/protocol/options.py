@@ -139,6 +139,13 @@ class TransportOptions:
         True, "False: publishes are pipelined, returning before the broker has them (see "
         "\"Unconfirmed publishes\" in [What is promised](promises.md)); kombu's py-amqp transport "
         "has the same name for the opposite default")
+    # True: confirmed publishes in flight at once from one process to one server ride one
+    # script call per queue (protocol/group.py); a lone producer waits for nothing more.
+    group_commit: bool = option(
+        True, "with `confirm_publish` (the default): the confirmed publishes a process's threads or "
+        "greenlets have in flight at once to one server go in one script call per queue, each "
+        "caller still answered on its own (see [Performance](performance.md#group-commit)); "
+        "False: one call per publish")
     publish_pipeline: int = option(
         100, "with `confirm_publish=False`: at most this many publishes go in one write (1..10,000)")
     publish_flush_delay: float = option(
@@ -288,6 +295,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "fence_timeout": _number(0, high=3600),
     "ack_flush_delay": _number(0, high=1),  # longer would stretch what a crash can replay
     "confirm_publish": _typed(bool, allow_none=False),
+    "group_commit": _typed(bool, allow_none=False),
     "publish_pipeline": _number(1, integer=True, high=10_000),
     "publish_flush_delay": _number(0, high=1),  # longer would stretch what a crash can lose
     "cluster": _typed(bool, allow_none=False),

@@ -157,6 +157,11 @@ class Outgoing:
         args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)] if dedup is not None else ["", "", ""]
         return [*args, "" if key is None else checked(key)]
 
+    def call(self, k: Keyspace, p: Policy, queue: str) -> Call[Published]:
+        """The publish of this message alone (:func:`publish`)."""
+        return Call("publish", k.queue_keys(queue), self.arguments(p),
+                    lambda reply: self.decode(queue, reply))
+
     def decode(self, queue: str, reply: Any) -> Published:
         """The reply to this message: its id, or the message that kept its place (logged at
         INFO); :class:`StaleRoute` when its cached route was refused."""
@@ -190,9 +195,7 @@ def publish(k: Keyspace, p: Policy, queue: str, payload: Payload, *, priority: i
     ``dedup``: a second message of its id is dropped or replaces the first (protocol/dedup.py);
     the reply says which message kept the place (:class:`Published`), logged at INFO.
     ``fairness_key``: the tenant; the queue becomes fair (protocol/fairness.py)."""
-    message = Outgoing(payload, priority, eta_ms, ttl_ms, task_id, route, dedup, fairness_key)
-    return Call("publish", k.queue_keys(queue), message.arguments(p),
-                lambda reply: message.decode(queue, reply))
+    return Outgoing(payload, priority, eta_ms, ttl_ms, task_id, route, dedup, fairness_key).call(k, p, queue)
 
 
 # What one publish call takes at most (publish.lua's MAX_BATCH is 1,000): 12 arguments each and
@@ -217,8 +220,8 @@ def publish_many(k: Keyspace, p: Policy, queue: str,
             return refused
 
     if len(batch) == 1:  # one message: the reply is its own, not a list of one
-        return Call("publish", k.queue_keys(queue), batch[0].arguments(p),
-                    lambda reply: [outcome(batch[0], reply)])
+        single = batch[0].call(k, p, queue)
+        return Call("publish", single.keys, single.args, lambda reply: [outcome(batch[0], reply)])
     args = [arg for message in batch for arg in message.arguments(p, full=True)]
     return Call("publish", k.queue_keys(queue), args,
                 lambda replies: [outcome(m, r) for m, r in zip(batch, replies, strict=True)])
