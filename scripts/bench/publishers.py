@@ -1,0 +1,147 @@
+"""Confirmed publishes from 1 and from 8 producer threads (issue 41 §1, group commit): server
+CPU per publish and publishes per second, ours against stock kombu, RabbitMQ with confirms,
+our transport without group commit, and (``--base REV``) our transport as it was at a git
+revision, all in one interleaved run.
+
+    python -m scripts.bench.publishers                      # Valkey (throwaway), 3 repeats
+    python -m scripts.bench.publishers --kind redis --base main -n 2000 --repeat 5
+
+Each thread has a kombu connection of its own (as Celery's producer pool gives each thread
+one) and publishes ``-n`` messages of ``--size`` bytes to one queue; a barrier starts them
+together. Server CPU is the broker's whole process (INFO used_cpu_*; RabbitMQ's beam.smp
+from /proc), per publish. The peers take turns, their order rotated each repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from kombu import Producer
+
+from scripts.servers import Server
+
+from .peers import ROOT, Peer, amqp_available, bind_queue, body_of_size, delete_queue, unique_queue
+from .server_cost import Probe
+
+
+def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[str, float]:
+    """``threads`` producers of ``n`` confirmed publishes each: server CPU µs per publish,
+    publishes per second, and requests (script calls or commands) per publish."""
+    name = unique_queue("p")
+    queue = bind_queue(name)
+    body = body_of_size(size)
+    connections = [peer.connection() for _ in range(threads)]
+    probe = Probe(peer)
+    try:
+        producers = []
+        for i, connection in enumerate(connections):
+            producer = Producer(connection.channel(), exchange=queue.exchange, routing_key=name,
+                                serializer="json")
+            producer.publish(body, declare=[queue] if i == 0 else [])  # connected, route looked up
+            producers.append(producer)
+        start = threading.Barrier(threads + 1)
+
+        def run(producer: Producer) -> None:
+            start.wait()
+            for _ in range(n):
+                producer.publish(body)
+
+        workers = [threading.Thread(target=run, args=(p,)) for p in producers]
+        for worker in workers:
+            worker.start()
+        before = probe.snapshot()
+        began = time.perf_counter()
+        start.wait()
+        for worker in workers:
+            worker.join()
+        elapsed = time.perf_counter() - began
+        cost = probe.cost(before, probe.snapshot(), threads * n)
+        return {"cpu_us": cost.get("cpu_us_per_msg", float("nan")), "per_s": threads * n / elapsed,
+                "requests": cost.get("requests_per_msg", float("nan"))}
+    finally:
+        for connection in connections:
+            connection.release()
+        probe.close()
+        delete_queue(peer, name)
+
+
+def in_checkout(checkout: str, peer: Peer, threads: int, n: int, size: int) -> dict[str, float]:
+    """The same job with celery_redis_lua imported from another checkout."""
+    job = json.dumps({"url": peer.url, "options": peer.options, "threads": threads, "n": n, "size": size})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(checkout) / "python"), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "scripts.bench.publishers", "--one", job], cwd=ROOT, env=env,
+                          check=True, capture_output=True, text=True)
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench.publishers",
+                                description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--kind", choices=["valkey", "redis"], default="valkey")
+    p.add_argument("--threads", default="1,8", help="comma-separated producer thread counts")
+    p.add_argument("-n", type=int, default=1000, help="publishes per thread")
+    p.add_argument("--size", type=int, default=300, help="message body bytes")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--base", help="a git revision: our transport as it was there, as a peer")
+    p.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a --base peer's job, in its checkout
+    o = p.parse_args(argv)
+    if o.one:
+        job = json.loads(o.one)
+        peer = Peer("base", job["url"], options=job["options"])
+        print(json.dumps(publish_from_threads(peer, job["threads"], job["n"], job["size"])))
+        return
+    levels = [int(t) for t in o.threads.split(",") if t.strip()]
+    with Server(o.kind) as server, tempfile.TemporaryDirectory() as scratch:
+        base = f"127.0.0.1:{server.port}"
+        peers = [Peer("lua", f"redislua://{base}/0"),
+                 Peer("lua-no-group", f"redislua://{base}/2", options={"group_commit": False}),
+                 Peer("stock", f"redis://{base}/1")]
+        if o.base:
+            checkout = str(Path(scratch) / "base")
+            subprocess.run(["git", "worktree", "add", "--detach", checkout, o.base], cwd=ROOT, check=True,
+                           capture_output=True)
+            peers.append(Peer(f"lua@{o.base}", f"redislua://{base}/3"))
+        if amqp_available(o.amqp_url) is None:
+            peers.append(Peer("rabbit-confirm", o.amqp_url, options={"confirm_publish": True}))
+        results: dict[tuple[str, int], list[dict[str, float]]] = {}
+        try:
+            for r in range(o.repeat):
+                turn = peers[r % len(peers):] + peers[:r % len(peers)]
+                for threads in levels:
+                    for peer in turn:
+                        if peer.name.startswith("lua@"):
+                            one = in_checkout(checkout, peer, threads, o.n, o.size)
+                        else:
+                            one = publish_from_threads(peer, threads, o.n, o.size)
+                        results.setdefault((peer.name, threads), []).append(one)
+                        print(f"repeat {r + 1} {threads:2d} threads {peer.name:16s} {one['cpu_us']:7.1f} µs "
+                              f"{one['per_s']:8.0f}/s", file=sys.stderr)
+        finally:
+            if o.base:
+                subprocess.run(["git", "worktree", "remove", "--force", checkout], cwd=ROOT, check=False)
+    print(f"confirmed publishes on {o.kind} (median of {o.repeat}; {o.n} per thread, {o.size}-byte bodies)")
+    print(f"{'threads':>7} {'peer':16s} {'server µs/publish':>18} {'x stock':>8} {'publishes/s':>12} "
+          f"{'x stock':>8} {'requests/publish':>17}")
+    for threads in levels:
+        stock = {k: statistics.median(x[k] for x in results[("stock", threads)]) for k in ("cpu_us", "per_s")}
+        for peer in peers:
+            rows = results[(peer.name, threads)]
+            cpu, rate = (statistics.median(x[k] for x in rows) for k in ("cpu_us", "per_s"))
+            requests = statistics.median(x["requests"] for x in rows)
+            print(f"{threads:>7} {peer.name:16s} {cpu:18.1f} {cpu / stock['cpu_us']:8.2f} {rate:12.0f} "
+                  f"{rate / stock['per_s']:8.2f} {requests:17.2f}")
+
+
+if __name__ == "__main__":
+    main()
