@@ -1,7 +1,7 @@
 """Confirmed publishes from 1 and from 8 producer threads (issue 41 §1, group commit): server
 CPU per publish and publishes per second, ours against stock kombu, RabbitMQ with confirms,
 our transport without group commit, and (``--base REV``) our transport as it was at a git
-revision, all in one interleaved run.
+revision, all in one interleaved run, each job in a process of its own.
 
     python -m scripts.bench.publishers                      # Valkey (throwaway), 3 repeats
     python -m scripts.bench.publishers --kind redis --base main -n 2000 --repeat 5
@@ -74,12 +74,18 @@ def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[st
         delete_queue(peer, name)
 
 
-def in_checkout(checkout: str, peer: Peer, threads: int, n: int, size: int) -> dict[str, float]:
-    """The same job with celery_redis_lua imported from another checkout."""
-    job = json.dumps({"url": peer.url, "options": peer.options, "threads": threads, "n": n, "size": size})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(checkout) / "python"), str(ROOT)])}
+def in_a_process(peer: Peer, threads: int, n: int, size: int,
+                 checkout: str | None = None) -> dict[str, float]:
+    """The job in a process of its own (no thread or connection of an earlier job runs beside
+    it), with celery_redis_lua imported from ``checkout`` when given."""
+    job = json.dumps({"url": peer.url, "options": peer.options, "transport": peer.transport,
+                      "threads": threads, "n": n, "size": size})
+    path = [str(Path(checkout) / "python"), str(ROOT)] if checkout else [str(ROOT)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, "-m", "scripts.bench.publishers", "--one", job], cwd=ROOT, env=env,
                           check=True, capture_output=True, text=True)
+    if checkout and checkout not in done.stderr:
+        raise RuntimeError(f"the job did not import celery_redis_lua from {checkout}: {done.stderr[-500:]}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     o = p.parse_args(argv)
     if o.one:
         job = json.loads(o.one)
-        peer = Peer("base", job["url"], options=job["options"])
+        peer = Peer("job", job["url"], job["transport"], options=job["options"])
+        import celery_redis_lua
+        print(f"celery_redis_lua from {celery_redis_lua.__file__}", file=sys.stderr)
         print(json.dumps(publish_from_threads(peer, job["threads"], job["n"], job["size"])))
         return
     levels = [int(t) for t in o.threads.split(",") if t.strip()]
@@ -107,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         peers = [Peer("lua", f"redislua://{base}/0"),
                  Peer("lua-no-group", f"redislua://{base}/2", options={"group_commit": False}),
                  Peer("stock", f"redis://{base}/1")]
+        checkout = str(Path(scratch) / "base")
         if o.base:
-            checkout = str(Path(scratch) / "base")
             subprocess.run(["git", "worktree", "add", "--detach", checkout, o.base], cwd=ROOT, check=True,
                            capture_output=True)
             peers.append(Peer(f"lua@{o.base}", f"redislua://{base}/3"))
@@ -120,10 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                 turn = peers[r % len(peers):] + peers[:r % len(peers)]
                 for threads in levels:
                     for peer in turn:
-                        if peer.name.startswith("lua@"):
-                            one = in_checkout(checkout, peer, threads, o.n, o.size)
-                        else:
-                            one = publish_from_threads(peer, threads, o.n, o.size)
+                        one = in_a_process(peer, threads, o.n, o.size,
+                                           checkout if peer.name.startswith("lua@") else None)
                         results.setdefault((peer.name, threads), []).append(one)
                         print(f"repeat {r + 1} {threads:2d} threads {peer.name:16s} {one['cpu_us']:7.1f} µs "
                               f"{one['per_s']:8.0f}/s", file=sys.stderr)

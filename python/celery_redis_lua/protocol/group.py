@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from .call import Call, ScriptError
 from .ops import Outgoing, Published, StaleRoute, publish_many
@@ -44,7 +45,7 @@ class _Pending:
 
     queue: str
     message: Outgoing
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event | None = None  # a follower's: set when answered, or handed the lead
     lead: bool = False  # handed the lead: the caller sends the next round itself
     result: Published | StaleRoute | BaseException | None = None
 
@@ -80,7 +81,9 @@ class GroupCommit:
         with self._lock:
             self._waiting.append(mine)
             follow, self._leading = self._leading, True
-        if follow:
+            if follow:
+                mine.done = threading.Event()
+        if mine.done is not None:
             mine.done.wait()
             if not mine.lead:
                 return mine.answer()
@@ -98,11 +101,12 @@ class GroupCommit:
             self.rounds += 1
             self.published += len(batch)
             for pending in batch:
-                pending.done.set()
+                if pending.done is not None:
+                    pending.done.set()
             with self._lock:
                 if self._waiting:
                     self._waiting[0].lead = True
-                    self._waiting[0].done.set()
+                    self._waiting[0].done.set()  # type: ignore[union-attr]  # a follower's
                 else:
                     self._leading = False
 
@@ -114,11 +118,12 @@ def _send(lib: Any, batch: list[_Pending]) -> None:
     calls: list[tuple[Call[Any], list[_Pending]]] = []
     by_queue: dict[str, list[_Pending]] = {}
     for pending in batch:
-        try:
-            pending.message.arguments(lib.policy, full=True)  # what Python refuses is the caller's alone
-        except (ValueError, TypeError) as error:
-            pending.result = error
-            continue
+        if len(batch) > 1:  # what Python refuses is its caller's alone
+            try:
+                pending.message.arguments(lib.policy, full=True)
+            except (ValueError, TypeError) as error:
+                pending.result = error
+                continue
         by_queue.setdefault(pending.queue, []).append(pending)
     for queue, pendings in by_queue.items():
         for start in range(0, len(pendings), MAX_BATCH):
@@ -127,7 +132,7 @@ def _send(lib: Any, batch: list[_Pending]) -> None:
     if not calls:
         return
     try:
-        results = lib.run_many([call for call, _ in calls], raise_on_error=False)
+        results = _run(lib, [call for call, _ in calls])
     except BaseException as error:  # the connection, NotDurable: each caller's, as if alone
         # The leader's interrupt (a signal, a killed greenlet) is its own: to the others it is
         # a round trip whose outcome is unknown, as a lost connection's.
@@ -149,9 +154,22 @@ def _send(lib: Any, batch: list[_Pending]) -> None:
             for pending, outcome in zip(chunk, result, strict=True):
                 pending.result = outcome
     if again:
-        replies = lib.run_many([call for call, _ in again], raise_on_error=False)
+        replies = _run(lib, [call for call, _ in again])
         for (_, pending), result in zip(again, replies, strict=True):
             pending.result = result if isinstance(result, BaseException) else result[0]
+
+
+def _run(lib: Any, calls: list[Call[Any]]) -> list[Any]:
+    """Each call's result, or the error reply in its place: one call alone on the library's
+    own connection (what a lone producer's every publish is), several in one pipeline. A
+    connection error (and a wait that fell short, with durability) raises."""
+    if len(calls) == 1:
+        try:
+            return [lib.run(calls[0])]
+        except ResponseError as error:
+            return [error]
+    results: list[Any] = lib.run_many(calls, raise_on_error=False)
+    return results
 
 
 def server_of(client: Any) -> Hashable:
