@@ -18,7 +18,8 @@ def test_producer_threads_publish_and_the_probe_counts_their_requests(valkey_ser
     stock = publish_from_threads(Peer("stock", f"redis://{base}/1"), threads=1, n=20, size=100)
     for result in (ours, single, stock):
         assert result["cpu_us"] > 0 and result["per_s"] > 0
-    assert single["requests"] == 1.0, "one script call per publish without group commit"
-    assert 0 < ours["requests"] <= 1.0
+    # a script call per publish without group commit (and the odd route lookup or keep-alive)
+    assert 1.0 <= single["requests"] < 1.2
+    assert 0 < ours["requests"] <= single["requests"]
     assert stock["requests"] >= 1.0
     client.close()
