@@ -66,7 +66,8 @@ def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[st
         elapsed = time.perf_counter() - began
         cost = probe.cost(before, probe.snapshot(), threads * n)
         return {"cpu_us": cost.get("cpu_us_per_msg", float("nan")), "per_s": threads * n / elapsed,
-                "requests": cost.get("requests_per_msg", float("nan"))}
+                "requests": cost.get("requests_per_msg", float("nan")),
+                "commands": {name: round(c["calls"] / (threads * n), 3) for name, c in cost.get("commands", {}).items()}}
     finally:
         for connection in connections:
             connection.release()
