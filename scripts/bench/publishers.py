@@ -33,7 +33,7 @@ from .peers import ROOT, Peer, amqp_available, bind_queue, body_of_size, delete_
 from .server_cost import Probe
 
 
-def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[str, float]:
+def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[str, Any]:
     """``threads`` producers of ``n`` confirmed publishes each: server CPU µs per publish,
     publishes per second, and requests (script calls or commands) per publish."""
     name = unique_queue("p")
@@ -65,9 +65,10 @@ def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[st
             worker.join()
         elapsed = time.perf_counter() - began
         cost = probe.cost(before, probe.snapshot(), threads * n)
+        per = threads * n
+        commands = {name: round(c["calls"] / per, 3) for name, c in cost.get("commands", {}).items()}
         return {"cpu_us": cost.get("cpu_us_per_msg", float("nan")), "per_s": threads * n / elapsed,
-                "requests": cost.get("requests_per_msg", float("nan")),
-                "commands": {name: round(c["calls"] / (threads * n), 3) for name, c in cost.get("commands", {}).items()}}
+                "requests": cost.get("requests_per_msg", float("nan")), "commands": commands}
     finally:
         for connection in connections:
             connection.release()
@@ -76,7 +77,7 @@ def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[st
 
 
 def in_a_process(peer: Peer, threads: int, n: int, size: int,
-                 checkout: str | None = None) -> dict[str, float]:
+                 checkout: str | None = None) -> dict[str, Any]:
     """The job in a process of its own (no thread or connection of an earlier job runs beside
     it), with celery_redis_lua imported from ``checkout`` when given."""
     job = json.dumps({"url": peer.url, "options": peer.options, "transport": peer.transport,
@@ -87,7 +88,7 @@ def in_a_process(peer: Peer, threads: int, n: int, size: int,
                           check=True, capture_output=True, text=True)
     if checkout and checkout not in done.stderr:
         raise RuntimeError(f"the job did not import celery_redis_lua from {checkout}: {done.stderr[-500:]}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             peers.append(Peer(f"lua@{o.base}", f"redislua://{base}/3"))
         if amqp_available(o.amqp_url) is None:
             peers.append(Peer("rabbit-confirm", o.amqp_url, options={"confirm_publish": True}))
-        results: dict[tuple[str, int], list[dict[str, float]]] = {}
+        results: dict[tuple[str, int], list[dict[str, Any]]] = {}
         try:
             for r in range(o.repeat):
                 turn = peers[r % len(peers):] + peers[:r % len(peers)]
