@@ -5,6 +5,8 @@ behind the first, whose call the pause holds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -192,3 +194,45 @@ def test_one_group_per_server_database_and_user() -> None:
     assert server_of(client()) != server_of(client(port=2))
     assert server_of(client()) != server_of(client(db=1))
     assert server_of(client()) != server_of(client(username="other"))
+
+
+GREEN = """
+from gevent import monkey
+monkey.patch_all()
+import sys
+import gevent
+import redis
+from kombu import Connection, Producer, Queue
+from celery_redis_lua.protocol.group import group_for
+url, port = sys.argv[1], int(sys.argv[2])
+queue = Queue("green", routing_key="green")
+connections = [Connection(url) for _ in range(8)]
+producers = [Producer(c.channel()) for c in connections]
+for producer in producers:
+    producer.publish({"warm": True}, exchange="", routing_key="green", declare=[queue])
+group = group_for(producers[0].channel.lib)
+rounds, published = group.rounds, group.published
+# The first greenlet's call is held by the pause while the others join: a round trip that
+# lasts (a remote server's) is what greenlets can ride.
+redis.Redis(port=port).execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+gevent.joinall([gevent.spawn(p.publish, {"i": i}, exchange="", routing_key="green")
+                for i, p in enumerate(producers)], raise_error=True)
+print(group.rounds - rounds, group.published - published, producers[0].channel.lib.size("green"))
+"""
+
+
+def test_greenlets_ride_together(valkey_server: Server, tmp_path: Any) -> None:
+    """gevent: a leader's socket wait lets the other greenlets run and join the next round
+    (on localhost a round trip is shorter than a publish's Python, so few wait: see
+    docs/performance.md)."""
+    pytest.importorskip("gevent", reason="gevent is not installed (pip install gevent)")
+    script = tmp_path / "green.py"
+    script.write_text(GREEN)
+    client = valkey_server.client(socket_timeout=10)
+    client.flushall()
+    done = subprocess.run([sys.executable, str(script), f"redislua://127.0.0.1:{valkey_server.port}/0",
+                           str(valkey_server.port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rounds, published, size = (int(x) for x in done.stdout.split())
+    assert (rounds, published, size) == (2, 8, 16), "the first alone, the seven behind it together"
+    client.close()
