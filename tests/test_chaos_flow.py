@@ -49,7 +49,7 @@ def good() -> dict[str, list[dict[str, Any]]]:
     """Capped runs up to the cap at once; a retry 0.5 s + 8 ms after its failure, the next
     1 s + 20 ms after the second; a pause of flow.capped from 10 s to 13 s, a task taken before
     it (started during it) and one after it."""
-    records = {kind: [] for kind in ledger.KINDS}
+    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in ledger.KINDS}
     for i, (tid, began, ended) in enumerate((("c1", 0.0, 1.0), ("c2", 0.1, 1.1), ("c3", 0.2, 1.2),
                                              ("c4", 1.05, 2.0), ("c5", 9.9, 10.5), ("c6", 13.1, 13.5))):
         records["submit"].append(submit(tid, began - 0.05, "capped"))

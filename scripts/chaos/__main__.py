@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as error:  # recorded; the run goes on to its verdict
                 entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
                 ledger.record("fault", ledger_server.url, **entry)
-            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal")  # in the scorecard
+            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal",  # in the scorecard
+                     "acked", "resumed", "resume_acked")
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
         time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))

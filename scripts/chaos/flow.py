@@ -39,7 +39,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from kombu import Queue
+from kombu.entity import Queue
 
 from scripts.chaos.profiles import FLOW_FAULT_KINDS, WORKER_FAULTS
 
@@ -72,7 +72,7 @@ def backoff_seconds(delivery_count: int | None, settings: dict[str, Any]) -> flo
     """The delay a failed reject of a delivery with this x-delivery-count makes (the
     reject's requeue counts one more delivery)."""
     count = (delivery_count or 0) + 1
-    return min(settings["retry_min_ms"] * count, settings["retry_max_ms"]) / 1000
+    return float(min(int(settings["retry_min_ms"]) * count, int(settings["retry_max_ms"]))) / 1000
 
 
 def next_task(rng: random.Random, kind: str) -> tuple[float, int]:
@@ -148,7 +148,7 @@ def cap_check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, A
             peak, peak_at = len(running), t
         if len(running) > cap:
             over.append({"t": t, "running": sorted(running)})
-    how = defaultdict(int)
+    how: dict[str, int] = defaultdict(int)
     for run in runs:
         how[run[3]] += 1
     return {"executions": len(runs), "peak_running": peak, "peak_at": peak_at, "cap": cap,
@@ -240,7 +240,7 @@ def check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]]
     stamps = [e["t"] for kind in ("start", "finish", "flow_end", "fault") for e in records.get(kind, [])]
     last = max(stamps, default=time.time())
     pauses = [f for f in faults if f["kind"] == PAUSE_KIND and "acked" in f and "resumed" in f]
-    result = {"settings": settings,
+    result: dict[str, Any] = {"settings": settings,
               "cap": cap_check(records, faults, settings["cap"], last),
               "retry": retry_check(records, faults, settings),
               "pause": pause_check(records, pauses),
