@@ -49,8 +49,16 @@ CAP = 3
 RETRY_MIN_MS, RETRY_MAX_MS = 500, 1500
 RETRY_ARGUMENTS = {"x-delayed-retry-type": "failed", "x-delayed-retry-min": RETRY_MIN_MS,
                    "x-delayed-retry-max": RETRY_MAX_MS}
-# Shares of the producer's submissions (added to the profile's mix with --flow).
-MIX = {"capped": 0.15, "retry": 0.03}
+# Submissions per second of each flow kind, whatever the profile's rate (the capped queue
+# serves about CAP / 1.25 s = 2.4 a second: a higher rate would grow it for the whole run);
+# as shares of the producer's mix, 0.15 and 0.03 at the smoke profile's 10 a second.
+RATES = {"capped": 1.5, "retry": 0.3}
+KINDS = tuple(RATES)
+
+
+def mix(rate: float) -> dict[str, float]:
+    """The flow kinds' shares of a producer sending ``rate`` tasks a second."""
+    return {kind: per_second / rate for kind, per_second in RATES.items()}
 CAPPED_SECONDS = (0.5, 2.0)
 RETRY_FAILURES = (1, 2)  # how many deliveries of a retrying task fail
 PAUSE_KIND = FLOW_FAULT_KINDS[0]

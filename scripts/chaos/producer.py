@@ -29,7 +29,7 @@ class Producer(threading.Thread):
         self.app.conf.task_queues = chaos_app.conf.task_queues  # the routes the workers bind
         if with_flow:  # the flow queues too, declared as the workers declare them
             self.app.conf.task_queues = (*chaos_app.conf.task_queues[:2], *flow.queues())
-        self.mix = {**profile.mix, **flow.MIX} if with_flow else profile.mix
+        self.mix = {**profile.mix, **flow.mix(profile.rate)} if with_flow else profile.mix
         self.app.conf.broker_connection_retry_on_startup = True
         self.ledger_url, self.profile = ledger_url, profile
         self.rng = random.Random(seed * 7919 + 1)
@@ -40,7 +40,7 @@ class Producer(threading.Thread):
         """(kind, seconds the task runs, priority, countdown)."""
         p, rng = self.profile, self.rng
         kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
-        if kind in flow.MIX:
+        if kind in flow.KINDS:
             return kind, *flow.next_task(rng, kind), 0.0  # seconds, failures (in the priority's place)
         if kind == "slow":
             return kind, rng.uniform(*p.slow_seconds), 0, 0.0
@@ -56,7 +56,7 @@ class Producer(threading.Thread):
         eligible = now + countdown
         options: dict[str, Any] = {"task_id": task_id, "retry": True, "retry_policy": RETRY_POLICY}
         name, args, extra = "chaos.work", [kind, seconds], {}
-        if kind in flow.MIX:  # a flow task: ``priority`` holds how many deliveries fail
+        if kind in flow.KINDS:  # a flow task: ``priority`` holds how many deliveries fail
             name, args, extra = "chaos.flow", [kind, seconds, priority], {"failures": priority}
             options["queue"] = flow.CAPPED if kind == "capped" else flow.RETRYING
             priority = 0

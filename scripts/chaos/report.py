@@ -160,7 +160,7 @@ def flow_line(f: dict[str, Any]) -> str:
     return (f"- flow control: cap {ok[cap['ok']]} ({cap['executions']} capped runs, peak running "
             f"{cap['peak_running']} of {cap['cap']}); retry {ok[retry['ok']]} ({retry['retries']} retries, "
             f"early {retry['early']}{explained}, least margin over the backoff {retry['min_margin_ms']} ms); "
-            f"pause {ok[pause['ok']]} ({pause['pauses']} pauses, consumes of a paused queue "
+            f"pause {ok[pause['ok']]} (pauses {pause['pauses']}, consumes of a paused queue "
             f"{pause['violations']}); drain {ok[drain['ok']]} ({drain['capped_submitted']} capped "
             f"submissions, unfinished {drain['capped_unfinished']}, runs cut by a worker_kill "
             f"{drain['runs_cut_by_worker_kill']})")
