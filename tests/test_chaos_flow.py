@@ -79,7 +79,8 @@ def test_a_run_that_keeps_every_flow_promise_passes() -> None:
     checks = found["flow"]
     assert checks["cap"] | {"over_cap_examples": []} == {
         "executions": 6, "peak_running": 3, "peak_at": T0 + 0.2, "cap": 3, "over_cap": 0,
-        "over_cap_examples": [], "ends": {"recorded": 6}, "ok": True}
+        "over_cap_examples": [], "ends": {"recorded": 6}, "released_by_fault": 0,
+        "peak_running_released_runs_to_their_end": 3, "ok": True}
     retry = checks["retry"]
     assert (retry["retries"], retry["early"], retry["min_margin_ms"]) == (2, 0, 8.0)
     assert (checks["pause"]["pauses"], checks["pause"]["violations"]) == (1, 0)
@@ -122,6 +123,30 @@ def test_a_run_cut_by_a_worker_kill_ends_at_the_kill_and_an_unended_one_runs_on(
     found = flow.check(records, records["fault"], SETTINGS, EMPTY)
     assert found["cap"]["ends"]["unknown"] == 1
     assert found["cap"]["peak_running"] == 3, "c5, c6 and the unended c7 at most"
+
+
+def test_a_run_whose_delivery_a_cold_shutdown_handed_back_stops_counting_at_the_signal() -> None:
+    """The seed-403 smoke run: SIGQUIT on a worker running two capped tasks; Celery's cold
+    shutdown hands their deliveries back (1.2 s later) before it terminates the pool, two
+    other tasks take the slots at once, and the two run again later: the two cut runs count
+    up to the signal. Without the second runs nothing took their deliveries: over the cap."""
+    records = good()
+    for tid, began in (("q1", 3.0), ("q2", 3.1)):
+        records["submit"].append(submit(tid, began - 0.1, "capped"))
+        run(records, tid, "capped", began, None)
+    records["fault"].append({"kind": "worker_quit", "t": T0 + 3.5, "target": W1, "exit_seconds": 1.2})
+    run(records, "c8", "capped", 4.6, 5.5, worker=W2)
+    run(records, "c9", "capped", 4.61, 5.6, worker=W2)
+    run(records, "c10", "capped", 4.62, 5.7, worker=W2)
+    records["submit"] += [submit(tid, 4.5, "capped") for tid in ("c8", "c9", "c10")]
+    rerun = copy.deepcopy(records)
+    run(rerun, "q1", "capped", 6.0, 6.5, worker=W2, count=1)
+    run(rerun, "q2", "capped", 6.6, 7.0, worker=W2, count=1)
+    cap = flow.check(rerun, sorted(rerun["fault"], key=lambda f: f["t"]), SETTINGS, EMPTY)["cap"]
+    assert (cap["peak_running"], cap["released_by_fault"], cap["ok"]) == (3, 2, True), cap
+    assert cap["peak_running_released_runs_to_their_end"] == 5
+    cap = flow.check(records, sorted(records["fault"], key=lambda f: f["t"]), SETTINGS, EMPTY)["cap"]
+    assert (cap["peak_running"], cap["released_by_fault"], cap["ok"]) == (5, 0, False), cap
 
 
 @pytest.mark.parametrize("next_start", [0.3, 0.544])

@@ -120,31 +120,47 @@ def pause_fault(app: Any, rng: random.Random, hold: tuple[float, float]) -> dict
 
 
 def _runs(records: dict[str, list[dict[str, Any]]], kind: str, faults: list[dict[str, Any]],
-          last: float) -> list[tuple[str, float, float, str]]:
-    """(task id, start, end, how the end is known) of every run of ``kind``'s tasks."""
+          last: float) -> list[tuple[str, float, float, float, str, bool]]:
+    """(task id, start, end counted against the cap, end, how the end is known, released) of
+    every run of ``kind``'s tasks. A run whose message was delivered again later, and that a
+    fault hit (a connection or broker fault, or one on its worker), is counted only up to
+    that fault (``released``): the fault took its delivery away (a cold shutdown hands its
+    deliveries back before it terminates the pool; a lost connection's deliveries come back
+    while its tasks run on), so the broker no longer counted it."""
     ends = {(e["id"], e["started"]): e for e in records.get("flow_end", [])}
+    starts_of: dict[str, list[float]] = defaultdict(list)
+    for start in records["start"]:
+        starts_of[start["id"]].append(start["t"])
     runs = []
     for start in records["start"]:
         if start.get("kind") != kind:
             continue
         end = ends.get((start["id"], start["t"]))
+        how = "recorded"
         if end is not None:
-            runs.append((start["id"], start["t"], end["t"], "recorded"))
-            continue
-        cut = [f for f in faults if f["kind"] in WORKER_FAULTS and f.get("target") == start["worker"]
-               and f["t"] >= start["t"] - 0.001]
-        if cut:
-            ended = cut[0]["t"] + cut[0].get("exit_seconds", 0.0)
-            runs.append((start["id"], start["t"], ended, "worker_fault"))
+            ended = float(end["t"])
         else:
-            runs.append((start["id"], start["t"], last, "unknown"))
+            cut = [f for f in faults if f["kind"] in WORKER_FAULTS and f.get("target") == start["worker"]
+                   and f["t"] >= start["t"] - 0.001]
+            if cut:
+                ended, how = cut[0]["t"] + cut[0].get("exit_seconds", 0.0), "worker_fault"
+            else:
+                ended, how = last, "unknown"
+        counted, released = ended, False
+        if any(t > start["t"] for t in starts_of[start["id"]]):
+            taken = [f for f in faults
+                     if start["t"] <= f["t"] < ended and takes_delivery(f, start["worker"])]
+            if taken:
+                counted, released = taken[0]["t"], True
+        runs.append((start["id"], start["t"], counted, ended, how, released))
     return runs
 
 
-def cap_check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]],
-              cap: int, last: float) -> dict[str, Any]:
-    runs = _runs(records, "capped", faults, last)
-    events = sorted([(s, 1, tid) for tid, s, _, _ in runs] + [(e, -1, tid) for tid, _, e, _ in runs],
+def peak_of(intervals: list[tuple[str, float, float]],
+            cap: int) -> tuple[int, float | None, list[dict[str, Any]]]:
+    """The most distinct task ids between start and end at one instant, when, and the
+    instants over ``cap``."""
+    events = sorted([(s, 1, tid) for tid, s, _ in intervals] + [(e, -1, tid) for tid, _, e in intervals],
                     key=lambda ev: (ev[0], ev[1]))  # an end before a start at the same instant
     running: dict[str, int] = defaultdict(int)
     peak, over, peak_at = 0, [], None
@@ -156,17 +172,27 @@ def cap_check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, A
             peak, peak_at = len(running), t
         if len(running) > cap:
             over.append({"t": t, "running": sorted(running)})
+    return peak, peak_at, over
+
+
+def cap_check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]],
+              cap: int, last: float) -> dict[str, Any]:
+    runs = _runs(records, "capped", faults, last)
+    peak, peak_at, over = peak_of([(tid, s, counted) for tid, s, counted, _, _, _ in runs], cap)
+    to_the_end = peak_of([(tid, s, e) for tid, s, _, e, _, _ in runs], cap)[0]
     how: dict[str, int] = defaultdict(int)
     for run in runs:
-        how[run[3]] += 1
+        how[run[4]] += 1
     return {"executions": len(runs), "peak_running": peak, "peak_at": peak_at, "cap": cap,
             "over_cap": len(over), "over_cap_examples": over[:10], "ends": dict(how),
-            "ok": peak <= cap}
+            "released_by_fault": sum(1 for run in runs if run[5]),
+            "peak_running_released_runs_to_their_end": to_the_end, "ok": peak <= cap}
 
 
-def explains_early_retry(fault: dict[str, Any], worker: str) -> bool:
-    """A fault that may hand a failed delivery back without its reject: a connection or
-    broker fault, or one on the worker that ran it (not a pause)."""
+def takes_delivery(fault: dict[str, Any], worker: str) -> bool:
+    """A fault that may take a delivery from the worker running it (hand it back, or lose
+    it with the connection; a failed one without its reject): a connection or broker fault,
+    or one on that worker (not a pause)."""
     if fault["kind"] in FLOW_FAULT_KINDS:
         return False
     return fault["kind"] not in WORKER_FAULTS or fault.get("target") == worker
@@ -195,7 +221,7 @@ def retry_check(records: dict[str, list[dict[str, Any]]], faults: list[dict[str,
         example = {"id": end["id"], "failed": end["t"], "next_start": following[0]["t"],
                    "backoff": backoff, "early_by": round(-margin, 4)}
         fault = next((f for f in faults if end["started"] - 1.0 <= f["t"] <= following[0]["t"]
-                      and explains_early_retry(f, end["worker"])), None)
+                      and takes_delivery(f, end["worker"])), None)
         if fault is None:
             early.append(example)
         else:
