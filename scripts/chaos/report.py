@@ -166,7 +166,8 @@ def flow_line(f: dict[str, Any]) -> str:
     ok = {True: "holds", False: "FAILS"}
     explained = f", {retry['early_explained']} explained by a fault" if retry["early_explained"] else ""
     return (f"- flow control: cap {ok[cap['ok']]} ({cap['executions']} capped runs, peak running "
-            f"{cap['peak_running']} of {cap['cap']}{released(cap)}); retry {ok[retry['ok']]} ({retry['retries']} retries, "
+            f"{cap['peak_running']} of {cap['cap']}{released(cap)}); "
+            f"retry {ok[retry['ok']]} ({retry['retries']} retries, "
             f"early {retry['early']}{explained}, least margin over the backoff {retry['min_margin_ms']} ms); "
             f"pause {ok[pause['ok']]} (pauses {pause['pauses']}, consumes of a paused queue "
             f"{pause['violations']}); drain {ok[drain['ok']]} ({drain['capped_submitted']} capped "
