@@ -113,3 +113,32 @@ def test_smoke_profile_with_power_losses() -> None:
     assert verdict["lost"] == verdict["lost_explained_by_power_loss"], detail
     assert verdict["lost_unexplained"] == 0 and verdict["unattributable"] == 0, detail
     assert verdict["broker_clean"] and verdict["verdict"] == "PASS", detail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smoke_profile_with_flow_control() -> None:
+    """Issue 40 §4: the smoke run with --flow on Valkey: a queue capped at 3 in flight (acks
+    late), a queue whose tasks fail and wait out a 500-1500 ms delayed retry, and a queue
+    pause in the schedule among every other fault; the cap held at every instant, no retry
+    came before its backoff, nothing was taken from a paused queue, the capped queue drained."""
+    try:
+        server_binary("valkey")
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    chaos = importlib.import_module("scripts.chaos.__main__")
+    card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "403", "--flow",
+                                  "--no-doc"]))
+    verdict = card["verdict"]
+    flow = verdict["flow"]
+    detail = {key: verdict[key] for key in ("lost_ids", "broker", "unattributable_examples",
+                                            "faults_applied", "flow")}
+    assert "queue_pause" in verdict["faults_applied"], detail
+    assert flow["cap"]["executions"] > 0 and flow["cap"]["peak_running"] <= flow["cap"]["cap"] == 3, detail
+    assert flow["retry"]["retries"] > 0 and flow["retry"]["early"] == 0, detail
+    assert flow["pause"]["pauses"] > 0 and flow["pause"]["violations"] == 0, detail
+    assert flow["drain"]["ok"], detail
+    in_jepsen_terms(verdict, detail)
+    assert verdict["verdict"] == "PASS", detail

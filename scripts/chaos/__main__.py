@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from celery import Celery
 
-from scripts.chaos import faults, ledger, report, verdict
+from scripts.chaos import faults, flow, ledger, report, verdict
 from scripts.chaos.broker import BROKERS, Broker
 from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
-from scripts.chaos.profiles import ALL_FAULT_KINDS, POWER_LOSS_KINDS, PROFILES, Profile
+from scripts.chaos.profiles import ALL_FAULT_KINDS, FLOW_FAULT_KINDS, POWER_LOSS_KINDS, PROFILES, Profile
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
 
@@ -40,6 +41,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="the fault kinds of the schedule, comma-separated (default: every kind "
                              "the broker allows, power loss excepted); e.g. power_loss,worker_kill. "
                              f"Kinds: {', '.join(ALL_FAULT_KINDS)}")
+    parser.add_argument("--flow", action="store_true",
+                        help="ours only: flow control under faults (scripts/chaos/flow.py): a queue "
+                             f"under 'limit --in-flight {flow.CAP}', a queue with x-delayed-retry-*, "
+                             "queue_pause in the schedule, and the verdict's flow checks")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -52,6 +57,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--durability is an option of our transport only")
     if args.transport == "stock" and args.broker.endswith("-cluster"):
         parser.error("kombu's stock Redis transport does not run on a cluster")
+    if args.flow and args.transport == "stock":
+        parser.error("--flow: pause, limit and delayed retry are our transport's")
     if args.durability_timeout and not args.durability:
         parser.error("--durability-timeout needs --durability")
     if args.faults:
@@ -59,6 +66,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         unknown = [k for k in kinds if k not in ALL_FAULT_KINDS]
         if unknown or not kinds:
             parser.error(f"--faults: unknown kind(s) {unknown}; kinds: {', '.join(ALL_FAULT_KINDS)}")
+        if set(kinds) & set(FLOW_FAULT_KINDS) and not args.flow:
+            parser.error(f"--faults: {', '.join(FLOW_FAULT_KINDS)} needs --flow")
         args.faults = kinds
     return args
 
@@ -67,7 +76,8 @@ def log(message: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str) -> float:
+def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str,
+          queues: tuple[str, ...] = verdict.QUEUES) -> float:
     """Wait (bounded) until every submission finished and the broker holds nothing (the
     broker being the primary the sentinels name now, for a Sentinel group)."""
     began = time.monotonic()
@@ -76,7 +86,7 @@ def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str) -> 
         finished = {entry["id"] for entry in records["finish"]}
         missing = sum(1 for entry in records["submit"] if entry["id"] not in finished)
         try:
-            pending = verdict.broker_state(broker.client(socket_timeout=10), transport)["pending"]
+            pending = verdict.broker_state(broker.client(socket_timeout=10), transport, queues)["pending"]
         except (redis.RedisError, OSError, TimeoutError):
             pending = None  # a failover still under way: ask again
         if not missing and pending == 0:
@@ -121,6 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()}}
+    queues = verdict.QUEUES + (flow.QUEUES if args.flow else ())
+    flow_app: Celery | None = None
     ledger_server = Server("valkey").start()
     broker.start()
     workers: list[ChaosWorker] = []
@@ -133,20 +145,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_server.url,
                "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
                "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
+        if args.flow:
+            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join(queues))
         for i, (pool, concurrency) in enumerate(profile.workers, 1):
             workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
             workers[-1].start()
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
+        if args.flow:  # the workers declared the flow queues; the cap is set before any load
+            flow_app = Celery("chaos-flow", broker=broker_url, set_as_current=False)
+            flow_app.conf.broker_transport_options = options
+            card["run"]["flow_settings"] = {**flow.settings(), "limits": flow.apply_limit(flow_app)}
+            log(f"flow: {card['run']['flow_settings']}")
         listener = EventListener(broker_url, options, ledger_server.url)
         listener.start()
         injector = faults.FaultInjector(broker, workers, args.transport, profile,
-                                        ledger_server.url, args.seed)
+                                        ledger_server.url, args.seed, flow_app)
         if broker.recorder_error:
             log(f"power loss will be skipped: {broker.recorder_error}")
             card["run"]["recorder_error"] = broker.recorder_error
-        plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker))
+        plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
+                               + (FLOW_FAULT_KINDS if args.flow else ()))
         card["run"]["fault_plan"] = plan
-        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed)
+        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed, args.flow)
         began = time.monotonic()
         producer.start()
         for at, fault in plan:
@@ -156,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as error:  # recorded; the run goes on to its verdict
                 entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
                 ledger.record("fault", ledger_server.url, **entry)
-            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal")  # in the scorecard
+            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal",  # in the scorecard
+                     "acked", "resumed", "resume_acked")
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
         time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))
@@ -167,21 +188,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 worker.reap(5)
                 worker.start()
         settle(broker, card)  # a failover the last fault set off ends before the drain
-        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, broker, args.transport)
+        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, broker, args.transport, queues)
         listener.stop()
         settle(broker, card)
         if broker.replicated:
             card["run"]["primary_at_end"] = broker.current().port
-        state = verdict.broker_state(broker.client(socket_timeout=10), args.transport)
+        state = verdict.broker_state(broker.client(socket_timeout=10), args.transport, queues)
         records = ledger.read(ledger_server.url)
         (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
-        card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability)
+        card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability,
+                                          card["run"].get("flow_settings"))
         card["faults"] = records["fault"]
     finally:
         if producer is not None and producer.is_alive():
             producer.stop()
         if listener is not None and listener.is_alive():
             listener.stop()
+        if flow_app is not None:
+            flow_app.close()
         for worker in workers:
             worker.stop()
         broker.stop()
@@ -198,7 +222,7 @@ def recompute(path: Path) -> dict[str, Any]:
                          "fault_gap": tuple(card["run"]["profile_settings"]["fault_gap"])})
     previous = card["verdict"]["verdict"]
     card["verdict"] = verdict.compute(records, card["verdict"]["broker"], profile, card["run"]["transport"],
-                                      card["run"].get("durability"))
+                                      card["run"].get("durability"), card["run"].get("flow_settings"))
     card["run"]["recomputed"] = {"from": path.name, "verdict_then": previous,
                                  "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     return card

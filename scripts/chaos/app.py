@@ -18,11 +18,12 @@ import time
 from typing import Any
 
 from celery import Celery
+from celery.exceptions import Reject
 from celery.signals import task_received
 from kombu import Exchange, Queue
 
 import celery_redis_lua  # noqa: F401  (registers redislua://)
-from scripts.chaos import batches, ledger
+from scripts.chaos import batches, flow, ledger
 
 app = Celery("chaos", set_as_current=False)
 app.conf.update(
@@ -51,6 +52,10 @@ app.conf.task_queues = (
     Queue("celery"),
     Queue("expiring", JOBS, routing_key="jobs.#", expires=EXPIRING_QUEUE_SECONDS),
 )
+# With --flow (CHAOS_FLOW=1): the capped and the retrying queue too (scripts/chaos/flow.py).
+FLOW = os.environ.get("CHAOS_FLOW") == "1"
+if FLOW:
+    app.conf.task_queues = (*app.conf.task_queues, *flow.queues())
 
 
 # The header the worker's consumer stamps a delivery with when it receives it: a task can
@@ -65,12 +70,35 @@ def _stamp_receipt(request: Any, **_: Any) -> None:
     request.request_dict[RECEIVED] = time.time()
 
 
+def record_start(request: Any, kind: str) -> float:
+    info = request.delivery_info or {}
+    started = time.time()
+    ledger.record("start", id=request.id, kind=kind, t=started, worker=request.hostname,
+                  pid=os.getpid(), delivery_count=vars(request).get("x-delivery-count"),
+                  redelivered=info.get("redelivered"), received=vars(request).get(RECEIVED))
+    return started
+
+
 @app.task(name="chaos.work", bind=True)
 def work(self, kind: str, seconds: float) -> None:
     request = self.request
-    info = request.delivery_info or {}
-    ledger.record("start", id=request.id, kind=kind, t=time.time(), worker=request.hostname,
-                  pid=os.getpid(), delivery_count=vars(request).get("x-delivery-count"),
-                  redelivered=info.get("redelivered"), received=vars(request).get(RECEIVED))
+    record_start(request, kind)
     time.sleep(seconds)
+    ledger.record("finish", id=request.id, t=time.time(), worker=request.hostname, pid=os.getpid())
+
+
+@app.task(name="chaos.flow", bind=True)
+def flow_work(self, kind: str, seconds: float, failures: int) -> None:
+    """A task of a flow queue: its end goes to the ledger too (``flow_end``, keyed by the
+    start's time); a retrying one fails its first ``failures`` deliveries by rejecting them
+    with requeue, so the queue's delayed retry holds them back."""
+    request = self.request
+    started = record_start(request, kind)
+    count = vars(request).get("x-delivery-count") or 0
+    time.sleep(seconds)
+    failing = count < failures
+    ledger.record("flow_end", id=request.id, t=time.time(), started=started, worker=request.hostname,
+                  pid=os.getpid(), kind=kind, delivery_count=count, outcome="retry" if failing else "ok")
+    if failing:
+        raise Reject(f"chaos: delivery {count} of {failures} failing", requeue=True)
     ledger.record("finish", id=request.id, t=time.time(), worker=request.hostname, pid=os.getpid())

@@ -25,11 +25,12 @@ from typing import Any
 
 import redis
 
-from scripts.chaos import aof, ledger
+from scripts.chaos import aof, flow, ledger
 from scripts.chaos.broker import Broker
 from scripts.chaos.profiles import (
     CLUSTER_FAULT_KINDS,
     FAULT_KINDS,
+    FLOW_FAULT_KINDS,
     POWER_LOSS_KINDS,
     SENTINEL_FAULT_KINDS,
     STOCK_SKIPS,
@@ -81,6 +82,7 @@ class FaultInjector:
     profile: Profile
     ledger_url: str
     seed: int
+    flow_app: Any = None  # with --flow: the Celery app queue_pause pauses through
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed * 31 + 5)
@@ -97,6 +99,11 @@ class FaultInjector:
             entry.update(self.worker_fault(kind))
         elif kind in POWER_LOSS_KINDS:
             entry.update(self.power_loss(kind))
+        elif kind in FLOW_FAULT_KINDS:
+            if self.flow_app is None:
+                entry.update(skipped="a flow fault needs --flow")
+            else:
+                entry.update(flow.pause_fault(self.flow_app, self.rng, self.profile.pause_seconds))
         elif kind in SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS and not self.broker.replicated:
             entry.update(skipped="needs a Sentinel broker or a cluster")
         else:

@@ -63,6 +63,10 @@ def total_queue(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     acknowledged = {entry["id"] for entry in records.get("submit", [])}
     attempts = acknowledged | {entry["id"] for entry in records.get("submit_error", [])}
     deliveries = Counter(entry["id"] for entry in records.get("start", []))
+    # a --flow retrying task's runs that failed on purpose (rejected to be retried) are one
+    # attempt with its retries, not duplicates
+    deliveries.subtract(entry["id"] for entry in records.get("flow_end", [])
+                        if entry.get("outcome") == "retry")
     ok = attempts & set(deliveries)
     lost = acknowledged - set(deliveries)
     recovered = ok - acknowledged

@@ -6,7 +6,8 @@ record what happened, by task id, as JSON list entries under ``chaos:<kind>``.
 ``start`` / ``finish``: id, t, worker, pid (a start also its delivery count and receipt);
 ``batch`` (our transport's workers, batches.py): t, after, pid, channel, deliveries as
 [queue, task id, delivery count] in the order taken; ``fault``, ``event``,
-``listener_error``."""
+``listener_error``; ``flow_end`` (with ``--flow``, scripts/chaos/flow.py): id, t, started (the
+start's t), worker, pid, kind, delivery_count, outcome ("ok", or "retry": rejected with requeue)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from typing import Any
 
 import redis
 
-KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error", "batch")
+KINDS = ("submit", "submit_error", "start", "finish", "fault", "event", "listener_error", "batch",
+         "flow_end")
 _client: dict[str, Any] = {"pid": None, "url": None, "client": None}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import Celery
 
-from scripts.chaos import ledger
+from scripts.chaos import flow, ledger
 from scripts.chaos.app import app as chaos_app
 from scripts.chaos.profiles import Profile
 
@@ -22,11 +22,14 @@ RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, 
 
 class Producer(threading.Thread):
     def __init__(self, broker_url: str, transport_options: dict[str, Any], ledger_url: str,
-                 profile: Profile, seed: int) -> None:
+                 profile: Profile, seed: int, with_flow: bool = False) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
         self.app.conf.broker_transport_options = transport_options
         self.app.conf.task_queues = chaos_app.conf.task_queues  # the routes the workers bind
+        if with_flow:  # the flow queues too, declared as the workers declare them
+            self.app.conf.task_queues = (*chaos_app.conf.task_queues[:2], *flow.queues())
+        self.mix = {**profile.mix, **flow.mix(profile.rate)} if with_flow else profile.mix
         self.app.conf.broker_connection_retry_on_startup = True
         self.ledger_url, self.profile = ledger_url, profile
         self.rng = random.Random(seed * 7919 + 1)
@@ -36,7 +39,9 @@ class Producer(threading.Thread):
     def next_task(self) -> tuple[str, float, int, float]:
         """(kind, seconds the task runs, priority, countdown)."""
         p, rng = self.profile, self.rng
-        kind = rng.choices(list(p.mix), weights=list(p.mix.values()))[0]
+        kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        if kind in flow.KINDS:
+            return kind, *flow.next_task(rng, kind), 0.0  # seconds, failures (in the priority's place)
         if kind == "slow":
             return kind, rng.uniform(*p.slow_seconds), 0, 0.0
         if kind == "countdown":
@@ -50,14 +55,19 @@ class Producer(threading.Thread):
         now = time.time()
         eligible = now + countdown
         options: dict[str, Any] = {"task_id": task_id, "retry": True, "retry_policy": RETRY_POLICY}
-        if priority:
+        name, args, extra = "chaos.work", [kind, seconds], {}
+        if kind in flow.KINDS:  # a flow task: ``priority`` holds how many deliveries fail
+            name, args, extra = "chaos.flow", [kind, seconds, priority], {"failures": priority}
+            options["queue"] = flow.CAPPED if kind == "capped" else flow.RETRYING
+            priority = 0
+        elif priority:
             options["priority"] = priority
         if kind == "routed":  # through the topic exchange to the queue with x-expires
             options.update(queue="expiring", routing_key=f"jobs.{task_id[:8]}")
         if countdown:
             options["eta"] = datetime.fromtimestamp(eligible, tz=UTC)
         try:
-            self.app.send_task("chaos.work", args=[kind, seconds], **options)
+            self.app.send_task(name, args=args, **options)
         except Exception as error:
             self.errors += 1
             ledger.record("submit_error", self.ledger_url, id=task_id, t=time.time(), kind=kind,
@@ -66,7 +76,7 @@ class Producer(threading.Thread):
         self.sent += 1
         ledger.record("submit", self.ledger_url, id=task_id, t=now, sent=time.time(), kind=kind,
                       priority=priority, eligible=eligible, seconds=seconds,
-                      queue=options.get("queue", "celery"))
+                      queue=options.get("queue", "celery"), **extra)
 
     def run(self) -> None:
         began, n = time.monotonic(), 0

@@ -21,8 +21,11 @@ CLUSTER_FAULT_KINDS = ("primary_kill", "cluster_failover")
 # past (aof_corrupt). One server only (redis-aof, redis-aof-always, valkey, valkey-aof-always);
 # picked with --faults, not in the default schedule.
 POWER_LOSS_KINDS = ("power_loss", "power_loss_torn", "aof_corrupt")
+# Flow control (issue 40 §4, scripts/chaos/flow.py): a flow queue paused 2-4 s, then resumed.
+# With --flow only, and then in the default schedule.
+FLOW_FAULT_KINDS = ("queue_pause",)
 ALL_FAULT_KINDS = (FAULT_KINDS + tuple(dict.fromkeys(SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS))
-                   + POWER_LOSS_KINDS)
+                   + POWER_LOSS_KINDS + FLOW_FAULT_KINDS)
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
 # Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
 STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}

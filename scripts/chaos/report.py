@@ -147,8 +147,32 @@ def summary(card: dict[str, Any], path: Path) -> str:
         f"p99 {lat['p99']} s, max {lat['max']} s",
         *([jepsen_line(v["jepsen"])] if "jepsen" in v else []),
         *([order_line(v["order"])] if "order" in v else []),
+        *([flow_line(v["flow"])] if "flow" in v else []),
         "",
     ])
+
+
+def released(cap: dict[str, Any]) -> str:
+    """The cap check's runs a fault released (scorecards before the rule have none)."""
+    if not cap.get("released_by_fault"):
+        return ""
+    return (f"; {cap['released_by_fault']} runs released by a fault, with them to their end "
+            f"{cap['peak_running_released_runs_to_their_end']}")
+
+
+def flow_line(f: dict[str, Any]) -> str:
+    """The --flow checks (scripts/chaos/flow.py) in one line."""
+    cap, retry, pause, drain = f["cap"], f["retry"], f["pause"], f["drain"]
+    ok = {True: "holds", False: "FAILS"}
+    explained = f", {retry['early_explained']} explained by a fault" if retry["early_explained"] else ""
+    return (f"- flow control: cap {ok[cap['ok']]} ({cap['executions']} capped runs, peak running "
+            f"{cap['peak_running']} of {cap['cap']}{released(cap)}); "
+            f"retry {ok[retry['ok']]} ({retry['retries']} retries, "
+            f"early {retry['early']}{explained}, least margin over the backoff {retry['min_margin_ms']} ms); "
+            f"pause {ok[pause['ok']]} (pauses {pause['pauses']}, consumes of a paused queue "
+            f"{pause['violations']}); drain {ok[drain['ok']]} ({drain['capped_submitted']} capped "
+            f"submissions, unfinished {drain['capped_unfinished']}, runs cut by a worker_kill "
+            f"{drain['runs_cut_by_worker_kill']})")
 
 
 JEPSEN_FIELDS = ("ok", "lost", "recovered", "unexpected", "duplicated")

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from celery_redis_lua import ScriptLibrary
-from scripts.chaos import jepsen, ledger
+from scripts.chaos import flow, jepsen, ledger
 from scripts.chaos.profiles import POWER_LOSS_KINDS, WORKER_FAULTS, Profile
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
@@ -37,20 +37,25 @@ LISTENER_DOWN = 5.0
 WRITES_UNTIL_SLACK = 0.5
 
 
-def broker_state(client: redis.Redis, transport: str) -> dict[str, Any]:
-    """What is left in the broker for the default queue."""
+def broker_state(client: redis.Redis, transport: str, queues: tuple[str, ...] = QUEUES) -> dict[str, Any]:
+    """What is left in the broker for the chaos queues (``queues``: with --flow, the flow
+    queues too; the capped one's counts then also under ``capped``)."""
     if transport == "ours":
         lib = ScriptLibrary(client)
-        stats = lib.stats(list(QUEUES))
+        stats = lib.stats(list(queues))
         keys = lib.keys
-        messages = sum(client.hlen(keys.message(q)) + client.hlen(keys.state(q)) for q in QUEUES)
-        index = sum(client.zcard(keys.index(q)) for q in QUEUES)
+        messages = sum(client.hlen(keys.message(q)) + client.hlen(keys.state(q)) for q in queues)
+        index = sum(client.zcard(keys.index(q)) for q in queues)
         state = {"ready": sum(s.ready for s in stats), "delayed": sum(s.delayed for s in stats),
                  "in_flight": sum(s.in_flight for s in stats), "dead": sum(s.dead for s in stats),
                  "index_entries": index, "message_fields": messages,
                  "expiring_queue_exists": bool(lib.exists("expiring"))}
         state["pending"] = state["ready"] + state["delayed"] + state["in_flight"]
         state["clean"] = not (state["pending"] or index or messages or state["dead"])
+        if flow.CAPPED in queues:
+            capped = stats[queues.index(flow.CAPPED)]
+            state["capped"] = {"ready": capped.ready, "delayed": capped.delayed,
+                               "in_flight": capped.in_flight, "dead": capped.dead}
         return state
     lists = [key for key in client.scan_iter(match="*", count=1000)
              if key.decode().split("\x06\x16")[0] in QUEUES and client.type(key) == b"list"]
@@ -201,7 +206,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
-            profile: Profile, transport: str, durability: str | None = None) -> dict[str, Any]:
+            profile: Profile, transport: str, durability: str | None = None,
+            flow_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """``durability``: the run's durability setting (ours only). Without one, a lost task
     may be explained by a failover's unreplicated writes (lost_to_failover); with one, a
     publish the broker confirmed was on the replica, so every loss counts against the run.
@@ -212,14 +218,19 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     action, not a silent loss.
     Tasks whose publish raised (submit errors, NotDurable among them) were never confirmed:
     they are not lost if they never run; if they do run, their executions are counted, and
-    duplicates among them attributed like any other."""
+    duplicates among them attributed like any other.
+    ``flow_settings`` (a --flow run, scripts/chaos/flow.py): the flow checks run, under
+    ``flow``, and each must hold; a retrying task's run after its deliberate failure is its
+    retry, not a duplicate; a queue pause explains no duplicate, loss or lost event."""
     submits = {entry["id"]: entry for entry in records["submit"]}
     refused = {entry["id"]: entry for entry in records["submit_error"]}
     starts, finishes = ledger.by_id(records["start"]), ledger.by_id(records["finish"])
     # a power loss is dated by its kill (entries recorded before 2026-12-06 11:10 had the
     # moment the fault began, up to a second before it, as their ``t``)
-    faults = sorted(({**f, "t": f["killed_at"]} if "killed_at" in f else f for f in records["fault"]),
-                    key=lambda f: f["t"])
+    every_fault = sorted(({**f, "t": f["killed_at"]} if "killed_at" in f else f for f in records["fault"]),
+                         key=lambda f: f["t"])
+    faults = [f for f in every_fault if f["kind"] not in flow.FLOW_FAULT_KINDS]
+    deliberate = {(e["id"], e["started"]) for e in records.get("flow_end", []) if e.get("outcome") == "retry"}
     failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
     power_losses = [f for f in faults if f["kind"] in POWER_LOSS_KINDS and not f.get("skipped")
                     and not f.get("error")]
@@ -263,6 +274,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         early += [{"id": tid, "by": round(submit["eligible"] - run["t"], 4)} for run in runs
                   if run["t"] < submit["eligible"] - EARLY_TOLERANCE]
         for prev, dup in itertools.pairwise(runs):
+            if (tid, prev["t"]) in deliberate:
+                continue  # the retry of a run that failed on purpose (flow.py)
             fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
             retried = fault is None and publish_retried(submit, faults)
             if retried:
@@ -280,6 +293,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
                                    "prev": prev, "dup": dup})
     for tid, refusal in refused.items():  # publish raised, the message ran anyway (maybe twice)
         for prev, dup in itertools.pairwise(starts.get(tid, [])):
+            if (tid, prev["t"]) in deliberate:
+                continue
             fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
             if fault is None:
                 unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
@@ -293,7 +308,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     # a task whose publish raised was held from that publish (it has no eligibility time)
     held = {**{tid: {"eligible": e["t"]} for tid, e in refused.items()}, **submits}
     events = events_lost(records, finishes, faults, held)
-    applied = Counter(f["kind"] for f in faults if not f.get("skipped"))
+    applied = Counter(f["kind"] for f in every_fault if not f.get("skipped"))
     verdict = {
         "submitted": len(submits), "submit_errors": len(records["submit_error"]),
         "submit_errors_by_type": dict(Counter(error_type(e.get("error", ""))
@@ -323,7 +338,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "attributed_examples": attributed[:30],
         "executions_not_submitted": len(unknown),
         "faults_applied": dict(applied),
-        "faults_skipped": sorted({f["kind"] for f in faults if f.get("skipped")}),
+        "faults_skipped": sorted({f["kind"] for f in every_fault if f.get("skipped")}),
         "duplicate_window_seconds": window,
         **events,
         "latency_seconds": {name: percentile(latencies, q) for name, q in
@@ -333,6 +348,9 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     }
     ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
           and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
+    if flow_settings is not None:
+        verdict["flow"] = flow.check(records, every_fault, flow_settings, state.get("capped"))
+        ok = ok and verdict["flow"]["ok"]
     verdict["verdict"] = ("PASS" if ok else "FAIL") if transport == "ours" else "REPORT"
     verdict["would_pass"] = ok
     return verdict

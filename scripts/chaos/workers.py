@@ -38,7 +38,7 @@ class ChaosWorker:
             sys.executable, "-m", "celery", "-A", "scripts.chaos.app", "worker",
             "--loglevel", "INFO", "--pool", self.pool, "--concurrency", str(self.concurrency),
             "--hostname", self.hostname, "--without-mingle", "--without-gossip",
-            "--without-heartbeat", "-E", "-Q", "celery,expiring",
+            "--without-heartbeat", "-E", "-Q", self.env.get("CHAOS_QUEUES", "celery,expiring"),
         ]
         env = dict(os.environ, **self.env, PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
