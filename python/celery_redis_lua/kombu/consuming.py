@@ -67,6 +67,7 @@ class ConsumingMixin:
     _active_queues: list[str]
     _no_ack_queues: set[str]
     _refill_due: float | None
+    _shard_turn: int
     _undelivered: deque[tuple[Delivery, bool]]  # taken, not handed kombu yet (with their no_ack)
 
     # -- the round ----------------------------------------------------------------------------
@@ -74,8 +75,8 @@ class ConsumingMixin:
     @property
     def queues_polled(self) -> list[str]:
         """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
-        fanout = self.connection.fanout_queues
-        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
+        fanout, shards = self.connection.fanout_queues, self.connection.shards
+        return [m for q in dict.fromkeys(self._active_queues) if q not in fanout for m in shards.members(q)]
 
     def headroom(self) -> int:
         """How many messages QoS lets this channel take now. A QoS whose can_consume was
@@ -141,6 +142,10 @@ class ConsumingMixin:
         """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms,
         rate_in_ms, whether every call took all it asked for)."""
         queues = self.queues_polled if queues is None else queues
+        # A sharded queue's shards, the first asked turning each time (sharding.py): on a
+        # cluster a batch that fills from the first slots asked never starves the others.
+        self._shard_turn += 1
+        queues = self.connection.shards.rotated(queues, self._shard_turn)
         delivered, wake, rate, calls, short = 0, None, None, 0, False
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
@@ -188,7 +193,8 @@ class ConsumingMixin:
             if payload is None:
                 continue
             try:
-                self.connection._deliver(payload, delivery.queue)
+                # A shard's message goes to its logical queue's consumer (sharding.py).
+                self.connection._deliver(payload, self.connection.shards.logical_of(delivery.queue))
             except Exception as error:
                 # Raised before kombu's QoS took it (only its Message can: a body it cannot
                 # decode), nobody would hold it: rejected as a payload that is no envelope is.
