@@ -9,6 +9,7 @@ names itself; and the order given up is bounded by one consume batch per shard.
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -279,3 +280,40 @@ def test_an_in_flight_limit_holds_over_the_logical_queue(cluster: Cluster) -> No
         for message in held:
             message.ack()
         assert len(consume(conn, [queue], 6)) == 6
+
+
+# -- status and the exporter ---------------------------------------------------------------------
+
+
+def test_status_and_the_exporter_show_the_logical_queue_and_each_shard(cluster: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from celery_redis_lua.tools.cli import main
+    from celery_redis_lua.tools.exporter import QueueCollector
+
+    queue = sharded("watched")
+    names = list(shards.shard_names("watched", 3))
+    with Connection(cluster_url(cluster)) as conn:
+        producer = conn.Producer()
+        for i in range(7):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="watched", declare=[queue])
+        flow.limit(_App(conn), "watched", in_flight=9)
+    url = cluster_url(cluster)
+    for args in ([], ["--queue", "watched"]):
+        result = CliRunner().invoke(main, ["status", "--json", "--url", url, *args])
+        assert result.exit_code == 0, result.output
+        rows = {row["queue"]: row for row in json.loads(result.output.splitlines()[0])["queues"]}
+        assert list(rows) == ["watched", *names]
+        assert rows["watched"]["ready"] == 7 and rows["watched"]["shards"] == names
+        assert rows["watched"]["limits"]["in_flight"] == 9
+        assert [rows[n]["ready"] for n in names] == [3, 2, 2]
+        assert {rows[n]["shard_of"] for n in names} == {"watched"}
+    lib = ScriptLibrary(cluster.client(), Keyspace())
+    for collector in (QueueCollector(lib), QueueCollector(lib, ["watched"])):
+        samples = [(family.name, sample.labels, sample.value) for family in collector.collect()
+                   for sample in family.samples]
+        assert ("celery_queue_length", {"queue_name": "watched"}, 7) in samples
+        assert not [s for s in samples if s[1].get("queue_name", s[1].get("queue")) in names]
+        per_shard = {s[1]["shard"]: s[2] for s in samples
+                     if s[0] == "celery_redis_lua_queue_shard" and s[1]["state"] == "ready"}
+        assert per_shard == dict(zip(names, [3, 2, 2], strict=True))

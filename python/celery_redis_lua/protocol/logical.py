@@ -11,8 +11,12 @@ published, keeps the whole limit.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
 from .library import ScriptLibrary
-from .ops import Limits
+from .ops import Limits, QueueMetrics
 from .shards import group_shards, split
 
 
@@ -62,9 +66,43 @@ def limit(lib: ScriptLibrary, queue: str, *, in_flight: int | str | None = None,
                          clear_rate=clear_rate)
                for shard, cap, pace in zip(shards, _shares(in_flight, len(shards)),
                                            _rate_shares(rate, len(shards)), strict=True)]
-    caps = [r.in_flight for r in results]
-    rates = [r.rate.partition("/") for r in results if r.rate is not None]
+    return added_up(results)
+
+
+def added_up(shares: Sequence[Limits]) -> Limits:
+    """The limits in force over shards: the caps added up, and the rates when all share a unit
+    (None when any shard has none)."""
+    caps = [r.in_flight for r in shares]
+    rates = [r.rate.partition("/") for r in shares if r.rate is not None]
     total_rate = None
-    if len(rates) == len(results) and len({unit for _, _, unit in rates}) == 1:
+    if rates and len(rates) == len(shares) and len({unit for _, _, unit in rates}) == 1:
         total_rate = f"{sum(int(n) for n, _, _ in rates)}/{rates[0][2]}"
-    return Limits(None if None in caps else sum(c for c in caps if c is not None), total_rate)
+    return Limits(None if not caps or None in caps else sum(c for c in caps if c is not None), total_rate)
+
+
+def fold(found: Sequence[QueueMetrics]) -> list[tuple[QueueMetrics, list[QueueMetrics]]]:
+    """``found`` by logical queue: each one's metrics (a sharded queue's, its own and its
+    shards' added up), with its shards' own metrics (none for a queue not sharded)."""
+    by_name = {m.queue: m for m in found}
+    folded: list[tuple[QueueMetrics, list[QueueMetrics]]] = []
+    for queue, names in group_shards([m.queue for m in found]).items():
+        shards = [by_name[name] for name in names]
+        own = by_name.get(queue)
+        folded.append((_logical(queue, [own] if own else [], shards) if shards else by_name[queue], shards))
+    return folded
+
+
+def _logical(queue: str, own: list[QueueMetrics], shards: list[QueueMetrics]) -> QueueMetrics:
+    members = own + shards
+    oldest = [m.oldest_ready_at for m in members if m.oldest_ready_at is not None]
+    etas = [m.next_eta for m in members if m.next_eta is not None]
+    paused = [m.paused for m in members if m.paused is not None]
+    return dataclasses.replace(
+        members[0], queue=queue, now=max(m.now for m in members), ready=sum(m.ready for m in members),
+        delayed=sum(m.delayed for m in members), in_flight=sum(m.in_flight for m in members),
+        dead=sum(m.dead for m in members), retrying=sum(m.retrying for m in members),
+        redelivered=sum(m.redelivered for m in members), oldest_ready_at=min(oldest, default=None),
+        next_eta=min(etas, default=None), paused=paused[0] if paused else None,
+        limits=added_up([m.limits for m in shards]), exists=any(m.exists for m in members),
+        dropped=dict(sum((Counter(m.dropped) for m in members), Counter())),
+        deduplicated=dict(sum((Counter(m.deduplicated) for m in members), Counter())))
