@@ -317,3 +317,17 @@ def test_status_and_the_exporter_show_the_logical_queue_and_each_shard(cluster: 
         per_shard = {s[1]["shard"]: s[2] for s in samples
                      if s[0] == "celery_redis_lua_queue_shard" and s[1]["state"] == "ready"}
         assert per_shard == dict(zip(names, [3, 2, 2], strict=True))
+
+
+def test_unconfirmed_publishes_spread_over_the_shards_too(broker: Broker) -> None:
+    queue = sharded("fast")
+    names = list(shards.shard_names("fast", 3))
+    with broker.connection(confirm_publish=False) as conn:
+        producer = conn.Producer()
+        for i in range(9):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="fast", declare=[queue])
+        assert queue(conn.default_channel).queue_declare(passive=True).message_count == 9  # settled first
+        lib = conn.default_channel.lib
+        assert ready(lib, ["fast", *names]) == {"fast": 0, **dict.fromkeys(names, 3)}
+        got = consume(conn, [queue], 9)
+    assert sorted(m.payload["i"] for m in got) == list(range(9))

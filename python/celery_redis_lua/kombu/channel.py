@@ -162,9 +162,9 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         publishing = self._publishing
-        if publishing is not None and queue in publishing.stored:
-            return  # stored before a refused route sent us round again
         logical, queue = queue, self.shard_to_publish_to(queue, message)  # itself if not sharded
+        if publishing is not None and self.stored_in(logical, publishing.stored):
+            return  # stored before a refused route sent us round again (a shard of it may have)
         args = publish_arguments(message, self.options.message_ttl_ms)
         exchange = message["properties"]["delivery_info"].get("exchange")
         cached = publishing is not None and not publishing.fresh and publishing.looked_up_ms is not None

@@ -105,6 +105,11 @@ class ShardingMixin:
         names = connection.shards.by_queue.get(queue)
         return self.shard_picker.pick(names, queue, message) if names else queue
 
+    def stored_in(self, queue: str, stored: set[str]) -> bool:
+        """Whether ``queue`` (a shard of it, if sharded: an unconfirmed publish records
+        the shard) is among the queues that stored a message."""
+        return any(member in stored for member in self.connection.shards.members(queue))
+
     def members_turned(self, queue: str) -> list[str]:
         """``queue``'s members, the first shard asked turning at each call."""
         self._shard_turn += 1
