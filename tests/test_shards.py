@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import redis
-from kombu import Connection, Exchange, Producer, Queue
+from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol import shards
 from celery_redis_lua.tools import flow
 from conftest import Broker, require_kind
-from kombu_support import consume
+from kombu_support import consume, drain
 from scripts.servers import Cluster
 
 
@@ -331,3 +331,33 @@ def test_unconfirmed_publishes_spread_over_the_shards_too(broker: Broker) -> Non
         assert ready(lib, ["fast", *names]) == {"fast": 0, **dict.fromkeys(names, 3)}
         got = consume(conn, [queue], 9)
     assert sorted(m.payload["i"] for m in got) == list(range(9))
+
+
+def test_empty_shards_wait_instead_of_costing_a_call_each_round(cluster: Cluster) -> None:
+    """All 80 messages in one shard, taken 4 at a time: the shards found empty block on their
+    wake lists from the first round on, so their primaries see a consume or two, not one
+    for every batch the busy shard gives."""
+    queue = sharded("lopsided")
+    names = shards.shard_names("lopsided", 3)
+    busy = names[zlib.crc32(b"same") % 3]
+    client = cluster.client()
+    busy_node = client.get_node_from_key(Keyspace().queue(busy))
+    others = [node for node in client.get_primaries() if node.name != busy_node.name]
+
+    def evalsha_calls() -> int:
+        return sum(client.get_redis_connection(node).info("commandstats").get("cmdstat_evalsha", {})
+                   .get("calls", 0) for node in others)
+
+    with Connection(cluster_url(cluster), transport_options={"consume_batch": 4, "sweep_interval": 60}) as conn:
+        producer = conn.Producer()
+        for i in range(80):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="lopsided", declare=[queue],
+                             headers={"x-shard-key": "same"})
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda body, message: (got.append(body), message.ack())],
+                      prefetch_count=4):
+            before = evalsha_calls()  # the declares and binds made
+            drain(conn, got, 80)
+            wasted = evalsha_calls() - before
+    assert sorted(body["i"] for body in got) == list(range(80))
+    assert wasted <= 8, f"{wasted} consume calls on the primaries of the empty shards for 20 batches"

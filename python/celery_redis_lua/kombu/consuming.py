@@ -67,7 +67,9 @@ class ConsumingMixin:
     _active_queues: list[str]
     _no_ack_queues: set[str]
     _refill_due: float | None
-    _shard_turn: int
+    drained: list[list[str]]  # the slot groups the last consume_now found empty (sharding.py)
+    turn_shards: Any
+    note_drained: Any
     _undelivered: deque[tuple[Delivery, bool]]  # taken, not handed kombu yet (with their no_ack)
 
     # -- the round ----------------------------------------------------------------------------
@@ -110,9 +112,9 @@ class ConsumingMixin:
             self._send_consume(idle[0])
             return 0
         delivered, wake_in_ms, rate_in_ms, full = self.consume_now([q for group in idle + due for q in group])
-        if self.qos.can_consume() and not full:  # a full take: more may be ready, consume again first
-            for group in idle + due:
-                self.start_queue_wait(group, wake_in_ms, rate_in_ms)
+        # A full take: more may be ready, consume again first; but the slots it found empty wait.
+        for group in (idle + due if not full else self.drained) if self.qos.can_consume() else []:
+            self.start_queue_wait(group, wake_in_ms, rate_in_ms)
         return delivered
 
     def refill_due(self) -> float | None:
@@ -141,12 +143,8 @@ class ConsumingMixin:
     def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None, int | None, bool]:
         """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms,
         rate_in_ms, whether every call took all it asked for)."""
-        queues = self.queues_polled if queues is None else queues
-        # A sharded queue's shards, the first asked turning each time (sharding.py): on a
-        # cluster a batch that fills from the first slots asked never starves the others.
-        self._shard_turn += 1
-        queues = self.connection.shards.rotated(queues, self._shard_turn)
-        delivered, wake, rate, calls, short = 0, None, None, 0, False
+        queues = self.turn_shards(self.queues_polled if queues is None else queues)  # sharding.py
+        delivered, wake, rate, calls, short, self.drained = 0, None, None, 0, False, []
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
             room = self.headroom()
@@ -154,6 +152,7 @@ class ConsumingMixin:
                 continue
             consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
             calls, short = calls + 1, short or len(consumed.deliveries) < room
+            self.note_drained(group, consumed.deliveries)
             _log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:

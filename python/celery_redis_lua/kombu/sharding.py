@@ -96,6 +96,8 @@ class ShardingMixin:
     def init_sharding(self) -> None:
         self.shard_picker = ShardPicker()
         self._shard_turn = 0  # rotates the shards a consume asks first
+        self.drained: list[list[str]] = []
+        self._empty_at: dict[str, int] = {}  # queue -> the turn a consume found it empty
 
     def shard_to_publish_to(self, queue: str, message: dict[str, Any]) -> str:
         """The shard that takes a message to ``queue`` (``queue`` itself if not sharded)."""
@@ -110,11 +112,31 @@ class ShardingMixin:
         the shard) is among the queues that stored a message."""
         return any(member in stored for member in self.connection.shards.members(queue))
 
-    def members_turned(self, queue: str) -> list[str]:
-        """``queue``'s members, the first shard asked turning at each call."""
+    def turn_shards(self, queues: list[str]) -> list[str]:
+        """A consume's queues, each sharded queue's shards turned: the first asked changes
+        each time, so on a cluster a batch that fills from the first slots asked never
+        starves the others."""
         self._shard_turn += 1
         shard_map: ShardMap = self.connection.shards
-        return shard_map.rotated(shard_map.members(queue), self._shard_turn)
+        turned = shard_map.rotated(queues, self._shard_turn)
+        # Found empty within the last len(queues) consumes: asked last (stable sort), so a
+        # full take rarely spends a call on them, and each is still asked in every cycle.
+        return sorted(turned, key=lambda q: self._shard_turn - self._empty_at.get(q, -len(turned))
+                      <= len(turned))
+
+    def note_drained(self, queues: list[str], deliveries: list[Any]) -> None:
+        """Of a consume across slot groups (asked in turn until it had enough), those before
+        the last that gave anything came back short: empty now. They wait on their wake
+        lists, though the take was full, instead of costing a call each next round."""
+        groups = self.lib.slot_groups(queues)
+        gave = {delivery.queue for delivery in deliveries}
+        last = max((i for i, group in enumerate(groups) if gave.intersection(group)), default=-1)
+        self.drained += groups[:last]
+        self._empty_at.update((queue, self._shard_turn) for group in groups[:last] for queue in group)
+
+    def members_turned(self, queue: str) -> list[str]:
+        """``queue``'s members, the first shard asked turning at each call."""
+        return self.turn_shards(self.connection.shards.members(queue))
 
     def refuse_sharded_fanout(self, queue: str, exchange: str) -> None:
         if queue in self.connection.shards.by_queue:
