@@ -126,11 +126,12 @@ class ShardingMixin:
 
     def note_drained(self, queues: list[str], deliveries: list[Any]) -> None:
         """Of a consume across slot groups (asked in turn until it had enough), those before
-        the last that gave anything came back short: empty now. They wait on their wake
-        lists, though the take was full, instead of costing a call each next round."""
+        the last that gave anything (all, if none did) came back short: empty now. They wait
+        on their wake lists though the take was full (when the window has room), and are
+        asked last for a while, instead of costing a call each next round."""
         groups = self.lib.slot_groups(queues)
         gave = {delivery.queue for delivery in deliveries}
-        last = max((i for i, group in enumerate(groups) if gave.intersection(group)), default=-1)
+        last = max((i for i, group in enumerate(groups) if gave.intersection(group)), default=len(groups))
         self.drained += groups[:last]
         self._empty_at.update((queue, self._shard_turn) for group in groups[:last] for queue in group)
 
