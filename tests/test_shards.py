@@ -348,7 +348,8 @@ def test_empty_shards_wait_instead_of_costing_a_call_each_round(cluster: Cluster
         return sum(client.get_redis_connection(node).info("commandstats").get("cmdstat_evalsha", {})
                    .get("calls", 0) for node in others)
 
-    with Connection(cluster_url(cluster), transport_options={"consume_batch": 4, "sweep_interval": 60}) as conn:
+    options = {"consume_batch": 4, "sweep_interval": 60}
+    with Connection(cluster_url(cluster), transport_options=options) as conn:
         producer = conn.Producer()
         for i in range(80):
             producer.publish({"i": i}, exchange=queue.exchange, routing_key="lopsided", declare=[queue],
@@ -361,3 +362,27 @@ def test_empty_shards_wait_instead_of_costing_a_call_each_round(cluster: Cluster
             wasted = evalsha_calls() - before
     assert sorted(body["i"] for body in got) == list(range(80))
     assert wasted <= 8, f"{wasted} consume calls on the primaries of the empty shards for 20 batches"
+
+
+def test_an_unbind_or_delete_elsewhere_is_never_followed_by_the_old_route_to_a_shard(broker: Broker) -> None:
+    """A producer's cached table still routes to the sharded queue after another connection
+    unbound (then deleted) it: the publish to a shard is refused as a stale route, as one to
+    the queue would be, so nothing lands in a shard, nor brings one back into being."""
+    exchange = Exchange("routed", "direct")
+    plain, split = Queue("plain", exchange, routing_key="rk"), \
+        Queue("split", exchange, routing_key="rk", queue_arguments={"x-shards": 2})
+    names = ["split", *shards.shard_names("split", 2)]
+    with broker.connection() as conn, broker.connection() as other:
+        lib = conn.default_channel.lib
+        producer = conn.Producer()
+        producer.publish("both", exchange=exchange, routing_key="rk", declare=[plain, split])
+        assert sum(ready(lib, names).values()) == 1
+        elsewhere = split(other.default_channel)
+        elsewhere.declare()
+        elsewhere.unbind_from(exchange=exchange, routing_key="rk")
+        producer.publish("plain only", exchange=exchange, routing_key="rk")
+        assert ready(lib, ["plain"]) == {"plain": 2} and sum(ready(lib, names).values()) == 1
+        elsewhere.delete()
+        producer.publish("after the delete", exchange=exchange, routing_key="rk")
+        assert ready(lib, ["plain"]) == {"plain": 3}
+        assert not any(lib.exists(name) for name in names)
