@@ -15,8 +15,16 @@ import time
 import redis
 from celery import Celery
 from celery.exceptions import Reject
+from kombu import Exchange, Queue
 
 import celery_redis_lua  # noqa: F401  (registers the redislua:// scheme)
+
+
+def sharded_queue(spec: str) -> Queue:
+    """``<queue>:<N>`` as a kombu Queue with x-shards N, on a direct exchange of its name."""
+    name, _, count = spec.partition(":")
+    return Queue(name, Exchange(name, "direct"), routing_key=name, queue_arguments={"x-shards": int(count)})
+
 
 app = Celery("crl_e2e")
 app.conf.update(
@@ -34,6 +42,10 @@ app.conf.update(
 # <hostname>.celery.pidbox), 60 s and 10 s in Celery.
 if os.environ.get("CRL_QUEUE_EXPIRES"):
     app.conf.event_queue_expires = app.conf.control_queue_expires = float(os.environ["CRL_QUEUE_EXPIRES"])
+
+# CRL_SHARDED=<queue>:<N>: that queue is declared with x-shards N (docs/sharding.md).
+if os.environ.get("CRL_SHARDED"):
+    app.conf.task_queues = [sharded_queue(os.environ["CRL_SHARDED"])]
 
 _ledger: redis.Redis | None = None
 

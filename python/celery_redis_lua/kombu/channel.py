@@ -27,6 +27,7 @@ from ..protocol.group import publish_confirmed
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery, Outgoing, StaleRoute
 from ..protocol.retry import DelayedRetry
+from ..protocol.shards import shard_count
 from ..protocol.unconfirmed import Send
 from ..protocol.waits import BlockingRead
 from .arguments import MAX_PRIORITY, ms_argument
@@ -36,6 +37,7 @@ from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .qos import QoS
 from .routes import Publishing, RouteCache, close_unconfirmed
+from .sharding import ShardingMixin
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 FANOUT_PATTERN = "fanout"
 
 
-class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
+class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
     """A kombu channel on the celery-redis-lua scripts."""
 
     QoS = QoS
@@ -66,7 +68,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
                                                                  self.options.publish_flush_delay)
         self.outbox = KEEPER.outbox(self.lib, self.options.ack_flush_delay, unconfirmed)
         self.unconfirmed = self.outbox.publishes  # None with confirm_publish (the default)
-        self.routes = RouteCache(self.lib)
+        self.routes = RouteCache(self.lib, connection.shards.members)
+        self.init_sharding()
         self._publishing: Publishing | None = None
         self._send: Send | None = None
         self.consumer_name = f"{socket.gethostname()}:{os.getpid()}:{self.channel_id}"
@@ -160,8 +163,9 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         publishing = self._publishing
-        if publishing is not None and queue in publishing.stored:
-            return  # stored before a refused route sent us round again
+        logical, queue = queue, self.shard_to_publish_to(queue, message)  # itself if not sharded
+        if publishing is not None and self.stored_in(logical, publishing.stored):
+            return  # stored before a refused route sent us round again (a shard of it may have)
         args = publish_arguments(message, self.options.message_ttl_ms)
         exchange = message["properties"]["delivery_info"].get("exchange")
         looked_up = publishing.looked_up_ms if publishing is not None and not publishing.fresh else None
@@ -175,7 +179,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         wait_out(lambda: publish_confirmed(self.lib, queue, outgoing, grouped=self.options.group_commit),
                  self.options.fence_timeout)
         if publishing is not None:
-            publishing.stored.add(queue)
+            publishing.stored.add(logical)
 
     # -- queues and bindings ----------------------------------------------------------------
 
@@ -190,10 +194,12 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             retry = DelayedRetry.from_arguments(arguments) or self.options.delayed_retry
         except ValueError as error:
             raise ValueError(f"queue {queue!r}: {error}") from None
-        self._declare(queue, expires_ms=expires,
-                      message_ttl_ms=ms_argument(queue, arguments, "x-message-ttl"),
-                      max_priority=ms_argument(queue, arguments, "x-max-priority"), retry=retry,
-                      consumer_timeout_ms=ms_argument(queue, arguments, "x-consumer-timeout"))
+        declare = {"expires_ms": expires, "message_ttl_ms": ms_argument(queue, arguments, "x-message-ttl"),
+                   "max_priority": ms_argument(queue, arguments, "x-max-priority"), "retry": retry,
+                   "consumer_timeout_ms": ms_argument(queue, arguments, "x-consumer-timeout")}
+        # A sharded queue is itself and its shards, declared alike (protocol/shards.py).
+        for member in [queue, *self.connection.shards.declare(queue, shard_count(queue, arguments))]:
+            self._declare(member, **declare)
 
     def _declare(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``; stored arguments out of range (an older version's, or set by
@@ -234,7 +240,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
             meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
             self._unbind(exchange, queue, self._binding_member(exchange, *meta))
         self.state.queue_bindings_delete(queue)
-        self._forget_queue(queue)
+        self.forget_logical(queue)
 
     def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
                      arguments: Any = None, **kwargs: Any) -> None:
@@ -276,6 +282,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         """The fanout table is the connection's, like kombu's binding state: a queue bound on
         one channel is served on any other channel of the connection."""
         if self.typeof(exchange).type == "fanout":
+            self.refuse_sharded_fanout(queue, exchange)
             self.connection.fanout_queues[queue] = (exchange, (routing_key or "").replace("#", "*"))
             # Recorded with the queue before the group is made: a delete from anywhere finds it.
             self._declare(queue, fanout_exchange=exchange)
@@ -300,25 +307,17 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
                                               "auto_delete": False, "arguments": {}, "table": []}
         return super().typeof(exchange, default)
 
-    def _size(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
-        return self.lib.size(queue)
-
-    def _purge(self, queue: str) -> int:
-        self.settle_unconfirmed()  # what this channel published counts (protocol/unconfirmed.py)
-        return self.lib.purge(queue)
-
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
         self._unbind(exchange, queue, self._binding_member(exchange, routing_key, pattern, queue))
-        self._forget_queue(queue)
+        self.forget_logical(queue)
 
     # -- consuming --------------------------------------------------------------------------
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         self.settle_unconfirmed()
         if no_ack:
-            self._no_ack_queues.add(queue)
+            self._no_ack_queues.update(self.connection.shards.members(queue))
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
         self._keep_alive(queue)
         self._restart_waits()
@@ -328,8 +327,9 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
-            self._no_ack_queues.discard(queue)
-            KEEPER.withdraw(self, queue)
+            for member in self.connection.shards.members(queue):
+                self._no_ack_queues.discard(member)
+                KEEPER.withdraw(self, member)
             self._leave_fanout([queue])
         self._restart_waits()
         return result
@@ -342,7 +342,7 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         self.settle_unconfirmed()
-        for delivery in self.lib.consume([queue], 1, no_ack=no_ack).deliveries:
+        for delivery in self.lib.consume(self.members_turned(queue), 1, no_ack=no_ack).deliveries:
             payload = self._decode_or_reject(delivery, no_ack)
             if payload is not None:
                 message = self.Message(payload, channel=self)
@@ -363,7 +363,8 @@ class Channel(ConsumingMixin, FanoutMixin, virtual.Channel):
         three times per x-expires (a consumed queue never expires, nor its routes)."""
         expires, calls = self._expires_ms(queue), []
         if expires and queue in self._active_queues:
-            calls = [self.lib.calls.extend(queue, [])]  # a fanout queue's too: meta records its bindings
+            # A fanout queue's too (meta records its bindings); a sharded queue's shards too.
+            calls = [self.lib.calls.extend(member, []) for member in self.connection.shards.members(queue)]
             if queue in self.connection.fanout_queues:
                 calls.append(self.fanout_bind_call(queue))
             for exchange, routing_key, arguments in self.state.queue_bindings(queue):

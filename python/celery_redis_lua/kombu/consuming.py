@@ -67,6 +67,9 @@ class ConsumingMixin:
     _active_queues: list[str]
     _no_ack_queues: set[str]
     _refill_due: float | None
+    drained: list[list[str]]  # the slot groups the last consume_now found empty (sharding.py)
+    turn_shards: Any
+    note_drained: Any
     _undelivered: deque[tuple[Delivery, bool]]  # taken, not handed kombu yet (with their no_ack)
 
     # -- the round ----------------------------------------------------------------------------
@@ -74,8 +77,8 @@ class ConsumingMixin:
     @property
     def queues_polled(self) -> list[str]:
         """Consumed queues that hold messages in ZSETs (fanout-bound ones read streams)."""
-        fanout = self.connection.fanout_queues
-        return [q for q in dict.fromkeys(self._active_queues) if q not in fanout]
+        fanout, shards = self.connection.fanout_queues, self.connection.shards
+        return [m for q in dict.fromkeys(self._active_queues) if q not in fanout for m in shards.members(q)]
 
     def headroom(self) -> int:
         """How many messages QoS lets this channel take now. A QoS whose can_consume was
@@ -109,9 +112,9 @@ class ConsumingMixin:
             self._send_consume(idle[0])
             return 0
         delivered, wake_in_ms, rate_in_ms, full = self.consume_now([q for group in idle + due for q in group])
-        if self.qos.can_consume() and not full:  # a full take: more may be ready, consume again first
-            for group in idle + due:
-                self.start_queue_wait(group, wake_in_ms, rate_in_ms)
+        # A full take: more may be ready, consume again first; but the slots it found empty wait.
+        for group in (idle + due if not full else self.drained) if self.qos.can_consume() else []:
+            self.start_queue_wait(group, wake_in_ms, rate_in_ms)
         return delivered
 
     def refill_due(self) -> float | None:
@@ -140,8 +143,8 @@ class ConsumingMixin:
     def consume_now(self, queues: list[str] | None = None) -> tuple[int, int | None, int | None, bool]:
         """Deliver what is ready in ``queues`` (default: all); returns (delivered, wake_in_ms,
         rate_in_ms, whether every call took all it asked for)."""
-        queues = self.queues_polled if queues is None else queues
-        delivered, wake, rate, calls, short = 0, None, None, 0, False
+        queues = self.turn_shards(self.queues_polled if queues is None else queues)  # sharding.py
+        delivered, wake, rate, calls, short, self.drained = 0, None, None, 0, False, []
         for no_ack, group in ((True, [q for q in queues if q in self._no_ack_queues]),
                               (False, [q for q in queues if q not in self._no_ack_queues])):
             room = self.headroom()
@@ -149,6 +152,7 @@ class ConsumingMixin:
                 continue
             consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
             calls, short = calls + 1, short or len(consumed.deliveries) < room
+            self.note_drained(group, consumed.deliveries)
             _log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
@@ -188,7 +192,8 @@ class ConsumingMixin:
             if payload is None:
                 continue
             try:
-                self.connection._deliver(payload, delivery.queue)
+                # A shard's message goes to its logical queue's consumer (sharding.py).
+                self.connection._deliver(payload, self.connection.shards.logical_of(delivery.queue))
             except Exception as error:
                 # Raised before kombu's QoS took it (only its Message can: a body it cannot
                 # decode), nobody would hold it: rejected as a payload that is no envelope is.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +49,10 @@ class Publishing:
 
 
 class RouteCache:
-    def __init__(self, lib: ScriptLibrary) -> None:
+    def __init__(self, lib: ScriptLibrary,
+                 members: Callable[[str], list[str]] = lambda queue: [queue]) -> None:
         self.lib = lib
+        self.members = members  # a queue's, a sharded one's shards with it (sharding.py)
         self._tables: dict[str, tuple[Routes, float]] = {}  # exchange -> (table, until: monotonic)
         # exchange -> the time this channel recorded a change at (rerouted): a table looked up
         # in that very millisecond would be refused at its next publish, so it is not kept.
@@ -91,7 +93,8 @@ class RouteCache:
         self._tables.pop(exchange, None)
         routes = self.lib.lookup(exchange)
         self._recorded[exchange] = routes.looked_up_ms
-        names = dict.fromkeys(b.queue for b in routes) if queues is None else dict.fromkeys(queues)
+        names = dict.fromkeys(member for queue in ((b.queue for b in routes) if queues is None else queues)
+                              for member in self.members(queue))
         calls = [self.lib.calls.rerouted(queue, exchange, routes.looked_up_ms) for queue in names]
         if calls:
             self.lib.run_many(calls)

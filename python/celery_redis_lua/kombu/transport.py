@@ -45,6 +45,7 @@ from ..protocol.sentinel import (
 )
 from .channel import Channel
 from .poller import OVERDUE_GRACE_SECONDS, Poller
+from .sharding import ShardMap
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class Transport(virtual.Transport):
         # keeping a delivery of one alive after it (keeper.py)
         self.consumer_timeouts: dict[str, int] = {}
         self.fanout_queues: dict[str, tuple[str, str]] = {}  # queue -> (exchange, routing key)
+        self.shards = ShardMap()  # the declared sharded queues (x-shards, protocol/shards.py)
         self._server_checked = False  # eviction and the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
         self.cluster  # noqa: B018  (bad cluster URLs or options: an error now)

@@ -157,6 +157,10 @@ class Keyspace:
         """A SCAN MATCH pattern for every queue's meta key (queue discovery)."""
         return _glob_escape(self.meta("x")[:-len("x}")]) + "*}"
 
+    def shards_meta_pattern(self, queue: str) -> str:
+        """A SCAN MATCH pattern for the meta keys of ``queue``'s shards (protocol/shards.py)."""
+        return _glob_escape(self.meta(queue + "~")[:-1]) + "*}"
+
     def slot(self, queue: str) -> int:
         """The cluster slot that holds every key of ``queue``."""
         return key_slot(self.queue(queue).encode())

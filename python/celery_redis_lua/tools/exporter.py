@@ -22,6 +22,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..protocol import logical
 from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import QueueMetrics
@@ -45,9 +46,11 @@ class QueueCollector(Collector):
         self._lock = threading.Lock()  # the HTTP server may scrape from several threads
 
     def queues(self) -> list[str]:
-        if self.fixed:
-            return self.fixed
-        if time.monotonic() - self._discovered_at >= self.discover_interval:
+        if self.fixed and time.monotonic() - self._discovered_at >= self.discover_interval:
+            # A sharded queue named: its shards too (found by their names, a SCAN).
+            self._known = [m for queue in self.fixed for m in logical.members_of(self.lib, queue)]
+            self._discovered_at = time.monotonic()
+        elif not self.fixed and time.monotonic() - self._discovered_at >= self.discover_interval:
             declared, bound = self.lib.declared_queues(), self.lib.bound_queues()
             found = sorted(set(declared) | set(bound))
             if not found and (self._known or self._discovered_at == float("-inf")):
@@ -95,8 +98,20 @@ def _gauge(name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[
     return family
 
 
+def shard_family(folded: list[tuple[QueueMetrics, list[QueueMetrics]]]) -> Metric:
+    return _gauge("queue_shard", "A shard of a sharded queue (x-shards): its messages by state "
+                  "(ready, delayed, in_flight, dead); the queue's own series add its shards' up.",
+                  ["queue", "shard", "state"],
+                  (([q.queue, s.queue, state], getattr(s, state)) for q, shards in folded for s in shards
+                   for state in ("ready", "delayed", "in_flight", "dead")))
+
+
 def families(found: Sequence[QueueMetrics]) -> Iterator[Metric]:
-    """The metric families of one scrape."""
+    """The metric families of one scrape: a sharded queue's series are its own and its
+    shards' added up, and each shard's are in ``celery_redis_lua_queue_shard``."""
+    folded = logical.fold(found)
+    yield shard_family(folded)
+    found = [q for q, _ in folded]
     length = GaugeMetricFamily("celery_queue_length", "Messages ready to be delivered (what LLEN "
                                "counts on kombu's stock Redis transport).", labels=["queue_name"])
     for m in found:

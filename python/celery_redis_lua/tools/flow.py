@@ -9,12 +9,16 @@ queue that does not exist and a reason over 256 bytes, naming them.
 Limits (lua/limit.lua) are fields of the same hash: at most N messages in flight and at most
 N deliveries per second, minute or hour, for all the queue's consumers together; consume
 enforces them in the call that takes. The script judges the values and names a bad one.
+
+On a sharded queue (x-shards) each applies to the logical queue: every shard is paused, and
+a limit is split over the shards (protocol/logical.py says how it is rounded).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..protocol import logical
 from ..protocol.ops import Limits
 from .locate import library_of
 
@@ -23,13 +27,13 @@ def pause(app: Any, queue: str, reason: str = "") -> bool:
     """``celery_redis_lua.pause(app, queue, reason)``, through the app's broker connection:
     True unless the queue was paused already (its reason is then replaced)."""
     with library_of(app) as lib:
-        return lib.pause(queue, reason)
+        return logical.pause(lib, queue, reason)
 
 
 def resume(app: Any, queue: str) -> bool:
     """``celery_redis_lua.resume(app, queue)``: True if the queue was paused."""
     with library_of(app) as lib:
-        return lib.resume(queue)
+        return logical.resume(lib, queue)
 
 
 def limit(app: Any, queue: str, *, in_flight: int | None = None, rate: str | None = None) -> Limits:
@@ -37,7 +41,7 @@ def limit(app: Any, queue: str, *, in_flight: int | None = None, rate: str | Non
     for all its consumers together (None leaves one as it is); returns those in force.
     ``rate`` is 'N/s', 'N/m' or 'N/h'. Raises ScriptError naming a bad value or a missing queue."""
     with library_of(app) as lib:
-        return lib.limit(queue, in_flight=in_flight, rate=rate)
+        return logical.limit(lib, queue, in_flight=in_flight, rate=rate)
 
 
 def clear_limits(app: Any, queue: str, *, in_flight: bool = True, rate: bool = True) -> Limits:
@@ -47,4 +51,4 @@ def clear_limits(app: Any, queue: str, *, in_flight: bool = True, rate: bool = T
         raise ValueError("celery-redis-lua: clear_limits: nothing to clear "
                          "(in_flight and rate are both False)")
     with library_of(app) as lib:
-        return lib.limit(queue, clear_in_flight=in_flight, clear_rate=rate)
+        return logical.limit(lib, queue, clear_in_flight=in_flight, clear_rate=rate)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from ..protocol import logical
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import QueueMetrics
 
@@ -31,7 +32,8 @@ def watch_status(lib: ScriptLibrary, queues: Sequence[str], interval: float, *,
     with Live(console=console, auto_refresh=False, transient=False) as live:
         try:
             while rounds is None or drawn < rounds:
-                found = lib.metrics(list(queues) or lib.queue_names())
+                names = [m for q in queues for m in logical.members_of(lib, q)] or lib.queue_names()
+                found = [m for q, shards in logical.fold(lib.metrics(names)) for m in (q, *shards)]
                 live.update(render(found, before), refresh=True)
                 before = {m.queue: m for m in found}
                 drawn += 1

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ...protocol import logical
 from ...protocol.eviction import Eviction, read_eviction
 from ...protocol.ops import QueueMetrics
 from ...protocol.runner import ERROR_PREFIX, ScriptError
@@ -42,8 +43,9 @@ def status(queues: tuple[str, ...], as_json: bool, watch: bool, interval: float,
         return
     if queues:
         require_queues(lib, queues)
-    names = list(queues) or lib.queue_names()
-    found = lib.metrics(names) if names else []
+    # A sharded queue's row adds up its shards', whose rows follow it (protocol/logical.py).
+    names = [m for q in queues for m in logical.members_of(lib, q)] or lib.queue_names()
+    found = flat(logical.fold(lib.metrics(names))) if names else []
     eviction = read_eviction(lib.client)
     if as_json:
         click.echo(json.dumps({**status_json(found), "maxmemory_policy": eviction.policy,
@@ -65,14 +67,24 @@ def warn_of_eviction(eviction: Eviction) -> None:
         click.echo(f"{PROG}: warning: {warning}", err=True)
 
 
+def flat(folded: list[tuple[QueueMetrics, list[QueueMetrics]]]) -> list[QueueMetrics]:
+    """Each logical queue, then its shards."""
+    return [m for queue, shards in folded for m in (queue, *shards)]
+
+
 def status_json(found: Sequence[QueueMetrics]) -> dict[str, Any]:
-    """The --json shape of status (stable: fields are only ever added)."""
+    """The --json shape of status (stable: fields are only ever added): a sharded queue's
+    entry adds up its shards' and names them ("shards"); each shard's names it ("shard_of")."""
+    shard_of = {s.queue: q.queue for q, shards in logical.fold(found) for s in shards}
+    shards = {q: [s for s, of in shard_of.items() if of == q] for q in set(shard_of.values())}
     return {"server_time_ms": found[0].now if found else None, "queues": [{
         "queue": m.queue, "ready": m.ready, "delayed": m.delayed, "retrying": m.retrying,
         "in_flight": m.in_flight, "dead": m.dead, "paused": m.paused,
         "limits": {"in_flight": m.limits.in_flight, "rate": m.limits.rate},
         "redelivered": m.redelivered, "dropped": m.dropped,
         "oldest_ready_age_ms": m.oldest_ready_age_ms, "next_eta_in_ms": m.next_eta_in_ms,
+        **({"shards": shards[m.queue]} if m.queue in shards else {}),
+        **({"shard_of": shard_of[m.queue]} if m.queue in shard_of else {}),
     } for m in found]}
 
 
@@ -88,7 +100,7 @@ def pause_command(queue: str, reason: str, url: str, prefix: str) -> None:
     """Pause a queue for every consumer, held in the broker: it takes publishes and delivers
     nothing (due countdowns wait too) until resumed; messages in flight finish normally."""
     with about_queue(queue):
-        changed = connect(url, prefix).pause(queue, reason)
+        changed = logical.pause(connect(url, prefix), queue, reason)
     click.echo(f"{queue!r} paused" if changed else f"{queue!r} was paused already (reason updated)")
 
 
@@ -98,7 +110,7 @@ def pause_command(queue: str, reason: str, url: str, prefix: str) -> None:
 def resume_command(queue: str, url: str, prefix: str) -> None:
     """Resume a paused queue: its blocked consumers wake at once."""
     with about_queue(queue):
-        changed = connect(url, prefix).resume(queue)
+        changed = logical.resume(connect(url, prefix), queue)
     click.echo(f"{queue!r} resumed" if changed else f"{queue!r} was not paused")
 
 
@@ -124,8 +136,8 @@ def limit_command(queue: str, in_flight: str | None, rate: str | None, clear_all
         raise click.UsageError("give --in-flight, --rate or a --clear option")
     try:
         with about_queue(queue):
-            limits = connect(url, prefix).limit(
-                queue, in_flight=in_flight, rate=rate,  # as typed: the script judges them, naming a bad one
+            limits = logical.limit(  # the values as typed: the script judges them, naming a bad one
+                connect(url, prefix), queue, in_flight=in_flight, rate=rate,
                 clear_in_flight=clear_all or clear_in_flight, clear_rate=clear_all or clear_rate)
     except ScriptError as error:  # a value the script refused: named by the flag it came from
         problem = str(error).removeprefix(f"{ERROR_PREFIX} limit: ")
