@@ -25,7 +25,7 @@ from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.fence import wait_out
 from ..protocol.group import publish_confirmed
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Delivery, Outgoing, StaleRoute
+from ..protocol.ops import Delivery, StaleRoute
 from ..protocol.retry import DelayedRetry
 from ..protocol.shards import shard_count
 from ..protocol.unconfirmed import Send
@@ -170,8 +170,7 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         exchange = message["properties"]["delivery_info"].get("exchange")
         looked_up = publishing.looked_up_ms if publishing is not None and not publishing.fresh else None
         route = (exchange, looked_up) if exchange and looked_up is not None else None  # a cached route
-        outgoing = Outgoing(dumps(message), args.priority, args.eta_ms, args.ttl_ms, args.task_id, route,
-                            args.dedup, args.fairness_key)
+        outgoing = args.outgoing(dumps(message), route)
         if self.unconfirmed is not None and self._send is not None:  # stored (or refused) when it goes
             self.unconfirmed.add(self._send, queue, outgoing.call(self.lib.keys, self.lib.policy, queue))
             return

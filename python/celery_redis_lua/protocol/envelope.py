@@ -15,7 +15,7 @@ from typing import Any
 from . import dedup, fairness
 from .bounds import MAX_DURATION_MS, MAX_ETA_MS
 from .dedup import Dedup
-from .ops import Delivery
+from .ops import Delivery, Outgoing
 
 TAG_SEPARATOR = "@"
 FANOUT_MARK = "fanout:"  # a fanout entry's tag: read at most once, nothing to ack
@@ -55,6 +55,11 @@ class PublishArguments:
     task_id: str | None = None  # the Celery task id (headers.id), indexed for where/cancel
     dedup: Dedup | None = None  # a dedup id and its mode (headers x-dedup-*, the task option dedup)
     fairness_key: str | None = None  # the tenant (header x-fairness-key, the task option fairness_key)
+
+    def outgoing(self, payload: str | bytes, route: tuple[str, int] | None = None) -> Outgoing:
+        """The publish of ``payload`` with these arguments (and a cached ``route``)."""
+        return Outgoing(payload, self.priority, self.eta_ms, self.ttl_ms, self.task_id, route, self.dedup,
+                        self.fairness_key)
 
 
 def _describe(message: dict[str, Any]) -> str:
