@@ -63,6 +63,23 @@ def redis_cluster() -> Iterator[Cluster]:
     yield from _session_servers(Cluster, "redis")
 
 
+@pytest.fixture(params=["valkey", "redis"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A flushed cluster of each kind (the session's), for kombu-level cluster tests."""
+    require_kind(request.param)
+    started: Cluster = request.getfixturevalue(f"{request.param}_cluster")
+    client = started.client()
+    client.flushall()
+    yield started
+    client.flushall()
+    client.close()
+
+
+def cluster_url(cluster: Cluster) -> str:
+    """Our transport's URL for ``cluster``."""
+    return f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+
+
 @dataclass
 class Target:
     """A server (or cluster) under test and a fresh client for it."""

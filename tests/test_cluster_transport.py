@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,23 +14,8 @@ from kombu import Connection, Consumer, Exchange, Queue
 from kombu.exceptions import OperationalError
 
 from celery_redis_lua import Keyspace, ScriptLibrary
-from conftest import require_kind
+from conftest import cluster_url, require_kind
 from scripts.servers import Cluster
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    require_kind(request.param)
-    started: Cluster = request.getfixturevalue(f"{request.param}_cluster")
-    client = started.client()
-    client.flushall()
-    yield started
-    client.flushall()
-    client.close()
-
-
-def url(cluster: Cluster) -> str:
-    return f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
 
 
 def one_queue_per_primary(cluster: Cluster, prefix: str) -> list[str]:
@@ -58,7 +42,7 @@ def test_queues_on_every_primary_publish_consume_and_ack(cluster: Cluster) -> No
     exchange = Exchange("spread", "direct")
     queues = [Queue(name, exchange, routing_key=name) for name in names]
     got: list[Any] = []
-    with Connection(url(cluster)) as conn:
+    with Connection(cluster_url(cluster)) as conn:
         producer = conn.Producer()
         for i in range(30):
             name = names[i % 3]
@@ -80,8 +64,8 @@ def test_a_consumer_blocked_on_three_nodes_wakes_for_any_of_them(cluster: Cluste
     queues = [Queue(name, exchange, routing_key=name) for name in names]
     got: list[tuple[str, float]] = []
     # blocking_timeout 30 s: a wait that was not woken would hold each message that long.
-    with Connection(url(cluster), transport_options={"blocking_timeout": 30}) as consumer_conn, \
-            Connection(url(cluster)) as producer_conn:
+    with Connection(cluster_url(cluster), transport_options={"blocking_timeout": 30}) as consumer_conn, \
+            Connection(cluster_url(cluster)) as producer_conn:
         producer = producer_conn.Producer()
         def received(body: Any, message: Any) -> None:
             got.append((body, time.monotonic()))
@@ -104,7 +88,7 @@ def test_fanout_reaches_every_bound_queue_on_the_cluster(cluster: Cluster) -> No
     names = one_queue_per_primary(cluster, "listener")
     queues = [Queue(name, exchange) for name in names]
     got: dict[str, list[Any]] = {name: [] for name in names}
-    with Connection(url(cluster)) as conn:
+    with Connection(cluster_url(cluster)) as conn:
         consumers = [Consumer(conn, [q], callbacks=[lambda body, message, n=q.name: got[n].append(body)])
                      for q in queues]
         for consumer in consumers:
@@ -181,7 +165,7 @@ def test_the_cli_covers_every_primary(cluster: Cluster) -> None:
     from celery_redis_lua.tools.cli import main
 
     names = one_queue_per_primary(cluster, "cli")
-    cli_url = url(cluster)
+    cli_url = cluster_url(cluster)
     for name in names:
         published = CliRunner().invoke(main, ["publish", "tasks.add", "--queue", name, "--url", cli_url])
         assert published.exit_code == 0, published.output
@@ -203,7 +187,7 @@ def test_the_cli_loads_the_scripts_on_every_primary_and_lists_dead_letters_anywh
 
     client = cluster.client()
     client.script_flush()
-    loaded = CliRunner().invoke(main, ["scripts", "load", "--url", url(cluster)])
+    loaded = CliRunner().invoke(main, ["scripts", "load", "--url", cluster_url(cluster)])
     assert loaded.exit_code == 0, loaded.output
     shas = [script.sha1 for script in load_scripts().values()]
     for node in cluster.nodes:  # each primary on its own, not the cluster client's summary
@@ -217,7 +201,7 @@ def test_the_cli_loads_the_scripts_on_every_primary_and_lists_dead_letters_anywh
         lib.reject(name, [delivery.id], requeue=False)
         rejected[name] = delivery.id
     for name, message_id in rejected.items():
-        listed = CliRunner().invoke(main, ["dead", "list", name, "--url", url(cluster)])
+        listed = CliRunner().invoke(main, ["dead", "list", name, "--url", cluster_url(cluster)])
         assert listed.exit_code == 0, listed.output
         assert message_id in listed.stdout and "rejected" in listed.stdout, listed.stdout
 

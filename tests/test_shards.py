@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,24 +21,9 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol import shards
 from celery_redis_lua.tools import flow
-from conftest import Broker, require_kind
+from conftest import Broker, cluster_url
 from kombu_support import consume, drain
 from scripts.servers import Cluster
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    require_kind(request.param)
-    started: Cluster = request.getfixturevalue(f"{request.param}_cluster")
-    client = started.client()
-    client.flushall()
-    yield started
-    client.flushall()
-    client.close()
-
-
-def cluster_url(cluster: Cluster) -> str:
-    return f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
 
 
 def sharded(name: str, count: int = 3, **kwargs: Any) -> Queue:

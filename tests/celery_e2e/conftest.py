@@ -125,3 +125,16 @@ def producer(broker: Broker) -> Iterator[Celery]:
 @pytest.fixture
 def log_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def cluster_broker(request: pytest.FixtureRequest) -> Iterator[tuple[Broker, Cluster]]:
+    """A fresh three-primary cluster of each kind, with a Valkey for results."""
+    require_kind(request.param)
+    with Cluster(request.param) as cluster, Server("valkey") as results:
+        try:
+            yield (Broker(broker_url=f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0",
+                          result_url=f"redis://127.0.0.1:{results.port}/0",
+                          transport_options={"visibility_timeout": 30, "sweep_interval": 1}), cluster)
+        finally:
+            retire_producers()

@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from celery import Celery
 
 from celery_redis_lua import Keyspace
-from conftest import require_kind
-from scripts.servers import Cluster, Server
+from scripts.servers import Cluster
 
-from .conftest import make_producer, retire_producers
+from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def cluster_broker(request: pytest.FixtureRequest) -> Iterator[tuple[Broker, Cluster]]:
-    require_kind(request.param)
-    with Cluster(request.param) as cluster, Server("valkey") as results:
-        try:
-            yield (Broker(broker_url=f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0",
-                          result_url=f"redis://127.0.0.1:{results.port}/0",
-                          transport_options={"visibility_timeout": 30, "sweep_interval": 1}), cluster)
-        finally:
-            retire_producers()
 
 
 def queues_on_two_primaries(cluster: Cluster) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,24 +19,11 @@ from celery import Celery
 
 from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol import shards
-from conftest import require_kind
-from scripts.servers import Cluster, Server
+from scripts.servers import Cluster
 
 from .app import sharded_queue
-from .conftest import make_producer, retire_producers
+from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def cluster_broker(request: pytest.FixtureRequest) -> Iterator[tuple[Broker, Cluster]]:
-    require_kind(request.param)
-    with Cluster(request.param) as cluster, Server("valkey") as results:
-        try:
-            yield (Broker(broker_url=f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0",
-                          result_url=f"redis://127.0.0.1:{results.port}/0",
-                          transport_options={"visibility_timeout": 30, "sweep_interval": 1}), cluster)
-        finally:
-            retire_producers()
 
 
 def sharded_producer(broker: Broker, spec: str) -> Celery:
