@@ -7,14 +7,17 @@ import ast
 from pathlib import Path
 
 ADAPTER = Path(__file__).resolve().parents[1] / "python" / "celery_redis_lua" / "kombu"
-MAX_LINES, MAX_CHANNEL_LINES, MAX_FUNCTION_LINES = 2400, 450, 60
+# 2,400 until sharded queues (issue 41 §3): their kombu hooks (a logical queue's declare,
+# publish, consume order, size, purge and delete over its shards: kombu/sharding.py, 75 lines)
+# are kombu's by nature; the shard map, picker and turns went to protocol/shardmap.py.
+MAX_LINES, MAX_CHANNEL_LINES, MAX_FUNCTION_LINES = 2450, 450, 60
 
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_the_adapter_is_at_most_2400_lines_and_channel_py_450() -> None:
+def test_the_adapter_is_at_most_2450_lines_and_channel_py_450() -> None:
     sizes = {p.name: lines(p) for p in ADAPTER.glob("*.py")}
     assert sum(sizes.values()) <= MAX_LINES, sizes
     assert sizes["channel.py"] <= MAX_CHANNEL_LINES

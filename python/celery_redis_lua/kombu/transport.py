@@ -43,9 +43,9 @@ from ..protocol.sentinel import (
     master_pool,
     parse_sentinel_urls,
 )
+from ..protocol.shardmap import ShardMap
 from .channel import Channel
 from .poller import OVERDUE_GRACE_SECONDS, Poller
-from .sharding import ShardMap
 
 logger = logging.getLogger(__name__)
 
