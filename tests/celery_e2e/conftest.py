@@ -127,7 +127,7 @@ def log_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture(params=["valkey", "redis"])
+@pytest.fixture(params=REDIS_IN_TEST_ALL)  # CI's budget: a Redis cluster in make test-all
 def cluster_broker(request: pytest.FixtureRequest) -> Iterator[tuple[Broker, Cluster]]:
     """A fresh three-primary cluster of each kind, with a Valkey for results."""
     require_kind(request.param)
