@@ -31,6 +31,17 @@ def in_jepsen_terms(verdict: dict[str, Any], detail: dict[str, Any]) -> None:
     assert (order["priority_inversions"], order["fifo_violations"]) == (0, 0), detail
 
 
+def chaos_harness(kind: str) -> Any:
+    """scripts.chaos (the module the CLI runs), or a skip when there is no ``kind`` server."""
+    try:
+        server_binary(kind)
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("scripts.chaos.__main__")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smoke_profile_passes_for_our_transport() -> None:
@@ -65,13 +76,7 @@ def test_smoke_profile_passes_through_sentinel_with_durability() -> None:
     with SIGKILL of the primary and SENTINEL FAILOVER in the schedule, and durable publishes:
     nothing the broker confirmed may be lost; publishes it could not confirm are submit
     errors, not submissions."""
-    try:
-        server_binary("redis")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    chaos = importlib.import_module("scripts.chaos.__main__")
+    chaos = chaos_harness("redis")
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "redis-sentinel", "--seed", "6",
                                   "--durability", "replicas:1", "--no-doc"]))
     verdict = card["verdict"]
@@ -122,13 +127,7 @@ def test_smoke_profile_with_flow_control() -> None:
     late), a queue whose tasks fail and wait out a 500-1500 ms delayed retry, and a queue
     pause in the schedule among every other fault; the cap held at every instant, no retry
     came before its backoff, nothing was taken from a paused queue, the capped queue drained."""
-    try:
-        server_binary("valkey")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    chaos = importlib.import_module("scripts.chaos.__main__")
+    chaos = chaos_harness("valkey")
     card = chaos.run(chaos.parse(["--profile", "smoke", "--broker", "valkey", "--seed", "403", "--flow",
                                   "--no-doc"]))
     verdict = card["verdict"]

@@ -17,14 +17,16 @@ connection of their own from its pool, so the registry is per process, not per c
 What one caller does not do to another: a message refused by the script (a bad argument
 from another language's producer, say) refuses its batch, so that batch is sent again one
 message per call and each gets its own answer; an argument the Python side refuses is that
-caller's error alone; a connection error reaches every caller of the round, each of whom
-decides (kombu's retry, the fence's wait) as it would for a publish of its own.
+caller's error alone (raised as it builds its message); a connection error reaches every
+caller of the round, each of whom decides (kombu's retry, the fence's wait) as it would for
+a publish of its own.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -117,13 +119,7 @@ def _send(lib: Any, batch: list[_Pending]) -> None:
     that batch's messages again one per call."""
     calls: list[tuple[Call[Any], list[_Pending]]] = []
     by_queue: dict[str, list[_Pending]] = {}
-    for pending in batch:
-        if len(batch) > 1:  # what Python refuses is its caller's alone
-            try:
-                pending.message.arguments(lib.policy, full=True)
-            except (ValueError, TypeError) as error:
-                pending.result = error
-                continue
+    for pending in batch:  # each message was checked when its publisher built it (Outgoing)
         by_queue.setdefault(pending.queue, []).append(pending)
     for queue, pendings in by_queue.items():
         for start in range(0, len(pendings), MAX_BATCH):
@@ -191,15 +187,19 @@ def server_of(client: Any) -> Hashable:
 
 _GROUPS: dict[Hashable, GroupCommit] = {}
 _GROUPS_LOCK = threading.Lock()
+# Each library's group, found once: its key (the server, the keyspace and the policy, hashed
+# field by field) is not worth working out again on every publish.
+_OF_LIBRARY: weakref.WeakKeyDictionary[Any, GroupCommit] = weakref.WeakKeyDictionary()
 
 
 def group_for(lib: Any) -> GroupCommit:
     """The process's group commit for ``lib``'s server, keyspace and policy."""
-    key = (server_of(lib.client), lib.keys, lib.policy)
-    group = _GROUPS.get(key)
+    group = _OF_LIBRARY.get(lib)
     if group is None:
+        key = (server_of(lib.client), lib.keys, lib.policy)
         with _GROUPS_LOCK:
             group = _GROUPS.setdefault(key, GroupCommit())
+        _OF_LIBRARY[lib] = group
     return group
 
 
@@ -217,6 +217,7 @@ def _forget_in_child() -> None:
     and its waiting callers are not the child's."""
     global _GROUPS_LOCK
     _GROUPS.clear()
+    _OF_LIBRARY.clear()
     _GROUPS_LOCK = threading.Lock()
 
 

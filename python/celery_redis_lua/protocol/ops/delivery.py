@@ -143,6 +143,12 @@ class Outgoing:
     dedup: Dedup | None = None
     fairness_key: str | None = None
 
+    def __post_init__(self) -> None:
+        # Checked here, once: a bad key is its publisher's error where it builds the message,
+        # before a group commit (protocol/group.py) puts it in a batch with others'.
+        if self.fairness_key is not None:
+            checked(self.fairness_key)
+
     def arguments(self, p: Policy, *, full: bool = False) -> list[Any]:
         """publish.lua's ARGV for this message: as few as it needs (5-12), or all 12 (``full``:
         the layout each message of a batch has, '' for what it does not use)."""
@@ -155,7 +161,7 @@ class Outgoing:
         if not full and key is None:
             return [*args, dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)] if dedup is not None else args
         args += [dedup.id, dedup.mode, optional_arg(dedup.ttl_ms)] if dedup is not None else ["", "", ""]
-        return [*args, "" if key is None else checked(key)]
+        return [*args, "" if key is None else key]
 
     def call(self, k: Keyspace, p: Policy, queue: str) -> Call[Published]:
         """The publish of this message alone (:func:`publish`)."""
