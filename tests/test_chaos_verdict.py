@@ -440,3 +440,24 @@ def test_a_delivery_whose_consume_a_power_loss_cut_explains_the_second_run() -> 
     assert verdict.consume_rolled_back(prev, dup, [fault]) is fault
     received_before_the_window = {**dup, "received": t0 - 4.5}
     assert verdict.consume_rolled_back(prev, received_before_the_window, [fault]) is None
+
+
+def shard_batch(after: float, took: list[tuple[str, str]]) -> dict[str, Any]:
+    """:func:`batch` from the shards of a sharded ``celery``: ``took`` as (shard, task id)."""
+    return {**batch(after, []), "deliveries": [[f"celery~{shard}/2.0", tid, 0] for shard, tid in took]}
+
+
+def test_a_sharded_queue_is_judged_per_shard() -> None:
+    """FIFO and priority hold within a shard, not across shards (docs/sharding.md): l2 on
+    shard 1 taken before l1 on shard 0 is in order; within shard 0, l3 before l1 is not."""
+    in_order = shard_batch(10.1, [("1", "l2"), ("0", "h")]), shard_batch(10.2, [("0", "l1"), ("0", "l3")])
+    assert order(*in_order) == order_fields(2, 4)
+    overtaken = shard_batch(10.1, [("0", "h"), ("0", "l3")]), shard_batch(10.2, [("0", "l1"), ("1", "l2")])
+    assert order(*overtaken) == order_fields(2, 4, fifo_violations=1)
+    # two batches of the other shard's low priority while h waited are no inversion on h's shard...
+    assert order(shard_batch(10.1, [("1", "l1")]), shard_batch(10.2, [("1", "l2")]),
+                 shard_batch(10.3, [("0", "h"), ("1", "l3")])) == order_fields(3, 4)
+    # ...two of its own are
+    assert order(shard_batch(10.1, [("0", "l1")]), shard_batch(10.2, [("0", "l2")]),
+                 shard_batch(10.3, [("0", "h"), ("0", "l3")])) == \
+        order_fields(3, 4, priority_inversions=1, priority_inversion_max_batches=2)

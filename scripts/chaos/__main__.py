@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from celery_redis_lua.protocol.shards import MAX_SHARDS, shard_names
 from scripts.chaos import faults, flow, ledger, report, verdict
 from scripts.chaos.broker import BROKERS, Broker
 from scripts.chaos.events import EventListener
@@ -45,6 +46,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="ours only: flow control under faults (scripts/chaos/flow.py): a queue "
                              f"under 'limit --in-flight {flow.CAP}', a queue with x-delayed-retry-*, "
                              "queue_pause in the schedule, and the verdict's flow checks")
+    parser.add_argument("--shards", type=int, metavar="N",
+                        help="ours only: the default queue declared with x-shards N "
+                             f"(2..{MAX_SHARDS}; docs/sharding.md); the order check is per shard")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -57,6 +61,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--durability is an option of our transport only")
     if args.transport == "stock" and args.broker.endswith("-cluster"):
         parser.error("kombu's stock Redis transport does not run on a cluster")
+    if args.shards is not None and (args.transport == "stock" or not 2 <= args.shards <= MAX_SHARDS):
+        parser.error(f"--shards: ours only, 2..{MAX_SHARDS}, got {args.shards}")
     if args.flow and args.transport == "stock":
         parser.error("--flow: pause, limit and delayed retry are our transport's")
     if args.durability_timeout and not args.durability:
@@ -128,10 +134,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
         "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
+        "shards": args.shards,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()}}
-    queues = verdict.QUEUES + (flow.QUEUES if args.flow else ())
+    # every queue that holds the chaos queues' messages: the shards too (--shards)
+    queues = (*verdict.QUEUES, *shard_names("celery", args.shards or 1), *(flow.QUEUES if args.flow else ()))
+    broker.shards = args.shards
     flow_app: Celery | None = None
     ledger_server = Server("valkey").start()
     broker.start()
@@ -146,7 +155,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
                "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
         if args.flow:
-            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join(queues))
+            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join((*verdict.QUEUES, *flow.QUEUES)))
+        if args.shards:
+            env["CHAOS_SHARDS"] = str(args.shards)
         for i, (pool, concurrency) in enumerate(profile.workers, 1):
             workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
             workers[-1].start()
@@ -166,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
                                + (FLOW_FAULT_KINDS if args.flow else ()))
         card["run"]["fault_plan"] = plan
-        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed, args.flow)
+        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed, args.flow,
+                            args.shards)
         began = time.monotonic()
         producer.start()
         for at, fault in plan:

@@ -8,6 +8,8 @@ that delivery) and finish in the ledger; a worker also records each consume batc
 Workers consume the default queue and ``expiring``: a queue with x-expires bound to the
 topic exchange ``chaos.jobs`` (a named-exchange route, as in Celery's routing guide), so a
 run also proves that an expiring queue and its binding outlive every refresh interval.
+With CHAOS_SHARDS=N (``--shards N``) the default queue is declared with ``x-shards: N``
+(docs/sharding.md): one logical queue over N queues, on a cluster one per primary.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ if "CHAOS_LEDGER_URL" in os.environ and "CHAOS_BROKER_URL" in os.environ:  # a w
 # queue must live as long as it has consumers, and its binding be refreshed meanwhile.
 EXPIRING_QUEUE_SECONDS = 60
 JOBS = Exchange("chaos.jobs", "topic")
-app.conf.task_queues = (
-    Queue("celery"),
-    Queue("expiring", JOBS, routing_key="jobs.#", expires=EXPIRING_QUEUE_SECONDS),
-)
+
+
+def main_queues(shards: int | None = None) -> tuple[Queue, Queue]:
+    """The default queue (``x-shards`` when sharded) and the expiring one."""
+    arguments = {"x-shards": shards} if shards else None
+    return (Queue("celery", queue_arguments=arguments),
+            Queue("expiring", JOBS, routing_key="jobs.#", expires=EXPIRING_QUEUE_SECONDS))
+
+
+SHARDS = int(os.environ.get("CHAOS_SHARDS") or 0) or None
+app.conf.task_queues = main_queues(SHARDS)
 # With --flow (CHAOS_FLOW=1): the capped and the retrying queue too (scripts/chaos/flow.py).
 FLOW = os.environ.get("CHAOS_FLOW") == "1"
 if FLOW:

@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from celery_redis_lua import Keyspace
+from celery_redis_lua.protocol.shards import members
 from scripts.chaos import aof
 from scripts.servers import Cluster, SentinelGroup, Server, server_version
 
@@ -41,6 +42,7 @@ class Broker:
     # One server with the fsync recorder (power loss, scripts/chaos/aof.py): its log, or why not.
     fsync_log: Path | None = None
     recorder_error: str | None = None
+    shards: int | None = None  # the main queue's x-shards (--shards)
 
     @classmethod
     def create(cls, name: str, fsync_recorder: bool = False) -> Broker:
@@ -126,9 +128,14 @@ class Broker:
             time.sleep(0.1)  # polling interval of a bounded wait
 
     def owned_queues(self, primary: Server, queues: tuple[str, ...]) -> list[str]:
-        """Which of ``queues`` live on ``primary`` (a cluster)."""
+        """Which of ``queues`` live on ``primary`` (a cluster); the main queue, when sharded,
+        wherever one of its shards does."""
         assert self.cluster is not None
-        return [q for q in queues if self.cluster.owner(Keyspace().queue(q)).port == primary.port]
+
+        def count(queue: str) -> int:
+            return (self.shards or 1) if queue == MAIN_QUEUE else 1
+        return [q for q in queues if any(self.cluster.owner(Keyspace().queue(member)).port == primary.port
+                                         for member in members(q, count(q)))]
 
     def client(self, **kwargs: Any) -> Any:
         if self.cluster is not None:

@@ -19,7 +19,8 @@ unexpected. Today's ``lost`` (never *finished*) stays the stricter check of the 
 The order check, among first deliveries (delivery count 0: a redelivery comes back when the
 broker says, not in publish order). A message is *ready* from when its publish returned (for
 a countdown, from its ETA); a consume batch ran on the server between ``after`` (when the
-worker sent it) and ``t`` (when it read the reply). So, for certain:
+worker sent it) and ``t`` (when it read the reply). A message is judged in the queue that
+delivered it: a shard, for a sharded queue (``--shards``). So, for certain:
 
 - **a priority inversion**: a batch Z took a lower-priority message of the queue after a
   higher-priority message A was ready (``Z.after >= A ready``) and before the batch Y that
@@ -39,7 +40,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -169,6 +170,17 @@ def first_deliveries(taken: Iterable[Batch]) -> dict[str, First]:
     return firsts
 
 
+def in_delivered_queues(messages: dict[str, Message], firsts: dict[str, First]) -> dict[str, Message]:
+    """Each message judged in the queue that delivered it: for a sharded queue (``x-shards``),
+    its shard, where FIFO and priority hold; across shards they do not (docs/sharding.md)."""
+    placed = dict(messages)
+    for tid, first in firsts.items():
+        delivered_from = first.batch.deliveries[first.position][0]
+        if tid in placed and placed[tid].queue != delivered_from:
+            placed[tid] = replace(placed[tid], queue=delivered_from)
+    return placed
+
+
 def explaining_fault(faults: list[dict[str, Any]], ready: float, delivered: float) -> dict[str, Any] | None:
     """The first applied fault between FAULT_BEFORE before ``ready`` and ``delivered`` (a
     failover lasting until its ``writes_until``)."""
@@ -284,6 +296,7 @@ def order(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]]
         return {"measured": False}
     messages = {entry["id"]: message(entry, etas_in_broker) for entry in records.get("submit", [])}
     firsts = first_deliveries(taken)
+    messages = in_delivered_queues(messages, firsts)
     inversions = priority_inversions(messages, firsts, taken, faults)
     beyond = [i for i in inversions if i["batches"] > ALLOWED_INVERSION_BATCHES]
     fifo = fifo_violations(messages, firsts, faults)

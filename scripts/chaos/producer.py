@@ -14,7 +14,7 @@ from typing import Any
 from celery import Celery
 
 from scripts.chaos import flow, ledger
-from scripts.chaos.app import app as chaos_app
+from scripts.chaos.app import main_queues
 from scripts.chaos.profiles import Profile
 
 RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
@@ -22,13 +22,12 @@ RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, 
 
 class Producer(threading.Thread):
     def __init__(self, broker_url: str, transport_options: dict[str, Any], ledger_url: str,
-                 profile: Profile, seed: int, with_flow: bool = False) -> None:
+                 profile: Profile, seed: int, with_flow: bool = False, shards: int | None = None) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
         self.app.conf.broker_transport_options = transport_options
-        self.app.conf.task_queues = chaos_app.conf.task_queues  # the routes the workers bind
-        if with_flow:  # the flow queues too, declared as the workers declare them
-            self.app.conf.task_queues = (*chaos_app.conf.task_queues[:2], *flow.queues())
+        # the routes the workers bind, declared as they declare them (flow queues with --flow)
+        self.app.conf.task_queues = (*main_queues(shards), *(flow.queues() if with_flow else ()))
         self.mix = {**profile.mix, **flow.mix(profile.rate)} if with_flow else profile.mix
         self.app.conf.broker_connection_retry_on_startup = True
         self.ledger_url, self.profile = ledger_url, profile
