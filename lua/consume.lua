@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 13
+-- version: 14
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -62,7 +62,7 @@
 --   years (stored_ms), so the expiry refresh never overflows string.format('%d').
 --   A fair queue (publish's fairness key: 'fair' in meta, read in the same HMGET, so a
 --   queue without one pays nothing) is taken by score as any other; its virtual clock V
---   follows what is taken (the largest time part, never down), a due delayed message
+--   follows what is taken (the largest score's time part, never down), a due delayed message
 --   becomes ready at V (a countdown starts as a quiet key would), and a call that leaves it
 --   with nothing ready drops the 'fair' fields: the next key starts afresh at now.
 

@@ -466,7 +466,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 if ttl is not None:
                     state = text(client.hget(k.state(m.queue), m.id)).split(" ")
                     m.expires_at = int(state[3].partition(":")[0])
-                    base = (t0, t1) if eta is None else (eta, eta)
+                    base = (t0, t1) if eta is None else (max(eta, t0), max(eta, t1))  # a past ETA: ready now
                     assert base[0] + ttl <= m.expires_at <= base[1] + ttl, (m, base)
                 delayed_score = client.zscore(k.delayed(m.queue), m.id)
                 if delayed_score is not None:
