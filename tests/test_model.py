@@ -446,11 +446,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                                          for q, m in zip(into, outgoing, strict=True)])
             t1 = self.now()
             made = []
-            tags: dict[str, int | None] = {}
+            tags: dict[tuple[str, str], int | None] = {}  # by queue and id: ids repeat across queues
             for queue, payload, message_id in zip(into, payloads, ids, strict=True):  # in the order run
                 if settings is not None and not self.predict_dedup(queue, settings, message_id, t0, t1):
                     continue  # dropped: nothing stored
-                tags[str(message_id)] = self.predict_fair(queue, str(message_id), fair, eta, t0, t1)
+                tags[queue, str(message_id)] = self.predict_fair(queue, str(message_id), fair, eta, t0, t1)
                 assert is_message_id(message_id)
                 assert message_id > self.m.last_id.get(queue, ""), "ids only grow, per queue name"
                 self.m.last_id[queue] = self.m.meta_last_id[queue] = message_id
@@ -474,7 +474,7 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     m.state, m.eta = "delayed", eta
                 else:
                     assert eta is None or eta <= t1, "a future ETA was made ready"
-                    tag = tags[m.id]
+                    tag = tags[m.queue, m.id]
                     self.record_ready(m, t0, t1, at=tag, clock=tag is None)
             if ttl == 1:
                 wait_for_server_time(client, t1 + 2)  # past every 1 ms TTL just given
@@ -653,9 +653,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             assert consumed.expired == len(expired)
             for m in expired:
                 self.dead_letter(m, "expired", m.delivery_count)
-            priority = {m.id: m.priority for m in expected}
+            priority = {(m.queue, m.id): m.priority for m in expected}  # ids repeat across queues
             for q in queues:  # within a queue: priority never rises
-                priorities = [priority[d.id] for d in consumed.deliveries if d.queue == q]
+                priorities = [priority[q, d.id] for d in consumed.deliveries if d.queue == q]
                 assert priorities == sorted(priorities, reverse=True)
             self.check_wake_in(consumed, wake_etas, rate_waits, t0, t1)
             self.predict_clock(expected + expired, called)
