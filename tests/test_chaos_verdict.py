@@ -461,3 +461,14 @@ def test_a_sharded_queue_is_judged_per_shard() -> None:
     assert order(shard_batch(10.1, [("0", "l1")]), shard_batch(10.2, [("0", "l2")]),
                  shard_batch(10.3, [("0", "h"), ("0", "l3")])) == \
         order_fields(3, 4, priority_inversions=1, priority_inversion_max_batches=2)
+
+
+def test_a_failover_explains_the_losses_of_the_queues_its_primary_held() -> None:
+    """On a cluster a failover explains a lost task only of a queue its primary held, a
+    --flow queue as much as celery (seed 406: a flow.retry task the paused primary confirmed
+    was judged as celery's, which lived elsewhere, and the run failed)."""
+    failover = {"kind": "broker_pause", "t": T0, "writes_until": T0 + 3, "queues": ["expiring", "flow.retry"]}
+    retry = {"id": "r", "t": T0 + 1, "sent": T0 + 2.9, "kind": "retry", "queue": "flow.retry"}
+    fast = {"id": "f", "t": T0 + 1, "sent": T0 + 2.9, "kind": "fast", "queue": "celery"}
+    assert verdict.lost_to_failover(retry, [failover]) is failover
+    assert verdict.lost_to_failover(fast, [failover]) is None

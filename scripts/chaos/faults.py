@@ -126,7 +126,9 @@ class FaultInjector:
             server = self.target()
             entry.update(t=time.time(), server_port=server.port)
             if self.broker.cluster is not None:
-                entry["queues"] = self.broker.owned_queues(server, QUEUES)
+                # the flow queues too (--flow): a failover explains their losses alike
+                chaos_queues = QUEUES + (flow.QUEUES if self.flow_app is not None else ())
+                entry["queues"] = self.broker.owned_queues(server, chaos_queues)
             if kind == "broker_restart":
                 server.kill()
                 self.broker.start_again(server, None)  # the primary comes back a primary

@@ -149,7 +149,7 @@ def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, li
 def lost_to_failover(submit: dict[str, Any], failovers: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The failover whose unreplicated writes explain a lost task (see REPLICATION_LAG). On a
     cluster only a failover of the primary holding the task's queue does."""
-    queue = "expiring" if submit.get("kind") == "routed" else "celery"
+    queue = jepsen.queue_of(submit)  # the queue its publish went to (a flow queue with --flow)
     for fault in failovers:
         if "queues" in fault and queue not in fault["queues"]:
             continue
