@@ -199,6 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability,
                                           card["run"].get("flow_settings"))
         card["faults"] = records["fault"]
+        if broker.replicated:  # what the servers refused over the run (NOREPLICAS: the fence)
+            card["run"]["server_errors"] = broker.refusals()
     finally:
         if producer is not None and producer.is_alive():
             producer.stop()

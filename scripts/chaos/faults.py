@@ -127,6 +127,8 @@ class FaultInjector:
             entry.update(t=time.time(), server_port=server.port)
             if self.broker.cluster is not None:
                 entry["queues"] = self.broker.owned_queues(server, QUEUES)
+            if kind in ("broker_restart", "primary_kill"):
+                self.broker.bank_errors(server)  # its error counts, before the kill resets them
             if kind == "broker_restart":
                 server.kill()
                 self.broker.start_again(server, None)  # the primary comes back a primary
