@@ -26,7 +26,11 @@ BROKERS = {"redis-aof": ("redis", "everysec", "one"), "redis-aof-always": ("redi
            "valkey-cluster": ("valkey", "everysec", "cluster"),
            "redis-sentinel-fenced": ("redis", "everysec", "sentinel"),
            "valkey-sentinel-fenced": ("valkey", "everysec", "sentinel"),
-           "valkey-cluster-fenced": ("valkey", "everysec", "cluster")}
+           "valkey-cluster-fenced": ("valkey", "everysec", "cluster"),
+           "redis-sentinel2-fenced": ("redis", "everysec", "sentinel")}
+# Sentinel groups with more than the one replica (the fence counts good replicas: with one, a
+# promoted replica has none until the old primary rejoins it, and refuses writes meanwhile).
+SENTINEL_REPLICAS = {"redis-sentinel2-fenced": 2}
 # The "-fenced" kinds (issue 40 §3): every data server started with Redis's fence against a
 # replaced primary that keeps writing (docs/deployment.md, "A fenced primary"). The lag: above
 # the replicas' 1 s REPLCONF ACK period with slack for a loaded 2-core host (a lag of 2-3 s is
@@ -65,7 +69,7 @@ class Broker:
             args += ["--min-replicas-to-write", str(FENCE_MIN_REPLICAS),
                      "--min-replicas-max-lag", str(FENCE_MAX_LAG)]
         if topology == "sentinel":
-            return cls(name, group=SentinelGroup(kind, replicas=1, sentinels=3,
+            return cls(name, group=SentinelGroup(kind, replicas=SENTINEL_REPLICAS.get(name, 1), sentinels=3,
                                                  master_name=MASTER_NAME, args=args))
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
@@ -271,7 +275,8 @@ class Broker:
         if self.cluster is not None:
             return f"{version}, 3 primaries with 1 replica each{fence}"
         if self.group is not None:
-            return f"{version}, 1 replica, 3 sentinels{fence}"
+            replicas = self.group.replicas
+            return f"{version}, {replicas} replica{'s' if replicas > 1 else ''}, 3 sentinels{fence}"
         return version
 
     def topology(self) -> dict[str, Any]:
