@@ -33,12 +33,13 @@ BROKERS = {"redis-aof": ("redis", "everysec", "one"), "redis-aof-always": ("redi
 SENTINEL_REPLICAS = {"redis-sentinel2-fenced": 2}
 # The "-fenced" kinds (issue 40 §3): every data server started with Redis's fence against a
 # replaced primary that keeps writing (docs/deployment.md, "A fenced primary"). The lag: above
-# the replicas' 1 s REPLCONF ACK period with slack for a loaded 2-core host (a lag of 2-3 s is
-# seen there), and below the profiles' 6 s visibility timeout, as the recipe asks (an ack
-# refused longer than a lease is given up); a primary cut off from its replica stops within
-# 5 s, the sentinels' failover-timeout, where the failover itself takes 2-3 s (down-after 1 s
-# and an election). On loopback a promoted replica or a killed one closes its link, and the
-# old primary stops at once, whatever the lag.
+# the replicas' 1 s REPLCONF ACK period with room for a loaded 2-core host, and below the
+# profiles' 6 s visibility timeout, as the recipe asks (an ack refused longer than a lease is
+# given up); a primary cut off from its replica with the link still open stops within 5 s,
+# the sentinels' failover-timeout, where the failover itself takes 1-3 s (down-after 1 s and
+# an election). On loopback a promoted or a killed replica closes its link, and the old
+# primary stops at once, whatever the lag; a stopped one still takes, at its resume, what
+# waited for it (docs/RELIABILITY.md, the seed 501 runs).
 FENCE_MIN_REPLICAS, FENCE_MAX_LAG = 1, 5
 # A cluster primary that stops answering this long is failed over by its replica (what the
 # sentinels' down-after is for a Sentinel group).
