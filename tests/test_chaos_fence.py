@@ -104,6 +104,10 @@ def test_the_report_and_the_jepsen_table_show_them() -> None:
     assert "| duplicates per sentinel_failover | 3.00 |" in table, table
     assert "| writes refused by the fence (NOREPLICAS) | 7 |" in table, table
     assert "| lost, explained by unreplicated writes at a failover | 0 |" in table, table
+    longer = {**card, "run": {**card["run"], "profile_settings": {"visibility_timeout": 20.0}}}
+    assert "redis-sentinel-fenced, smoke s1, visibility 20 s |" in report.jepsen_table([longer])
+    assert "smoke s1 |" in report.jepsen_table([{**card, "run": {**card["run"], "profile_settings": {
+        "visibility_timeout": PROFILES["smoke"].visibility_timeout}}}])
 
 
 def test_a_fenced_kind_starts_every_data_server_with_the_fence() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.chaos import jepsen
-from scripts.chaos.profiles import POWER_LOSS_KINDS
+from scripts.chaos.profiles import POWER_LOSS_KINDS, PROFILES
 from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
@@ -212,8 +212,11 @@ def jepsen_table(cards: list[dict[str, Any]]) -> str:
     for card in cards:
         run, v = card["run"], card["verdict"]
         j = v.get("jepsen") or jepsen.from_verdict(v)
+        visibility = run.get("profile_settings", {}).get("visibility_timeout")
+        other = (f", visibility {visibility:g} s" if visibility is not None and run["profile"] in PROFILES
+                 and visibility != PROFILES[run["profile"]].visibility_timeout else "")
         columns.append((f"{'ours' if run['transport'] == 'ours' else 'stock kombu'}, {run['broker']}, "
-                        f"{run['profile']} s{run['seed']}", j, v.get("order") or {"measured": False}))
+                        f"{run['profile']} s{run['seed']}{other}", j, v.get("order") or {"measured": False}))
     rows = [["attempts"] + [str(j["attempts"]) for _, j, _ in columns]]
     rows += [[name] + [f"{j[name]} ({frac_text(j[name + '_frac'])})" for _, j, _ in columns]
              for name in JEPSEN_FIELDS]
