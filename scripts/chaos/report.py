@@ -121,8 +121,8 @@ def summary(card: dict[str, Any], path: Path) -> str:
     refused = (f" ({errors}; of them executed anyway {v['submit_errors_executed']})"
                if v["submit_errors"] and errors else "")
     return "\n".join([
-        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}{durability}), "
-        f"{run['profile']}, seed {run['seed']}: **{v['verdict']}**",
+        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}{durability}"
+        f"{other_visibility(run)}), {run['profile']}, seed {run['seed']}: **{v['verdict']}**",
         "",
         f"Command: `{run['command']}`; scorecard `{path.relative_to(ROOT)}`.",
         "",
@@ -204,6 +204,15 @@ def order_line(o: dict[str, Any]) -> str:
             f"{o['fifo_violations']} (explained by a fault {o['fifo_violations_explained']})")
 
 
+def other_visibility(run: dict[str, Any]) -> str:
+    """", visibility N s" for a run whose visibility timeout is not its profile's (else "")."""
+    visibility = run.get("profile_settings", {}).get("visibility_timeout")
+    if visibility is None or run["profile"] not in PROFILES \
+            or visibility == PROFILES[run["profile"]].visibility_timeout:
+        return ""
+    return f", visibility {visibility:g} s"
+
+
 def jepsen_table(cards: list[dict[str, Any]]) -> str:
     """The Jepsen-format table of docs/faults.md, a column per scorecard: total-queue's fields
     with their fractions (derived from the counts of a scorecard made before they existed),
@@ -212,11 +221,9 @@ def jepsen_table(cards: list[dict[str, Any]]) -> str:
     for card in cards:
         run, v = card["run"], card["verdict"]
         j = v.get("jepsen") or jepsen.from_verdict(v)
-        visibility = run.get("profile_settings", {}).get("visibility_timeout")
-        other = (f", visibility {visibility:g} s" if visibility is not None and run["profile"] in PROFILES
-                 and visibility != PROFILES[run["profile"]].visibility_timeout else "")
         columns.append((f"{'ours' if run['transport'] == 'ours' else 'stock kombu'}, {run['broker']}, "
-                        f"{run['profile']} s{run['seed']}{other}", j, v.get("order") or {"measured": False}))
+                        f"{run['profile']} s{run['seed']}{other_visibility(run)}", j,
+                        v.get("order") or {"measured": False}))
     rows = [["attempts"] + [str(j["attempts"]) for _, j, _ in columns]]
     rows += [[name] + [f"{j[name]} ({frac_text(j[name + '_frac'])})" for _, j, _ in columns]
              for name in JEPSEN_FIELDS]
