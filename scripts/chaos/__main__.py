@@ -32,6 +32,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--broker", choices=sorted(BROKERS), default="valkey")
     parser.add_argument("--transport", choices=("ours", "stock"), default="ours")
     parser.add_argument("--load-seconds", type=float, help="override the profile's load phase")
+    parser.add_argument("--visibility-timeout", type=float, metavar="SECONDS",
+                        help="override the profile's visibility timeout (6 s): e.g. above the time a "
+                             "fenced group refuses writes after a failover")
     parser.add_argument("--no-acks-late", action="store_true")
     parser.add_argument("--durability", metavar="SETTING",
                         help="ours only: the 'durability' transport option ('replicas:1', 'aof', "
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = PROFILES[args.profile]
     if args.load_seconds:
         profile = replace(profile, load_seconds=args.load_seconds)
+    if args.visibility_timeout:
+        profile = replace(profile, visibility_timeout=args.visibility_timeout)
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
     kinds = args.faults or None
     broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)))
@@ -211,6 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability,
                                           card["run"].get("flow_settings"))
         card["faults"] = records["fault"]
+        if broker.replicated:  # what the servers refused over the run (NOREPLICAS: the fence)
+            card["run"]["server_errors"] = broker.refusals()
     finally:
         if producer is not None and producer.is_alive():
             producer.stop()

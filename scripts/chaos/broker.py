@@ -24,7 +24,24 @@ BROKERS = {"redis-aof": ("redis", "everysec", "one"), "redis-aof-always": ("redi
            "redis-sentinel": ("redis", "everysec", "sentinel"),
            "valkey-sentinel": ("valkey", "everysec", "sentinel"),
            "redis-cluster": ("redis", "everysec", "cluster"),
-           "valkey-cluster": ("valkey", "everysec", "cluster")}
+           "valkey-cluster": ("valkey", "everysec", "cluster"),
+           "redis-sentinel-fenced": ("redis", "everysec", "sentinel"),
+           "valkey-sentinel-fenced": ("valkey", "everysec", "sentinel"),
+           "valkey-cluster-fenced": ("valkey", "everysec", "cluster"),
+           "redis-sentinel2-fenced": ("redis", "everysec", "sentinel")}
+# Sentinel groups with more than the one replica (the fence counts good replicas: with one, a
+# promoted replica has none until the old primary rejoins it, and refuses writes meanwhile).
+SENTINEL_REPLICAS = {"redis-sentinel2-fenced": 2}
+# The "-fenced" kinds (issue 40 §3): every data server started with Redis's fence against a
+# replaced primary that keeps writing (docs/deployment.md, "A fenced primary"). The lag: above
+# the replicas' 1 s REPLCONF ACK period with room for a loaded 2-core host, and below the
+# profiles' 6 s visibility timeout, as the recipe asks (an ack refused longer than a lease is
+# given up); a primary cut off from its replica with the link still open stops within 5 s,
+# the sentinels' failover-timeout, where the failover itself takes 1-3 s (down-after 1 s and
+# an election). On loopback a promoted or a killed replica closes its link, and the old
+# primary stops at once, whatever the lag; a stopped one still takes, at its resume, what
+# waited for it (docs/RELIABILITY.md, the seed 501 runs).
+FENCE_MIN_REPLICAS, FENCE_MAX_LAG = 1, 5
 # A cluster primary that stops answering this long is failed over by its replica (what the
 # sentinels' down-after is for a Sentinel group).
 CLUSTER_NODE_TIMEOUT_MS = 1000
@@ -43,14 +60,19 @@ class Broker:
     fsync_log: Path | None = None
     recorder_error: str | None = None
     shards: int | None = None  # the main queue's x-shards (--shards)
+    # INFO errorstats of data servers killed so far (a restart resets a server's counts).
+    banked_errors: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls, name: str, fsync_recorder: bool = False) -> Broker:
         """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server)."""
         kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
+        if cls.is_fenced(name):
+            args += ["--min-replicas-to-write", str(FENCE_MIN_REPLICAS),
+                     "--min-replicas-max-lag", str(FENCE_MAX_LAG)]
         if topology == "sentinel":
-            return cls(name, group=SentinelGroup(kind, replicas=1, sentinels=3,
+            return cls(name, group=SentinelGroup(kind, replicas=SENTINEL_REPLICAS.get(name, 1), sentinels=3,
                                                  master_name=MASTER_NAME, args=args))
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
@@ -63,6 +85,48 @@ class Broker:
             except aof.RecorderUnavailable as error:
                 broker.recorder_error = str(error)
         return broker
+
+    @staticmethod
+    def is_fenced(name: str) -> bool:
+        return name.endswith("-fenced")
+
+    @property
+    def fenced(self) -> bool:
+        return self.is_fenced(self.name)
+
+    @property
+    def data_servers(self) -> list[Server]:
+        if self.cluster is not None:
+            return list(self.cluster.nodes)
+        if self.group is not None:
+            return list(self.group.servers)
+        return [self.server] if self.server is not None else []
+
+    @staticmethod
+    def errorstats(server: Server) -> dict[str, int]:
+        """``INFO errorstats`` of a running server: error prefix -> count ({} if it does not
+        answer)."""
+        try:
+            info = server.client(socket_timeout=5).info("errorstats")
+        except (redis.RedisError, OSError):
+            return {}
+        return {key.removeprefix("errorstat_"): int(value.get("count", 0)) for key, value in info.items()
+                if key.startswith("errorstat_") and isinstance(value, dict)}
+
+    def bank_errors(self, server: Server) -> None:
+        """Before ``server`` is killed: keep its error counts (its restart starts them at 0)."""
+        for error, count in self.errorstats(server).items():
+            self.banked_errors[error] = self.banked_errors.get(error, 0) + count
+
+    def refusals(self) -> dict[str, int]:
+        """Errors the data servers answered over the run (banked ones included), e.g.
+        NOREPLICAS (the fence refused a write), READONLY (a demoted primary did)."""
+        total = dict(self.banked_errors)
+        for server in self.data_servers:
+            if server.process is not None and server.process.poll() is None:
+                for error, count in self.errorstats(server).items():
+                    total[error] = total.get(error, 0) + count
+        return dict(sorted(total.items()))
 
     @property
     def sentinel(self) -> bool:
@@ -214,13 +278,21 @@ class Broker:
 
     def describe(self) -> str:
         version = server_version(self.current().client())
+        fence = (f", fenced: min-replicas-to-write {FENCE_MIN_REPLICAS}, max-lag {FENCE_MAX_LAG}"
+                 if self.fenced else "")
         if self.cluster is not None:
-            return f"{version}, 3 primaries with 1 replica each"
+            return f"{version}, 3 primaries with 1 replica each{fence}"
         if self.group is not None:
-            return f"{version}, 1 replica, 3 sentinels"
+            replicas = self.group.replicas
+            return f"{version}, {replicas} replica{'s' if replicas > 1 else ''}, 3 sentinels{fence}"
         return version
 
     def topology(self) -> dict[str, Any]:
+        fence = ({"min_replicas_to_write": FENCE_MIN_REPLICAS, "min_replicas_max_lag": FENCE_MAX_LAG}
+                 if self.fenced else {})
+        return {**self._topology(), **fence}
+
+    def _topology(self) -> dict[str, Any]:
         if self.cluster is not None:
             return {"primaries": [p.port for p in self.cluster.primaries()],
                     "nodes": [n.port for n in self.cluster.nodes],

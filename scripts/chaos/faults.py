@@ -129,6 +129,8 @@ class FaultInjector:
                 # the flow queues too (--flow): a failover explains their losses alike
                 chaos_queues = QUEUES + (flow.QUEUES if self.flow_app is not None else ())
                 entry["queues"] = self.broker.owned_queues(server, chaos_queues)
+            if kind in ("broker_restart", "primary_kill"):
+                self.broker.bank_errors(server)  # its error counts, before the kill resets them
             if kind == "broker_restart":
                 server.kill()
                 self.broker.start_again(server, None)  # the primary comes back a primary

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.chaos import jepsen
-from scripts.chaos.profiles import POWER_LOSS_KINDS
+from scripts.chaos.profiles import POWER_LOSS_KINDS, PROFILES
 from scripts.chaos.workers import ROOT
 
 RESULTS = ROOT / "bench-results"
@@ -121,8 +121,8 @@ def summary(card: dict[str, Any], path: Path) -> str:
     refused = (f" ({errors}; of them executed anyway {v['submit_errors_executed']})"
                if v["submit_errors"] and errors else "")
     return "\n".join([
-        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}{durability}), "
-        f"{run['profile']}, seed {run['seed']}: **{v['verdict']}**",
+        f"## {run['started']}: {run['transport']} on {run['broker']} ({run['server']}{durability}"
+        f"{other_visibility(run)}), {run['profile']}, seed {run['seed']}: **{v['verdict']}**",
         "",
         f"Command: `{run['command']}`; scorecard `{path.relative_to(ROOT)}`.",
         "",
@@ -138,6 +138,8 @@ def summary(card: dict[str, Any], path: Path) -> str:
         f"- {lost}; pending {v['pending']}; "
         f"early {v['early']}; broker clean {'yes' if v['broker_clean'] else 'no'}",
         f"- duplicates {v['duplicates']} (by fault: {by_fault}); unattributable {v['unattributable']}",
+        *([failover_duplicates_line(v["failover_duplicates"])] if v.get("failover_duplicates") else []),
+        *([refusals_line(run["server_errors"])] if "server_errors" in run else []),
         f"- task events: received {v.get('events_received', '-')}, lost {v.get('events_lost', '-')} "
         f"(not explained by a fault: {v.get('events_lost_unexplained', '-')})"
         + (f"; the receiver failed and was restarted {v['listener_restarts']} times "
@@ -202,6 +204,15 @@ def order_line(o: dict[str, Any]) -> str:
             f"{o['fifo_violations']} (explained by a fault {o['fifo_violations_explained']})")
 
 
+def other_visibility(run: dict[str, Any]) -> str:
+    """", visibility N s" for a run whose visibility timeout is not its profile's (else "")."""
+    visibility = run.get("profile_settings", {}).get("visibility_timeout")
+    if visibility is None or run["profile"] not in PROFILES \
+            or visibility == PROFILES[run["profile"]].visibility_timeout:
+        return ""
+    return f", visibility {visibility:g} s"
+
+
 def jepsen_table(cards: list[dict[str, Any]]) -> str:
     """The Jepsen-format table of docs/faults.md, a column per scorecard: total-queue's fields
     with their fractions (derived from the counts of a scorecard made before they existed),
@@ -211,7 +222,8 @@ def jepsen_table(cards: list[dict[str, Any]]) -> str:
         run, v = card["run"], card["verdict"]
         j = v.get("jepsen") or jepsen.from_verdict(v)
         columns.append((f"{'ours' if run['transport'] == 'ours' else 'stock kombu'}, {run['broker']}, "
-                        f"{run['profile']} s{run['seed']}", j, v.get("order") or {"measured": False}))
+                        f"{run['profile']} s{run['seed']}{other_visibility(run)}", j,
+                        v.get("order") or {"measured": False}))
     rows = [["attempts"] + [str(j["attempts"]) for _, j, _ in columns]]
     rows += [[name] + [f"{j[name]} ({frac_text(j[name + '_frac'])})" for _, j, _ in columns]
              for name in JEPSEN_FIELDS]
@@ -220,9 +232,48 @@ def jepsen_table(cards: list[dict[str, Any]]) -> str:
     rows.append(["priority inversions > 1 batch / FIFO violations"] + [
         f"{o['priority_inversions']} / {o['fifo_violations']}" if o.get("measured") else "not recorded"
         for _, _, o in columns])
+    rows += jepsen_failover_rows(cards)
     lines = ["| | " + " | ".join(label for label, _, _ in columns) + " |",
              "|---|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def failover_duplicates_line(by_kind: dict[str, dict[str, Any]]) -> str:
+    """Duplicates per failover fault, and by when (verdict.failover_duplicates)."""
+    parts = []
+    for kind, k in by_kind.items():
+        phases = ", ".join(f"{phase} {n}" for phase, n in k["phases"].items())
+        per = f"{k['per_fault']:.2f}" if k["per_fault"] is not None else "-"
+        parts.append(f"{kind} {k['duplicates']} in {k['faults']} faults, {per} per fault ({phases})")
+    return ("- duplicates at failovers (previous delivery received -> duplicate started, before, during "
+            "or after the failover's window; on_close: within 2 s after it): " + "; ".join(parts))
+
+
+def refusals_line(errors: dict[str, int]) -> str:
+    """What the data servers refused over the run (INFO errorstats, killed servers' included)."""
+    return (f"- the servers refused: NOREPLICAS {errors.get('NOREPLICAS', 0)} (the fence: writes refused "
+            f"while a primary lacked a good replica), READONLY {errors.get('READONLY', 0)} (a demoted "
+            f"primary), LOADING {errors.get('LOADING', 0)}")
+
+
+def jepsen_failover_rows(cards: list[dict[str, Any]]) -> list[list[str]]:
+    """Rows of the Jepsen table for runs with failovers: duplicates per failover fault, losses
+    explained by unreplicated writes, and the fence's refusals where they were counted."""
+    verdicts = [card["verdict"] for card in cards]
+    if not any(v.get("failovers") for v in verdicts):
+        return []
+    kinds = sorted({k for v in verdicts for k in v.get("faults_applied", {})
+                    if k in ("sentinel_failover", "primary_kill", "cluster_failover")})
+    rows = [[f"duplicates per {kind}"] + [
+        f"{v['duplicates_by_fault'].get(kind, 0) / v['faults_applied'][kind]:.2f}"
+        if v.get("faults_applied", {}).get(kind) else "-" for v in verdicts] for kind in kinds]
+    rows.append(["lost, explained by unreplicated writes at a failover"]
+                + [str(v.get("lost_explained_by_failover", "-")) for v in verdicts])
+    if any("server_errors" in card["run"] for card in cards):
+        rows.append(["writes refused by the fence (NOREPLICAS)"] + [
+            str(card["run"]["server_errors"].get("NOREPLICAS", 0)) if "server_errors" in card["run"]
+            else "not counted" for card in cards])
+    return rows
 
 
 def failover_line(card: dict[str, Any]) -> str:

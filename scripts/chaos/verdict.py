@@ -119,6 +119,38 @@ def publish_retried(submit: dict[str, Any], faults: list[dict[str, Any]]) -> dic
                  and submit["t"] - 0.05 <= f["t"] <= submit.get("sent", submit["t"])), None)
 
 
+# A duplicate started this long after its failover's window closed (``writes_until``: the old
+# primary demoted or dead) was delivered again as the window closed.
+ON_CLOSE_SECONDS = 2.0
+
+
+def failover_duplicates(attributed: list[dict[str, Any]], applied: Counter[str]) -> dict[str, Any]:
+    """Duplicates a failover explains, per kind of fault: per fault applied (issue 40 §3's
+    target: at most 5 per sentinel_failover), and by when, as "previous -> duplicate". The
+    previous delivery was received ``before`` the fault, ``during`` its window (the fault to
+    ``writes_until``) or ``after`` it; the duplicate started ``during`` the window, ``on_close``
+    (within ON_CLOSE_SECONDS after it: delivered again once the old primary was gone or a
+    fenced new one took writes again) or ``later`` (a lapsed lease swept back). A duplicate of a
+    publish retried across the fault is ``publish_retried``."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for entry in attributed:
+        fault = entry["fault"]
+        if not fault.get("failover"):
+            continue
+        until = fault.get("writes_until", fault["t"])
+        received = entry["prev"].get("received") or entry["prev"]["t"]
+        held = "before" if received < fault["t"] else "during" if received <= until else "after"
+        start = entry["dup"]["t"]
+        again = "during" if start <= until else "on_close" if start <= until + ON_CLOSE_SECONDS else "later"
+        phase = "publish_retried" if entry.get("publish_retried") else f"{held} -> {again}"
+        kind = kinds.setdefault(fault["kind"], {"faults": applied.get(fault["kind"], 0), "duplicates": 0,
+                                                "phases": Counter()})
+        kind["duplicates"] += 1
+        kind["phases"][phase] += 1
+    return {kind: {**k, "per_fault": round(k["duplicates"] / k["faults"], 2) if k["faults"] else None,
+                   "phases": dict(k["phases"].most_common())} for kind, k in sorted(kinds.items())}
+
+
 def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, list[dict[str, Any]]],
                 faults: list[dict[str, Any]], submits: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Tasks that finished but whose ``task-succeeded`` event never reached the receiver;
@@ -336,6 +368,9 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "duplicates_of_retried_publishes": publish_retries,
         "unattributable_examples": unattributable[:20],
         "attributed_examples": attributed[:30],
+        "duplicates_per_fault": {k: round(n / applied[k], 2) for k, n in sorted(duplicates.items())
+                                 if applied.get(k)},
+        "failover_duplicates": failover_duplicates(attributed, applied),
         "executions_not_submitted": len(unknown),
         "faults_applied": dict(applied),
         "faults_skipped": sorted({f["kind"] for f in every_fault if f.get("skipped")}),
