@@ -229,9 +229,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             args.seed, args.flow)
         began = time.monotonic()
         producer.start()
-        calm_until = 0.0  # after a partition: the client's recovery is measured, not cut short
+        # After a partition the next fault waits (partitions.CALM_SECONDS) and the rest of the
+        # schedule, with the end of the load, moves back by as much: the gaps are kept.
+        lag = calm_until = 0.0
         for at, fault in plan:
-            time.sleep(max(0.0, began + at - time.monotonic(), calm_until - time.monotonic()))  # the schedule
+            due = max(began + at + lag, calm_until)
+            lag = due - began - at
+            time.sleep(max(0.0, due - time.monotonic()))  # the schedule, not a sync
             try:
                 entry = injector.inject(fault)
             except Exception as error:  # recorded; the run goes on to its verdict
@@ -243,7 +247,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
             if "healed" in entry:
                 calm_until = time.monotonic() + partitions.CALM_SECONDS
-        time.sleep(max(0.0, began + profile.load_seconds - time.monotonic(), calm_until - time.monotonic()))
+        load_until = max(began + profile.load_seconds + lag, calm_until)
+        time.sleep(max(0.0, load_until - time.monotonic()))
+        if lag:
+            card["run"]["schedule_lag_seconds"] = round(lag, 1)
         producer.stop()
         log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")
         for worker in workers:
