@@ -59,6 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              "are skipped, and said so")
     parser.add_argument("--partition-seconds", metavar="MIN,MAX",
                         help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
+    parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
+                        help="the socket_timeout and socket_connect_timeout transport options of every "
+                             "client (default: none, redis-py's: a read waits for TCP itself)")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -167,6 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise
     options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout,
                                **broker.transport_options()}
+    if args.socket_timeout:
+        options.update(socket_timeout=args.socket_timeout, socket_connect_timeout=args.socket_timeout)
     if args.transport == "ours":
         # Bindings of the expiring queue then live 60 s (its x-expires) and must be refreshed
         # throughout; the floor is lowered so a run sees them stale at once if they are not.
