@@ -212,3 +212,16 @@ def test_a_short_schedule_of_every_partition_kind_passes() -> None:
     assert result["unattributable"] == 0 and result["lost"] == 0, detail
     assert result["verdict"] == "PASS", detail
     assert not [name for name in namespaces_left() if name == card["run"]["topology"]["namespace"]]
+
+
+def test_a_namespace_left_by_a_dead_harness_is_removed_and_no_other() -> None:
+    needs_namespaces()
+    dead, alive = "crl-part-999999999-1", "crl-part-1-1"  # no such pid; pid 1 (init) lives
+    for name in (dead, alive):
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        assert dead in netns.remove_stale()
+        assert dead not in namespaces_left() and alive in namespaces_left()
+    finally:
+        for name in (dead, alive):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)

@@ -81,6 +81,20 @@ def netem_unavailable() -> str | None:
     return None
 
 
+def remove_stale() -> list[str]:
+    """Delete the namespaces a harness killed before its cleanup left (``crl-part-<pid>-<net>``
+    whose process is gone; their veth pairs go with them). Only names this module makes."""
+    removed = []
+    for line in run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if len(parts) == 4 and parts[:2] == ["crl", "part"] and parts[2].isdigit() \
+                and not os.path.exists(f"/proc/{parts[2]}"):
+            run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
 def free_net() -> int:
     """A second octet for 10.<net>.0.0/16 that no route of the root namespace uses."""
     routes = run("ip", "-4", "route", "show", "table", "all").stdout
@@ -130,6 +144,7 @@ class Topology:
         return run("ip", "-n", self.name, *command, check=check)
 
     def create(self) -> Topology:
+        remove_stale()
         run("ip", "netns", "add", self.name)
         self.created = True
         try:
