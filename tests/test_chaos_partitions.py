@@ -112,6 +112,18 @@ def test_a_stale_copy_run_by_the_partitioned_worker_is_its_partitions_duplicate(
     assert result["duplicates_by_fault"] == {"partition_oneway": 1} and result["unattributable"] == 0
 
 
+def test_a_publish_across_the_producers_cut_stored_twice_is_its_duplicate() -> None:
+    """The publish reached the broker just as the cut came, its reply did not come back; the
+    producer's retry after the heal stored it again: two first deliveries, each run once."""
+    found = records()
+    run_twice(found, "t1", W1, W2)
+    found["submit"][0]["sent"] = T0 + 19.5  # returned after the heal, on the retry
+    found["fault"] = [cut("partition_producer", 1.02, 19.0, target="producer", pid=None)]
+    result = judged(found)
+    assert result["duplicates_by_fault"] == {"partition_producer": 1}, result["unattributable_examples"]
+    assert result["duplicates_of_retried_publishes"] == 1
+
+
 def test_another_workers_or_the_producers_partition_explains_no_duplicate() -> None:
     for fault in (cut("partition_worker", 3.0, 10.0, target=W2, pid=22),
                   cut("partition_producer", 3.0, 10.0, target="producer", pid=None)):

@@ -37,8 +37,10 @@ PRODUCER = "producer"
 
 def inject(kind: str, network: Topology | None, workers: list[Any], rng: random.Random,
            seconds: tuple[float, float], skipped: dict[str, str]) -> dict[str, Any]:
-    """Cut, wait the drawn duration (the fault itself), heal; the entry's ``t`` is the cut,
-    ``healed`` the heal and ``writes_until`` too (the fault lasts that long, for the duplicate
+    """Cut, wait the drawn duration (the fault itself), heal; the entry's ``t`` is when the cut
+    was in force (its commands returned; ``cut_began`` before them: a publish that began in
+    between could still reach the broker, and be retried after the heal), ``healed`` the heal
+    and ``writes_until`` too (the fault lasts that long, for the duplicate
     and lost-event rules of verdict.py)."""
     if kind in skipped:
         return {"skipped": skipped[kind]}
@@ -51,16 +53,17 @@ def inject(kind: str, network: Topology | None, workers: list[Any], rng: random.
         label, target = worker.name, worker.hostname
         pid = worker.process.pid if worker.process is not None else None
     planned = rng.uniform(*seconds)
-    cut = time.time()
+    began = time.time()
     network.partition(label, oneway=CUTS[kind])
+    cut = time.time()  # in force from here on (the `ip` commands take up to ~0.1 s on a busy host)
     try:
         time.sleep(planned)  # the fault itself: cut off this long
     finally:
         network.heal(label)
     healed = time.time()
-    return {"t": cut, "target": target, "target_pid": pid, "pair": network.client_address(label),
-            "oneway": CUTS[kind], "partitioned_seconds": round(healed - cut, 3), "healed": healed,
-            "writes_until": healed}
+    return {"t": cut, "cut_began": began, "target": target, "target_pid": pid,
+            "pair": network.client_address(label), "oneway": CUTS[kind],
+            "partitioned_seconds": round(healed - cut, 3), "healed": healed, "writes_until": healed}
 
 
 def first_after(times: list[float], after: float) -> float | None:
