@@ -1,9 +1,10 @@
 """A consumer after a network partition (issue 40 §1): the broker in its own network namespace
-(scripts/chaos/netns.py), the consumer's veth pair cut both ways (a silent drop: no reset),
-then healed. The blocking wait's reply, sent by the server into the cut, comes back only at
-its TCP's next retransmission, which backs off exponentially: the consumer must give the
-wait up (its reply overdue) and reconnect instead of waiting for it. Needs root and network
-namespaces; skipped, with the reason, without them."""
+(scripts/chaos/netns.py), the broker's packets to the consumer dropped (a one-way cut: a
+silent drop, no reset; the consumer's packets still arrive), then healed. The blocking
+wait's reply, sent by the server into the cut, comes back only at its TCP's next
+retransmission, which backs off exponentially: the consumer must give the wait up (its
+reply overdue) and reconnect instead of waiting for it. Needs root and network namespaces;
+skipped, with the reason, without them."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_a_consumer_recovers_within_seconds_of_a_partition_healing(network: netn
             while not got:
                 assert time.monotonic() < deadline, "no delivery before the cut"
                 time.sleep(0.05)  # polling interval of a bounded wait
-            network.partition("consumer")
+            network.partition("consumer", oneway=True)
             cut = time.monotonic()
             while time.monotonic() < cut + CUT_SECONDS:  # the fault: cut off this long, the load going on
                 producer.publish({"n": 1}, routing_key="healed", declare=[queue])

@@ -11,8 +11,10 @@ error the client sees at once) and the drop stays silent.
 
 A cut, in the broker's namespace:
 
-- both ways (``partition``): ``ip rule add iif <broker side> blackhole`` (every packet
-  arriving from the client is dropped at input routing: no RST, no ICMP) and
+- both ways (``partition``): ``ip rule add iif <broker side> pref 100+i blackhole`` (every
+  packet arriving from the client is dropped at input routing: no RST, no ICMP; the local
+  table's rule is moved from 0 to LOCAL_RULE at creation, or it would match first and
+  deliver the packets of established connections all the same) and
   ``ip route add blackhole 10.<net>.<i>.1/32`` (nothing the broker sends reaches it; the
   broker's own TCP just retransmits);
 - one way (``oneway=True``): the route only. Packets from the client still arrive and the
@@ -32,6 +34,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 PROBE_TIMEOUT = 10.0
+LOCAL_RULE = 1000  # the local table's rule in the broker's namespace, after the cuts' (100 + i)
 
 
 def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -150,6 +153,11 @@ class Topology:
         try:
             self.ns("link", "set", "lo", "up")
             run("ip", "netns", "exec", self.name, "sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0")
+            # The local table is looked up first (rule 0), and the broker's own addresses are
+            # in it: a cut's rule must come before it, or a client's packets are delivered
+            # all the same (a both-ways cut would be one-way for every established connection).
+            self.ns("rule", "add", "pref", str(LOCAL_RULE), "lookup", "local")
+            self.ns("rule", "del", "pref", "0")
             for label in self.labels:
                 self._pair(label)
         except BaseException:
