@@ -112,6 +112,19 @@ def test_a_stale_copy_run_by_the_partitioned_worker_is_its_partitions_duplicate(
     assert result["duplicates_by_fault"] == {"partition_oneway": 1} and result["unattributable"] == 0
 
 
+def test_a_stale_copy_is_attributed_when_the_first_run_was_received_after_the_heal() -> None:
+    """The partitioned worker received the message before its cut and held it across; the
+    lease lapsed, another worker received the redelivery after the heal and ran it; then the
+    partitioned worker ran its stale copy (the short schedule of 2026-12-07 00:02, six such)."""
+    found = records()
+    run_twice(found, "t1", W2, W1)
+    found["start"][0].update(delivery_count=1, t=T0 + 16.0, received=T0 + 15.5)
+    found["start"][1].update(delivery_count=0, received=T0 + 1.5)
+    found["fault"] = [cut("partition_worker", 5.0, 12.0, target=W1)]
+    result = judged(found)
+    assert result["duplicates_by_fault"] == {"partition_worker": 1}, result["unattributable_examples"]
+
+
 def test_a_publish_across_the_producers_cut_stored_twice_is_its_duplicate() -> None:
     """The publish reached the broker just as the cut came, its reply did not come back; the
     producer's retry after the heal stored it again: two first deliveries, each run once."""

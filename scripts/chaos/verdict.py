@@ -88,6 +88,9 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     and take acks the other never sees. So a failover explains a duplicate whose executions
     span any part of that interval, not only those whose first execution came before it."""
     held_from = min(prev.get("received") or prev["t"], prev["t"]) - 1.0
+    if (dup.get("delivery_count") or 0) < (prev.get("delivery_count") or 0):
+        # a stale copy (an older delivery than the one that ran first): held since its receipt
+        held_from = min(held_from, (dup.get("received") or dup["t"]) - 1.0)
     candidates = [f for f in faults if not f.get("skipped")
                   and held_from <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
                   and dup["t"] - f.get("writes_until", f["t"]) <= window]
