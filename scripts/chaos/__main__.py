@@ -16,11 +16,18 @@ import redis
 from celery import Celery
 
 from celery_redis_lua.protocol.shards import MAX_SHARDS, shard_names
-from scripts.chaos import faults, flow, ledger, report, verdict
-from scripts.chaos.broker import BROKERS, Broker
+from scripts.chaos import faults, flow, ledger, netns, partitions, report, verdict
+from scripts.chaos.broker import BROKERS, EVENTS, HARNESS, PRODUCER, Broker
 from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
-from scripts.chaos.profiles import ALL_FAULT_KINDS, FLOW_FAULT_KINDS, POWER_LOSS_KINDS, PROFILES, Profile
+from scripts.chaos.profiles import (
+    ALL_FAULT_KINDS,
+    FLOW_FAULT_KINDS,
+    PARTITION_FAULT_KINDS,
+    POWER_LOSS_KINDS,
+    PROFILES,
+    Profile,
+)
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
 
@@ -52,6 +59,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shards", type=int, metavar="N",
                         help="ours only: the default queue declared with x-shards N "
                              f"(2..{MAX_SHARDS}; docs/sharding.md); the order check is per shard")
+    parser.add_argument("--partitions", action="store_true",
+                        help="one server only: the broker in its own network namespace, a veth pair per "
+                             "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
+                             "partition_oneway and latency in the schedule; kinds this host cannot make "
+                             "are skipped, and said so")
+    parser.add_argument("--partition-seconds", metavar="MIN,MAX",
+                        help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
+    parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
+                        help="the socket_timeout and socket_connect_timeout transport options of every "
+                             "client (default: none, redis-py's: a read waits for TCP itself)")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -77,7 +94,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--faults: unknown kind(s) {unknown}; kinds: {', '.join(ALL_FAULT_KINDS)}")
         if set(kinds) & set(FLOW_FAULT_KINDS) and not args.flow:
             parser.error(f"--faults: {', '.join(FLOW_FAULT_KINDS)} needs --flow")
+        if set(kinds) & set(PARTITION_FAULT_KINDS) and not args.partitions:
+            parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS)} need --partitions")
         args.faults = kinds
+    if args.partitions and BROKERS[args.broker][2] != "one":
+        parser.error("--partitions: one server only (redis-aof, valkey, ...), not yet a Sentinel group "
+                     "or a cluster")
+    if args.partition_seconds:
+        low, _, high = args.partition_seconds.partition(",")
+        args.partition_seconds = (float(low), float(high or low))
     return args
 
 
@@ -116,17 +141,48 @@ def settle(broker: Broker, card: dict[str, Any]) -> None:
         log(f"sentinel group did not settle: {error!r}")
 
 
+def partition_network(profile: Profile, card: dict[str, Any]) -> netns.Topology | None:
+    """With --partitions: the broker's namespace and the clients' pairs, made now; or None,
+    said loudly and recorded, with every partition kind skipped and why. Latency needs netem,
+    probed separately (this kernel has none)."""
+    why = netns.unavailable()
+    skips = dict.fromkeys(PARTITION_FAULT_KINDS, f"no network namespaces: {why}") if why else {}
+    if not why:
+        netem = netns.netem_unavailable()
+        if netem:
+            skips["latency"] = netem
+    card["run"]["partitions"] = {"namespaces": why or "available", "skipped": skips}
+    for kind, reason in skips.items():
+        log(f"PARTITIONS: {kind} will be SKIPPED: {reason}")
+    if why:
+        return None
+    labels = (HARNESS, EVENTS, PRODUCER, *(f"w{i}-{pool}" for i, (pool, _) in enumerate(profile.workers, 1)))
+    return netns.Topology(labels).create()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = PROFILES[args.profile]
     if args.load_seconds:
         profile = replace(profile, load_seconds=args.load_seconds)
     if args.visibility_timeout:
         profile = replace(profile, visibility_timeout=args.visibility_timeout)
+    if args.partition_seconds:
+        profile = replace(profile, partition_seconds=args.partition_seconds)
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
     kinds = args.faults or None
-    broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)))
+    card: dict[str, Any] = {"run": {}}
+    network = partition_network(profile, card) if args.partitions else None
+    try:
+        broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)),
+                               network=network)
+    except BaseException:
+        if network is not None:
+            network.destroy()
+        raise
     options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout,
                                **broker.transport_options()}
+    if args.socket_timeout:
+        options.update(socket_timeout=args.socket_timeout, socket_connect_timeout=args.socket_timeout)
     if args.transport == "ours":
         # Bindings of the expiring queue then live 60 s (its x-expires) and must be refreshed
         # throughout; the floor is lowered so a run sees them stale at once if they are not.
@@ -135,20 +191,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             options["durability"] = args.durability
         if args.durability_timeout:
             options["durability_timeout"] = args.durability_timeout
-    card: dict[str, Any] = {"run": {
+    card["run"].update({
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
         "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
         "shards": args.shards,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
-        "transport_options": options, "profile_settings": profile.as_dict()}}
+        "transport_options": options, "profile_settings": profile.as_dict()})
     # every queue that holds the chaos queues' messages: the shards too (--shards)
     queues = (*verdict.QUEUES, *shard_names("celery", args.shards or 1), *(flow.QUEUES if args.flow else ()))
     broker.shards = args.shards
     flow_app: Celery | None = None
-    ledger_server = Server("valkey").start()
-    broker.start()
+    try:
+        ledger_server = Server("valkey").start()
+        broker.start()
+    except BaseException:
+        broker.stop()  # with --partitions, its namespace and pairs too
+        raise
     workers: list[ChaosWorker] = []
     producer: Producer | None = None
     listener: EventListener | None = None
@@ -156,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         broker_url = broker.url(args.transport)
         card["run"]["server"] = broker.describe()
         card["run"]["topology"] = broker.topology()
-        env = {"CHAOS_BROKER_URL": broker_url, "CHAOS_LEDGER_URL": ledger_server.url,
+        env = {"CHAOS_LEDGER_URL": ledger_server.url,
                "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
                "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
         if args.flow:
@@ -164,7 +224,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.shards:
             env["CHAOS_SHARDS"] = str(args.shards)
         for i, (pool, concurrency) in enumerate(profile.workers, 1):
-            workers.append(ChaosWorker(f"w{i}-{pool}", pool, concurrency, env, log_dir))
+            name = f"w{i}-{pool}"  # with --partitions, each worker reaches the broker by its own pair
+            worker_env = {**env, "CHAOS_BROKER_URL": broker.url(args.transport, name)}
+            workers.append(ChaosWorker(name, pool, concurrency, worker_env, log_dir))
             workers[-1].start()
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
         if args.flow:  # the workers declared the flow queues; the cap is set before any load
@@ -172,22 +234,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flow_app.conf.broker_transport_options = options
             card["run"]["flow_settings"] = {**flow.settings(), "limits": flow.apply_limit(flow_app)}
             log(f"flow: {card['run']['flow_settings']}")
-        listener = EventListener(broker_url, options, ledger_server.url)
+        listener = EventListener(broker.url(args.transport, EVENTS), options, ledger_server.url)
         listener.start()
         injector = faults.FaultInjector(broker, workers, args.transport, profile,
-                                        ledger_server.url, args.seed, flow_app)
+                                        ledger_server.url, args.seed, flow_app,
+                                        card["run"].get("partitions", {}).get("skipped"))
         if broker.recorder_error:
             log(f"power loss will be skipped: {broker.recorder_error}")
             card["run"]["recorder_error"] = broker.recorder_error
         plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
-                               + (FLOW_FAULT_KINDS if args.flow else ()))
+                               + (FLOW_FAULT_KINDS if args.flow else ())
+                               + (PARTITION_FAULT_KINDS if args.partitions else ()))
         card["run"]["fault_plan"] = plan
-        producer = Producer(broker_url, options, ledger_server.url, profile, args.seed, args.flow,
-                            args.shards)
+        producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
+                            args.seed, args.flow, args.shards)
         began = time.monotonic()
         producer.start()
+        # After a partition the next fault waits (partitions.CALM_SECONDS) and the rest of the
+        # schedule, with the end of the load, moves back by as much: the gaps are kept.
+        lag = calm_until = 0.0
         for at, fault in plan:
-            time.sleep(max(0.0, began + at - time.monotonic()))  # the schedule, not a sync
+            due = max(began + at + lag, calm_until)
+            lag = due - began - at
+            time.sleep(max(0.0, due - time.monotonic()))  # the schedule, not a sync
             try:
                 entry = injector.inject(fault)
             except Exception as error:  # recorded; the run goes on to its verdict
@@ -197,7 +266,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "acked", "resumed", "resume_acked")
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
-        time.sleep(max(0.0, began + profile.load_seconds - time.monotonic()))
+            if "healed" in entry:
+                calm_until = time.monotonic() + partitions.CALM_SECONDS
+        load_until = max(began + profile.load_seconds + lag, calm_until)
+        time.sleep(max(0.0, load_until - time.monotonic()))
+        if lag:
+            card["run"]["schedule_lag_seconds"] = round(lag, 1)
         producer.stop()
         log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")
         for worker in workers:

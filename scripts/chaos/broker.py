@@ -15,6 +15,7 @@ import redis
 from celery_redis_lua import Keyspace
 from celery_redis_lua.protocol.shards import members
 from scripts.chaos import aof
+from scripts.chaos.netns import Topology
 from scripts.servers import Cluster, SentinelGroup, Server, server_version
 
 MASTER_NAME = "mymaster"
@@ -47,6 +48,37 @@ FENCE_MIN_REPLICAS, FENCE_MAX_LAG = 1, 5
 CLUSTER_NODE_TIMEOUT_MS = 1000
 # The queue whose primary most cluster faults hit (the others hit a random primary).
 MAIN_QUEUE = "celery"
+# The pair of the fault injector, the drain and the final inspection (never cut), and of the
+# event receiver; the producer's and each worker's are named by the harness.
+HARNESS, EVENTS, PRODUCER = "harness", "events", "producer"
+
+
+@dataclass
+class NetnsServer(Server):
+    """A server run inside a partition topology's namespace (``ip netns exec``), listening on
+    the broker's address of every pair; the harness reaches it through its own pair."""
+
+    topology: Topology | None = None
+
+    def command_line(self) -> list[str]:
+        assert self.topology is not None
+        line = super().command_line()
+        at = line.index("--bind")
+        line[at + 1:at + 2] = [*self.topology.addresses(), "127.0.0.1"]
+        return self.topology.exec_prefix() + line
+
+    @property
+    def host(self) -> str:
+        assert self.topology is not None
+        return self.topology.broker_address(HARNESS)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, password=self.password,  # type: ignore[arg-type]
+                           **kwargs)
 
 
 @dataclass
@@ -62,10 +94,13 @@ class Broker:
     shards: int | None = None  # the main queue's x-shards (--shards)
     # INFO errorstats of data servers killed so far (a restart resets a server's counts).
     banked_errors: dict[str, int] = field(default_factory=dict)
+    # With --partitions (one server): the server's namespace and the clients' veth pairs.
+    network: Topology | None = None
 
     @classmethod
-    def create(cls, name: str, fsync_recorder: bool = False) -> Broker:
-        """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server)."""
+    def create(cls, name: str, fsync_recorder: bool = False, network: Topology | None = None) -> Broker:
+        """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server).
+        ``network``: run the server inside that (created) partition topology (one server)."""
         kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
         if cls.is_fenced(name):
@@ -77,7 +112,10 @@ class Broker:
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
                                              args=args))
-        broker = cls(name, server=Server(kind, args=args))
+        if network is not None:
+            broker = cls(name, server=NetnsServer(kind, args=args, topology=network), network=network)
+        else:
+            broker = cls(name, server=Server(kind, args=args))
         if fsync_recorder:
             try:
                 assert broker.server is not None
@@ -155,6 +193,8 @@ class Broker:
             self.group.stop()
         elif self.server is not None:
             self.server.stop()
+        if self.network is not None:
+            self.network.destroy()
 
     def current(self, timeout: float = 30.0) -> Server:
         """The primary now (asked of the sentinels; retried while they fail over); on a
@@ -262,7 +302,8 @@ class Broker:
                      and isinstance(value, dict) and value.get("state") == "online")
         return online >= self.group.replicas
 
-    def url(self, transport: str) -> str:
+    def url(self, transport: str, client: str = HARNESS) -> str:
+        """The broker URL ``client`` (a pair's label, with a partition topology) is given."""
         if self.cluster is not None:
             if transport != "ours":
                 raise ValueError("kombu's stock Redis transport does not run on a cluster")
@@ -271,7 +312,8 @@ class Broker:
             return self.group.broker_url("redislua+sentinel" if transport == "ours" else "sentinel")
         assert self.server is not None
         scheme = "redislua" if transport == "ours" else "redis"
-        return f"{scheme}://127.0.0.1:{self.server.port}/0"
+        host = self.network.broker_address(client) if self.network is not None else "127.0.0.1"
+        return f"{scheme}://{host}:{self.server.port}/0"
 
     def transport_options(self) -> dict[str, Any]:
         return {"master_name": MASTER_NAME} if self.group is not None else {}
@@ -299,6 +341,11 @@ class Broker:
                     "main_queue_on": self.current().port, "node_timeout_ms": CLUSTER_NODE_TIMEOUT_MS}
         if self.group is None:
             assert self.server is not None
+            net = self.network
+            if net is not None:
+                return {"server": self.server.port, "namespace": net.name,
+                        "pairs": {label: f"{net.client_address(label)} -> {net.broker_address(label)}"
+                                  for label in net.labels}}
             return {"server": self.server.port}
         primary = self.current()
         delay = primary.client(socket_timeout=5).config_get("repl-diskless-sync-delay")

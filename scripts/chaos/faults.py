@@ -25,12 +25,13 @@ from typing import Any
 
 import redis
 
-from scripts.chaos import aof, flow, ledger
+from scripts.chaos import aof, flow, ledger, partitions
 from scripts.chaos.broker import Broker
 from scripts.chaos.profiles import (
     CLUSTER_FAULT_KINDS,
     FAULT_KINDS,
     FLOW_FAULT_KINDS,
+    PARTITION_FAULT_KINDS,
     POWER_LOSS_KINDS,
     SENTINEL_FAULT_KINDS,
     STOCK_SKIPS,
@@ -83,6 +84,8 @@ class FaultInjector:
     ledger_url: str
     seed: int
     flow_app: Any = None  # with --flow: the Celery app queue_pause pauses through
+    # with --partitions: partition kinds this host cannot make -> why (netns.py's probes)
+    partition_skips: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed * 31 + 5)
@@ -104,6 +107,9 @@ class FaultInjector:
                 entry.update(skipped="a flow fault needs --flow")
             else:
                 entry.update(flow.pause_fault(self.flow_app, self.rng, self.profile.pause_seconds))
+        elif kind in PARTITION_FAULT_KINDS:
+            entry.update(partitions.inject(kind, self.broker.network, self.workers, self.rng,
+                                           self.profile.partition_seconds, self.partition_skips or {}))
         elif kind in SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS and not self.broker.replicated:
             entry.update(skipped="needs a Sentinel broker or a cluster")
         else:

@@ -24,9 +24,18 @@ POWER_LOSS_KINDS = ("power_loss", "power_loss_torn", "aof_corrupt")
 # Flow control (issue 40 §4, scripts/chaos/flow.py): a flow queue paused 2-4 s, then resumed.
 # With --flow only, and then in the default schedule.
 FLOW_FAULT_KINDS = ("queue_pause",)
+# Partitions (issue 40 §1, scripts/chaos/netns.py, partitions.py): one worker cut off from
+# the broker both ways, the producer cut off, the broker's packets to one worker dropped (its
+# own still arriving), and +200 ms of latency (netem; reported unavailable where the kernel
+# has no netem). With --partitions only (one server), and then in the default schedule.
+PARTITION_FAULT_KINDS = ("partition_worker", "partition_producer", "partition_oneway", "latency")
 ALL_FAULT_KINDS = (FAULT_KINDS + tuple(dict.fromkeys(SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS))
-                   + POWER_LOSS_KINDS + FLOW_FAULT_KINDS)
+                   + POWER_LOSS_KINDS + FLOW_FAULT_KINDS + PARTITION_FAULT_KINDS)
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
+# Faults that hit one worker (its ``target``): a duplicate or a lost event is theirs only when
+# that worker held the task; the producer's partition explains no worker's duplicate.
+TARGETED_FAULTS = WORKER_FAULTS | {"partition_worker", "partition_oneway"}
+PRODUCER_FAULTS = frozenset({"partition_producer"})
 # Faults that make no sense against kombu's stock Redis transport (it runs no scripts).
 STOCK_SKIPS = {"script_flush": "kombu's stock Redis transport runs no Lua scripts"}
 
@@ -41,6 +50,7 @@ class Profile:
     fault_gap: tuple[float, float]  # seconds between faults (uniform)
     pause_seconds: tuple[float, float] = (2.0, 4.0)
     visibility_timeout: float = 6.0
+    partition_seconds: tuple[float, float] = (2.0, 30.0)  # how long a partition lasts (uniform)
     slow_seconds: tuple[float, float] = (8.0, 10.0)  # longer than the visibility timeout
     countdown_seconds: tuple[float, float] = (1.0, 8.0)
     # kind -> share of submissions: fast, slow (> visibility), countdown, high priority

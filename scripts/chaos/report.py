@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from scripts.chaos import jepsen
+from scripts.chaos import jepsen, partitions
 from scripts.chaos.profiles import POWER_LOSS_KINDS, PROFILES
 from scripts.chaos.workers import ROOT
 
@@ -150,6 +150,7 @@ def summary(card: dict[str, Any], path: Path) -> str:
         *([jepsen_line(v["jepsen"])] if "jepsen" in v else []),
         *([order_line(v["order"])] if "order" in v else []),
         *([flow_line(v["flow"])] if "flow" in v else []),
+        *([partitions.line(v["partitions"])] if "partitions" in v else []),
         "",
     ])
 

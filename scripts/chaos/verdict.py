@@ -12,8 +12,14 @@ from typing import Any
 import redis
 
 from celery_redis_lua import ScriptLibrary
-from scripts.chaos import flow, jepsen, ledger
-from scripts.chaos.profiles import POWER_LOSS_KINDS, WORKER_FAULTS, Profile
+from scripts.chaos import flow, jepsen, ledger, partitions
+from scripts.chaos.profiles import (
+    PARTITION_FAULT_KINDS,
+    POWER_LOSS_KINDS,
+    PRODUCER_FAULTS,
+    TARGETED_FAULTS,
+    Profile,
+)
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
 QUEUES = ("celery", "expiring")
@@ -82,13 +88,28 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     and take acks the other never sees. So a failover explains a duplicate whose executions
     span any part of that interval, not only those whose first execution came before it."""
     held_from = min(prev.get("received") or prev["t"], prev["t"]) - 1.0
+    if (dup.get("delivery_count") or 0) < (prev.get("delivery_count") or 0):
+        # a stale copy (an older delivery than the one that ran first): held since its receipt
+        held_from = min(held_from, (dup.get("received") or dup["t"]) - 1.0)
     candidates = [f for f in faults if not f.get("skipped")
                   and held_from <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
                   and dup["t"] - f.get("writes_until", f["t"]) <= window]
-    on_worker = [f for f in candidates if f["kind"] in WORKER_FAULTS
-                 and f.get("target") == prev["worker"]]
-    broker_wide = [f for f in candidates if f["kind"] not in WORKER_FAULTS]
+    on_worker = [f for f in candidates if f["kind"] in TARGETED_FAULTS
+                 and f.get("target") in (prev["worker"], *stale_on_cut_worker(f, prev, dup))]
+    broker_wide = [f for f in candidates if f["kind"] not in TARGETED_FAULTS | PRODUCER_FAULTS]
     return (on_worker or broker_wide or [None])[0]
+
+
+def stale_on_cut_worker(fault: dict[str, Any], prev: dict[str, Any], dup: dict[str, Any]) -> tuple[str, ...]:
+    """A partitioned worker can hold the second execution too: it held a delivery across the
+    cut (prefetched before it, or a consume reply held in the network); its lease lapsed
+    meanwhile (nobody could extend it), the message was delivered again and another worker
+    ran it; after the heal the partitioned worker ran its stale copy, an older delivery
+    (a lower delivery count) than the one that ran first."""
+    if fault["kind"] in PARTITION_FAULT_KINDS and dup["t"] >= fault["t"] \
+            and (dup.get("delivery_count") or 0) < (prev.get("delivery_count") or 0):
+        return (dup["worker"],)
+    return ()
 
 
 def consume_rolled_back(prev: dict[str, Any], dup: dict[str, Any],
@@ -115,7 +136,7 @@ def publish_retried(submit: dict[str, Any], faults: list[dict[str, Any]]) -> dic
     connection, and kombu's retry published the message again, so two copies were stored
     and each ran once. Such a duplicate's first execution comes after the fault, which the
     rule of ``attribute`` does not cover."""
-    return next((f for f in faults if not f.get("skipped") and f["kind"] not in WORKER_FAULTS
+    return next((f for f in faults if not f.get("skipped") and f["kind"] not in TARGETED_FAULTS
                  and submit["t"] - 0.05 <= f["t"] <= submit.get("sent", submit["t"])), None)
 
 
@@ -169,7 +190,7 @@ def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, li
         # a failover lasts until the old primary stops serving (writes_until): an event
         # published to it meanwhile is gone with its demotion
         if not any(held_from <= f.get("writes_until", f["t"]) and f["t"] <= finish["t"] + EVENT_AFTER and (
-                f["kind"] not in WORKER_FAULTS or f.get("target") == finish["worker"])
+                f["kind"] not in TARGETED_FAULTS | PRODUCER_FAULTS or f.get("target") == finish["worker"])
                 for f in faults if not f.get("skipped")):
             unexplained.append(tid)
     return {"events_received": len(received), "events_lost": len(lost),
@@ -383,6 +404,9 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     }
     ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
           and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
+    if any(f["kind"] in partitions.CUTS for f in every_fault):
+        verdict["partitions"] = partitions.recovery(records, every_fault)
+        ok = ok and verdict["partitions"]["ok"]
     if flow_settings is not None:
         verdict["flow"] = flow.check(records, every_fault, flow_settings, state.get("capped"))
         ok = ok and verdict["flow"]["ok"]

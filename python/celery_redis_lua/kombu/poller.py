@@ -26,7 +26,8 @@ from ..protocol.waits import BlockingRead
 
 logger = logging.getLogger(__name__)
 
-# A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket.
+# A blocking wait whose reply is this late (beyond its own timeout) sits on a dead socket, or
+# one a partition cut (a silent drop: no reset, and TCP's retransmissions back off).
 OVERDUE_GRACE_SECONDS = 5.0
 # drain_events wakes at least this often for the periodic work; in Celery's hub a timer does.
 TICK_SECONDS = 1.0

@@ -122,8 +122,11 @@ class Transport(virtual.Transport):
         self._server_checked = False  # eviction and the durability setting, once per connection
         self.sentinel  # noqa: B018  (bad sentinel URLs or a missing master_name: an error now)
         self.cluster  # noqa: B018  (bad cluster URLs or options: an error now)
-        self.poller = Poller(sweep_interval=self.options.sweep_interval,
-                             overdue_grace=OVERDUE_GRACE_SECONDS + self.options.health_check_interval)
+        # A wait's reply overdue by OVERDUE_GRACE_SECONDS drops its connection. Not longer:
+        # after a network partition the reply the server sent into it comes back only at its
+        # TCP's next retransmission (exponential backoff: 12 s after a 14 s cut), so waiting
+        # out health_check_interval too (as before 2026-12-06) held a worker idle that long.
+        self.poller = Poller(sweep_interval=self.options.sweep_interval, overdue_grace=OVERDUE_GRACE_SECONDS)
 
     def driver_version(self) -> str:
         return redis.__version__
