@@ -31,6 +31,19 @@ REDIS_IN_TEST_ALL: list[Any] = ["valkey", pytest.param("redis", marks=pytest.mar
 CLUSTER_KINDS: list[Any] = ["valkey-cluster", pytest.param("redis-cluster", marks=pytest.mark.slow)]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects what is marked slow
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """CI's budget: a module's CLUSTER_POOLS_IN_TEST_ALL names the pools whose cluster runs go
+    to `make test-all` (the pool is the worker's: the cluster changes nothing between pools, and
+    one pool's cluster run stays in `make test`)."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        pools = getattr(getattr(item, "module", None), "CLUSTER_POOLS_IN_TEST_ALL", ())
+        if params is not None and str(params.params.get("broker_kind", "")).endswith("-cluster") \
+                and params.params.get("pool") in pools:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "broker_kind" in metafunc.fixturenames:
         kinds = KINDS if getattr(metafunc.module, "ON_REDIS", False) else REDIS_IN_TEST_ALL

@@ -20,6 +20,7 @@ from .conftest import make_producer
 from .harness import Broker, Worker, running, wait_for
 
 ON_CLUSTERS = True  # also on three-primary clusters (conftest.py)
+CLUSTER_POOLS_IN_TEST_ALL = ("threads", "solo")  # prefork's cluster run stays in make test
 
 VISIBILITY = 3
 SLOW = "celery_e2e.app.slow"
