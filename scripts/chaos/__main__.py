@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_redis_lua.protocol.shards import MAX_SHARDS, shard_names
+from celery_redis_lua.protocol.shards import MAX_SHARDS
 from scripts.chaos import faults, flow, ledger, netns, partitions, report, verdict
 from scripts.chaos.broker import BROKERS, EVENTS, HARNESS, PRODUCER, Broker
 from scripts.chaos.events import EventListener
@@ -199,9 +199,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()})
-    # every queue that holds the chaos queues' messages: the shards too (--shards)
-    queues = (*verdict.QUEUES, *shard_names("celery", args.shards or 1), *(flow.QUEUES if args.flow else ()))
     broker.shards = args.shards
+    # every queue that holds the chaos queues' messages: the shards too (--shards)
+    queues = tuple(member for queue in verdict.chaos_queues(args.flow) for member in broker.members(queue))
     flow_app: Celery | None = None
     try:
         ledger_server = Server("valkey").start()
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
                "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
         if args.flow:
-            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join((*verdict.QUEUES, *flow.QUEUES)))
+            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join(verdict.chaos_queues(True)))
         if args.shards:
             env["CHAOS_SHARDS"] = str(args.shards)
         for i, (pool, concurrency) in enumerate(profile.workers, 1):

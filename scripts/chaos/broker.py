@@ -235,11 +235,13 @@ class Broker:
         """Which of ``queues`` live on ``primary`` (a cluster); the main queue, when sharded,
         wherever one of its shards does."""
         assert self.cluster is not None
-
-        def count(queue: str) -> int:
-            return (self.shards or 1) if queue == MAIN_QUEUE else 1
         return [q for q in queues if any(self.cluster.owner(Keyspace().queue(member)).port == primary.port
-                                         for member in members(q, count(q)))]
+                                         for member in self.members(q))]
+
+    def members(self, queue: str) -> list[str]:
+        """The queues that hold ``queue``'s messages: itself, and its shards if it is the main
+        queue and sharded (--shards)."""
+        return members(queue, (self.shards or 1) if queue == MAIN_QUEUE else 1)
 
     def client(self, **kwargs: Any) -> Any:
         if self.cluster is not None:

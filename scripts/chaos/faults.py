@@ -37,7 +37,7 @@ from scripts.chaos.profiles import (
     STOCK_SKIPS,
     Profile,
 )
-from scripts.chaos.verdict import QUEUES
+from scripts.chaos.verdict import chaos_queues
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
 
@@ -133,8 +133,7 @@ class FaultInjector:
             entry.update(t=time.time(), server_port=server.port)
             if self.broker.cluster is not None:
                 # the flow queues too (--flow): a failover explains their losses alike
-                chaos_queues = QUEUES + (flow.QUEUES if self.flow_app is not None else ())
-                entry["queues"] = self.broker.owned_queues(server, chaos_queues)
+                entry["queues"] = self.broker.owned_queues(server, chaos_queues(self.flow_app is not None))
             if kind in ("broker_restart", "primary_kill"):
                 self.broker.bank_errors(server)  # its error counts, before the kill resets them
             if kind == "broker_restart":

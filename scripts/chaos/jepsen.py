@@ -54,6 +54,14 @@ EXAMPLES = 20
 # -- total-queue -------------------------------------------------------------------------------
 
 
+def percentile(values: list[float], q: float, digits: int = 4) -> float | None:
+    """The q-quantile of ``values`` (nearest rank), rounded for the scorecard; None if none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], digits)
+
+
 def fraction(count: int, attempts: int) -> float | None:
     """count / attempts, rounded for the scorecard (None with no attempt)."""
     return round(float(Fraction(count, attempts)), 6) if attempts else None

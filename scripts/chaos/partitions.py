@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from scripts.chaos.jepsen import percentile
 from scripts.chaos.netns import Topology
 from scripts.chaos.profiles import PARTITION_FAULT_KINDS
 
@@ -83,13 +84,6 @@ def recovered_at(fault: dict[str, Any], records: dict[str, list[dict[str, Any]]]
     return first_after(received, healed)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
-
-
 def recovery(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]]) -> dict[str, Any]:
     """Per partition kind applied: how many, heal -> first success p50/p99/max, those that
     never recovered, and whether the kind holds (p99 within RECOVERY_LIMIT, none never)."""
@@ -106,9 +100,9 @@ def recovery(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, An
     kinds: dict[str, Any] = {}
     for kind in sorted(set(seconds) | set(never)):
         values = seconds[kind]
-        p99 = percentile(values, 0.99)
-        kinds[kind] = {"partitions": len(values) + len(never[kind]), "p50": percentile(values, 0.5),
-                       "p99": p99, "max": percentile(values, 1.0), "never_recovered": len(never[kind]),
+        p99 = percentile(values, 0.99, 3)
+        kinds[kind] = {"partitions": len(values) + len(never[kind]), "p50": percentile(values, 0.5, 3),
+                       "p99": p99, "max": percentile(values, 1.0, 3), "never_recovered": len(never[kind]),
                        "never_examples": never[kind][:5],
                        "ok": not never[kind] and p99 is not None and p99 <= RECOVERY_LIMIT}
     skipped = sorted({f["kind"] for f in faults if f["kind"] in PARTITION_FAULT_KINDS and f.get("skipped")})

@@ -23,6 +23,11 @@ from scripts.chaos.profiles import (
 
 EARLY_TOLERANCE = 0.005  # seconds: ETAs travel as milliseconds
 QUEUES = ("celery", "expiring")
+
+
+def chaos_queues(with_flow: bool) -> tuple[str, ...]:
+    """The run's queues by name (the flow queues too with --flow), as the workers consume them."""
+    return QUEUES + (flow.QUEUES if with_flow else ())
 # A task's events are lost when a connection fault hits while its worker holds the task:
 # Celery disables the event dispatcher of a connection that dropped, and a request that
 # runs across the reconnect still sends through the old one (its events go nowhere); a
@@ -251,13 +256,6 @@ def error_type(error: str) -> str:
     return error.split("(", 1)[0] or error
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
-
-
 def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
             profile: Profile, transport: str, durability: str | None = None,
             flow_settings: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -397,7 +395,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "faults_skipped": sorted({f["kind"] for f in every_fault if f.get("skipped")}),
         "duplicate_window_seconds": window,
         **events,
-        "latency_seconds": {name: percentile(latencies, q) for name, q in
+        "latency_seconds": {name: jepsen.percentile(latencies, q) for name, q in
                             (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))},
         "jepsen": jepsen.total_queue(records),
         "order": jepsen.order(records, faults, etas_in_broker=transport == "ours"),
