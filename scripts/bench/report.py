@@ -37,6 +37,9 @@ def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequenc
     for variant in celery_variants:
         rows.append((f"celery_{variant}", f"Celery {variant.replace('_', ' ')}-ack, tasks/s",
                      f"celery_{variant}", lambda r: _dig(r, "throughput", "tasks_per_s"), True))
+    for variant in celery_variants:  # issue 41: server CPU per task (publish, delivery, ack) per pool/ack
+        rows.append((f"celery_cpu_{variant}", f"server CPU µs/task, Celery {variant.replace('_', ' ')}",
+                     f"celery_{variant}", lambda r: _dig(r, "throughput", "server", "cpu_us_per_msg"), False))
     for variant in drains:
         label, scenario = variant.replace("_", " "), f"drain_{variant}"
         rows += [
@@ -74,8 +77,6 @@ def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequenc
          lambda r: _dig(r, "consume", "client_cpu_us_per_msg"), False),
         ("ceiling", "one-connection no-op EVALSHA loop, calls/s", "kombu",
          lambda r: _dig(r, "ceiling", "evalsha_per_s"), True),
-        ("celery_cpu", "server CPU µs/task, Celery threads early", "celery_threads_early",
-         lambda r: _dig(r, "throughput", "server", "cpu_us_per_msg"), False),
         ("memory_kombu", "memory per queued message, B (kombu, no task id)", "memory",
          lambda r: _dig(r, "kombu_bytes_per_message"), False),
         ("memory_celery", "memory per queued message, B (with a task id)", "memory",
