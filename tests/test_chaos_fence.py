@@ -163,3 +163,18 @@ def test_a_short_run_through_a_fenced_sentinel_group() -> None:
     assert v["lost"] == 0 and v["lost_explained_by_failover"] == 0, detail
     in_jepsen_terms(v, detail)
     assert v["verdict"] == "PASS", detail
+
+
+def test_err_in_the_servers_refusals_counts_connection_handshakes(redis_server: Server) -> None:
+    """The scorecard's ERR count is mostly new connections' handshakes (the report line says
+    so): redis-py 8 sends CLIENT SETINFO (twice) and CLIENT MAINT_NOTIFICATIONS, which Redis
+    7.0 refuses with ERR. If redis-py stops, the line's explanation is wrong: this fails."""
+    def errs() -> int:
+        return int(redis_server.client().info("errorstats").get("errorstat_ERR", {}).get("count", 0))
+    before = errs()  # that client's own handshake is counted before the read
+    for _ in range(5):
+        client = redis_server.client()
+        client.ping()
+        client.close()
+    assert errs() - before == 5 * 3 + 3  # five connections and the last read's own
+    assert "ERR 12 (mostly new connections' handshakes" in report.refusals_line({"ERR": 12})

@@ -254,7 +254,10 @@ def refusals_line(errors: dict[str, int]) -> str:
     """What the data servers refused over the run (INFO errorstats, killed servers' included)."""
     return (f"- the servers refused: NOREPLICAS {errors.get('NOREPLICAS', 0)} (the fence: writes refused "
             f"while a primary lacked a good replica), READONLY {errors.get('READONLY', 0)} (a demoted "
-            f"primary), LOADING {errors.get('LOADING', 0)}")
+            f"primary), LOADING {errors.get('LOADING', 0)}, ERR {errors.get('ERR', 0)} (mostly new "
+            f"connections' handshakes: redis-py 8 sends CLIENT SETINFO twice and CLIENT "
+            f"MAINT_NOTIFICATIONS, which Redis 7.0 refuses, 3 per connection; Valkey 7.2+ 1: a count "
+            f"of reconnects, not of failures)")
 
 
 def jepsen_failover_rows(cards: list[dict[str, Any]]) -> list[list[str]]:
