@@ -10,14 +10,17 @@ ADAPTER = Path(__file__).resolve().parents[1] / "python" / "celery_redis_lua" / 
 # 2,400 until sharded queues (issue 41 §3): their kombu hooks (a logical queue's declare,
 # publish, consume order, size, purge and delete over its shards: kombu/sharding.py, 75 lines)
 # are kombu's by nature; the shard map, picker and turns went to protocol/shardmap.py.
-MAX_LINES, MAX_CHANNEL_LINES, MAX_FUNCTION_LINES = 2450, 450, 60
+# 2,475 with confirm_together() (issue 41 §1): the channel hands a block's publishes to it and
+# publishes again, on a connection of its own, what a stale route refused (kombu/routes.py,
+# 30 lines); the block itself is protocol/together.py.
+MAX_LINES, MAX_CHANNEL_LINES, MAX_FUNCTION_LINES = 2475, 450, 60
 
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_the_adapter_is_at_most_2450_lines_and_channel_py_450() -> None:
+def test_the_adapter_is_at_most_2475_lines_and_channel_py_450() -> None:
     sizes = {p.name: lines(p) for p in ADAPTER.glob("*.py")}
     assert sum(sizes.values()) <= MAX_LINES, sizes
     assert sizes["channel.py"] <= MAX_CHANNEL_LINES

@@ -1,7 +1,9 @@
 """Confirmed publishes from 1 and from 8 producer threads (issue 41 §1, group commit): server
 CPU per publish and publishes per second, ours against stock kombu, RabbitMQ with confirms,
-our transport without group commit, and (``--base REV``) our transport as it was at a git
-revision, all in one interleaved run, each job in a process of its own.
+our transport without group commit, ours with each thread's publishes in one
+``confirm_together()`` block (``lua-together``, a Celery group's way), and (``--base REV``)
+our transport as it was at a git revision, all in one interleaved run, each job in a process
+of its own.
 
     python -m scripts.bench.publishers                      # Valkey (throwaway), 3 repeats
     python -m scripts.bench.publishers --kind redis --base main -n 2000 --repeat 5
@@ -15,6 +17,7 @@ from /proc), per publish. The peers take turns, their order rotated each repeat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,9 +36,13 @@ from scripts.servers import Server
 from .peers import ROOT, Peer, amqp_available, bind_queue, body_of_size, delete_queue, unique_queue
 from .server_cost import Probe
 
+TOGETHER = {"lua-together"}  # peers whose threads each publish in one confirm_together() block
 
-def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[str, Any]:
-    """``threads`` producers of ``n`` confirmed publishes each: server CPU µs per publish,
+
+def publish_from_threads(peer: Peer, threads: int, n: int, size: int,
+                         together: bool = False) -> dict[str, Any]:
+    """``threads`` producers of ``n`` confirmed publishes each (``together``: each thread's in
+    one ``confirm_together()`` block, as a Celery group's): server CPU µs per publish,
     publishes per second, and requests (script calls or commands) per publish."""
     name = unique_queue("p")
     queue = bind_queue(name)
@@ -50,11 +57,15 @@ def publish_from_threads(peer: Peer, threads: int, n: int, size: int) -> dict[st
             producer.publish(body, declare=[queue] if i == 0 else [])  # connected, route looked up
             producers.append(producer)
         start = threading.Barrier(threads + 1)
+        block: Any = contextlib.nullcontext
+        if together:
+            from celery_redis_lua import confirm_together as block
 
         def run(producer: Producer) -> None:
             start.wait()
-            for _ in range(n):
-                producer.publish(body)
+            with block():
+                for _ in range(n):
+                    producer.publish(body)
 
         workers = [threading.Thread(target=run, args=(p,)) for p in producers]
         for worker in workers:
@@ -82,7 +93,7 @@ def in_a_process(peer: Peer, threads: int, n: int, size: int,
     """The job in a process of its own (no thread or connection of an earlier job runs beside
     it), with celery_redis_lua imported from ``checkout`` when given."""
     job = json.dumps({"url": peer.url, "options": peer.options, "transport": peer.transport,
-                      "threads": threads, "n": n, "size": size})
+                      "threads": threads, "n": n, "size": size, "together": peer.name in TOGETHER})
     path = [str(Path(checkout) / "python"), str(ROOT)] if checkout else [str(ROOT)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, "-m", "scripts.bench.publishers", "--one", job], cwd=ROOT, env=env,
@@ -110,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         peer = Peer("job", job["url"], job["transport"], options=job["options"])
         import celery_redis_lua
         print(f"celery_redis_lua from {celery_redis_lua.__file__}", file=sys.stderr)
-        print(json.dumps(publish_from_threads(peer, job["threads"], job["n"], job["size"])))
+        print(json.dumps(publish_from_threads(peer, job["threads"], job["n"], job["size"], job["together"])))
         return
     levels = [int(t) for t in o.threads.split(",") if t.strip()]
     with Server(o.kind) as server, tempfile.TemporaryDirectory() as scratch:
         base = f"127.0.0.1:{server.port}"
         peers = [Peer("lua", f"redislua://{base}/0"),
                  Peer("lua-no-group", f"redislua://{base}/2", options={"group_commit": False}),
-                 Peer("stock", f"redis://{base}/1")]
+                 Peer("stock", f"redis://{base}/1"), Peer("lua-together", f"redislua://{base}/4")]
         checkout = str(Path(scratch) / "base")
         if o.base:
             subprocess.run(["git", "worktree", "add", "--detach", checkout, o.base], cwd=ROOT, check=True,

@@ -4,8 +4,7 @@ The channel holds no protocol logic: publish, consume, ack, reject, declare, bin
 delete each map to one script (lua/). Here is the bookkeeping kombu needs (which queues are
 consumed, with or without ack) and what the keeper (keeper.py) keeps alive. The consuming
 round and the sweep are in consuming.py, fanout streams in fanout.py, acks and prefetch
-accounting in qos.py, the queue arguments' checks in arguments.py, a close's unconfirmed
-publishes in routes.py.
+accounting in qos.py, the queue arguments' checks in arguments.py, later publishes in routes.py.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from redis.cluster import RedisCluster
 
+from ..protocol import together
 from ..protocol.envelope import dumps, publish_arguments
 from ..protocol.fence import wait_out
 from ..protocol.group import publish_confirmed
@@ -36,7 +36,7 @@ from .exchange import EXCHANGE_TYPES
 from .fanout import FanoutMixin
 from .keeper import KEEPER
 from .qos import QoS
-from .routes import Publishing, RouteCache, close_unconfirmed
+from .routes import Publishing, RouteCache, close_unconfirmed, put_later
 from .sharding import ShardingMixin
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         route, look the table up again and publish to the queues that did not store it yet."""
         if self.unconfirmed is not None:
             self.settle_unconfirmed(flush=False)  # what the last write's replies said
+        if self.unconfirmed is not None or together.current() is not None:
             self._send = Send(message, exchange, routing_key, kwargs)
         try:
             if not exchange:
@@ -171,8 +172,7 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         looked_up = publishing.looked_up_ms if publishing is not None and not publishing.fresh else None
         route = (exchange, looked_up) if exchange and looked_up is not None else None  # a cached route
         outgoing = args.outgoing(dumps(message), route)
-        if self.unconfirmed is not None and self._send is not None:  # stored (or refused) when it goes
-            self.unconfirmed.add(self._send, queue, outgoing.call(self.lib.keys, self.lib.policy, queue))
+        if put_later(self, queue, outgoing):  # unconfirmed, or in a confirm_together() block
             return
         # Waits out a fenced primary (fence.py), with the process's publishes in flight (group.py).
         wait_out(lambda: publish_confirmed(self.lib, queue, outgoing, grouped=self.options.group_commit),

@@ -26,11 +26,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from ..protocol import together
 from ..protocol.library import ScriptLibrary
-from ..protocol.ops import Routes
-from ..protocol.unconfirmed import UnconfirmedPublishError
+from ..protocol.ops import Outgoing, Routes
+from ..protocol.unconfirmed import Send, UnconfirmedPublishError
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +120,31 @@ def close_unconfirmed(channel: Any, deadline: float) -> UnconfirmedPublishError 
     finally:
         channel.unconfirmed.close()
     return None
+
+
+def put_later(channel: Any, queue: str, outgoing: Outgoing) -> bool:
+    """A publish stored (or refused) when it goes, not now: unconfirmed (the channel's
+    pipeline, protocol/unconfirmed.py) or in a confirm_together() block (protocol/together.py,
+    which publishes again at its end what a stale route refused). False: publish it now."""
+    send = channel._send  # set by basic_publish for these only
+    if send is None:
+        return False
+    if channel.unconfirmed is not None:
+        channel.unconfirmed.add(send, queue, outgoing.call(channel.lib.keys, channel.lib.policy, queue))
+    else:
+        together.gather(channel.lib, channel.options.publish_pipeline, send, queue, outgoing,
+                        partial(redeliver, channel.connection.client, channel.state))
+    return True
+
+
+def redeliver(client: Any, state: Any, sends: list[Send]) -> None:
+    """A confirm_together() block's publishes that a stale route refused, published again
+    (confirmed, a fresh lookup) on a connection of its own: the channel that sent them may be
+    another thread's by now. It is told the exchanges' types the sender's state knew."""
+    with client.clone() as connection:
+        channel = connection.default_channel
+        for send in sends:
+            if send.exchange in state.exchanges:
+                channel.state.exchanges[send.exchange] = state.exchanges[send.exchange]
+            channel._deliver(send.message, send.exchange, send.routing_key,
+                             Publishing(fresh=True, stored=send.stored), **send.kwargs)

@@ -38,11 +38,11 @@ from .call import Call, ScriptError
 from .ops import Outgoing, Published, StaleRoute, publish_many
 from .ops.delivery import MAX_BATCH
 
-__all__ = ["GroupCommit", "group_for", "publish_confirmed", "server_of"]
+__all__ = ["GroupCommit", "Pending", "group_for", "publish_confirmed", "send", "server_of"]
 
 
 @dataclass(eq=False)
-class _Pending:
+class Pending:
     """One caller's publish, and what became of it."""
 
     queue: str
@@ -64,7 +64,7 @@ class GroupCommit:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: list[_Pending] = []
+        self._waiting: list[Pending] = []
         self._leading = False
         self.rounds = 0  # calls sent (a round's pipeline counts once): for tests and the docs
         self.published = 0
@@ -79,7 +79,7 @@ class GroupCommit:
         """Store ``message`` in ``queue`` through ``lib`` (a :class:`~.library.ScriptLibrary`),
         with whoever else is publishing now: what ``lib.publish`` would return; raises what it
         would raise (:class:`StaleRoute` too)."""
-        mine = _Pending(queue, message)
+        mine = Pending(queue, message)
         with self._lock:
             self._waiting.append(mine)
             follow, self._leading = self._leading, True
@@ -98,7 +98,7 @@ class GroupCommit:
         with self._lock:
             batch, self._waiting = self._waiting, []
         try:
-            _send(lib, batch)
+            send(lib, batch)
         finally:
             self.rounds += 1
             self.published += len(batch)
@@ -113,12 +113,12 @@ class GroupCommit:
                     self._leading = False
 
 
-def _send(lib: Any, batch: list[_Pending]) -> None:
+def send(lib: Any, batch: list[Pending]) -> None:
     """One pipeline: a publish call per queue (a batch of up to MAX_BATCH messages, or the
     single layout for one); each pending gets its result. A script's refusal of a batch sends
     that batch's messages again one per call."""
-    calls: list[tuple[Call[Any], list[_Pending]]] = []
-    by_queue: dict[str, list[_Pending]] = {}
+    calls: list[tuple[Call[Any], list[Pending]]] = []
+    by_queue: dict[str, list[Pending]] = {}
     for pending in batch:  # each message was checked when its publisher built it (Outgoing)
         by_queue.setdefault(pending.queue, []).append(pending)
     for queue, pendings in by_queue.items():
@@ -139,7 +139,7 @@ def _send(lib: Any, batch: list[_Pending]) -> None:
             for pending in chunk:
                 pending.result = theirs
         raise
-    again: list[tuple[Call[Any], _Pending]] = []
+    again: list[tuple[Call[Any], Pending]] = []
     for (_, chunk), result in zip(calls, results, strict=True):
         if isinstance(result, ScriptError) and len(chunk) > 1:
             again += [(publish_many(lib.keys, lib.policy, p.queue, [p.message]), p) for p in chunk]

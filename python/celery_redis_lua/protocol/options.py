@@ -147,7 +147,8 @@ class TransportOptions:
         "caller still answered on its own (see [Performance](performance.md#group-commit)); "
         "False: one call per publish")
     publish_pipeline: int = option(
-        100, "with `confirm_publish=False`: at most this many publishes go in one write (1..10,000)")
+        100, "with `confirm_publish=False`: at most this many publishes go in one write; in a "
+        "`confirm_together()` block, this many gathered publishes go at once (1..10,000)")
     publish_flush_delay: float = option(
         0.005, "with `confirm_publish=False`: seconds the oldest pending publish may wait before a "
         "thread sends the pipeline (0..1)")

@@ -1,0 +1,138 @@
+"""Confirm together (issue 41 §1): the publishes a block makes are confirmed at its end, many
+per script call, instead of one round trip each.
+
+    from celery_redis_lua import confirm_together
+
+    with confirm_together():
+        group(add.s(i, i) for i in range(100)).apply_async()
+
+Group commit (group.py) rides publishes that are in flight at the same time; a loop in one
+thread (Celery's ``group().apply_async()``, a chord's header, ``chunks``, ``send_task`` in a
+loop) has one in flight at a time, so each waits for its own round trip. Inside the block a
+confirmed publish (the transport's default) returns once its message is gathered; the
+gathered messages go as group commit sends a round (one ``publish`` call per queue and up
+to MAX_BATCH messages, the calls of different queues in one pipeline) when
+``publish_pipeline`` of them have gathered, and at the block's end. The end reads every
+reply, publishes again (confirmed, on a connection of its own) what a cached route that went
+stale refused, and raises :class:`UnconfirmedPublishError` naming what the server refused or
+what a lost connection left unknown. Nothing the block published is unconfirmed once it has
+ended: the promise moves from each publish to the block's end (with ``durability``, the
+round's wait is part of it).
+
+What it gives up, inside the block only: a crash loses what has gathered and not gone, as
+with ``confirm_publish=False``. A publish whose outcome a lost connection left unknown can
+be sent again: with a task id (every Celery task has one) the task index finds the stored
+copy, and nothing is stored twice.
+
+The block is the context's (a thread's, or a greenlet's: contextvars); a block inside
+another joins it, and the outer one's end confirms both. Fanout publishes (broadcast) are
+not queue publishes and stay confirmed one by one. With ``confirm_publish=False`` the
+channel's own pipeline is used as before; the block adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from .group import Pending, send
+from .ops import Outgoing, StaleRoute
+from .unconfirmed import Send, UnconfirmedPublishError
+
+__all__ = ["Together", "confirm_together", "current", "gather"]
+
+Redeliver = Callable[[list[Send]], None]  # publish these again, confirmed (the kombu channel's)
+
+
+@dataclass(eq=False)
+class _Gathered:
+    """A block's publishes through one script library (a kombu channel's)."""
+
+    lib: Any
+    size: int
+    redeliver: Redeliver
+    pending: list[tuple[Send, Pending]] = field(default_factory=list)
+    stale: list[Send] = field(default_factory=list)
+    refused: list[tuple[str, BaseException]] = field(default_factory=list)
+
+    def go(self) -> None:
+        """Send what has gathered (group.send); record what became of each."""
+        batch, self.pending = self.pending, []
+        if not batch:
+            return
+        with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
+            send(self.lib, [pending for _, pending in batch])
+        for sent, pending in batch:
+            result = pending.result
+            if isinstance(result, StaleRoute):
+                if not self.stale or self.stale[-1] is not sent:  # a message routed to several queues
+                    self.stale.append(sent)
+            elif isinstance(result, BaseException) or result is None:
+                self.refused.append((pending.queue, result or RuntimeError("not sent")))
+            else:
+                sent.stored.add(pending.queue)
+
+
+class Together:
+    """One block's publishes (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._gathered: dict[int, _Gathered] = {}
+
+    def add(self, lib: Any, size: int, sent: Send, queue: str, message: Outgoing,
+            redeliver: Redeliver) -> None:
+        """Gather ``message`` for ``queue`` (of the publish ``sent``); send the gathered ones
+        when ``size`` of them are waiting."""
+        gathered = self._gathered.get(id(lib))
+        if gathered is None or gathered.lib is not lib:
+            gathered = self._gathered[id(lib)] = _Gathered(lib, size, redeliver)
+        gathered.pending.append((sent, Pending(queue, message)))
+        if len(gathered.pending) >= gathered.size:
+            gathered.go()
+
+    def finish(self) -> None:
+        """Send what is left, publish again what a stale route refused, and raise what was
+        refused or left unknown, every library's together."""
+        refused: list[tuple[str, BaseException]] = []
+        for gathered in self._gathered.values():
+            gathered.go()
+            if gathered.stale:
+                gathered.redeliver(gathered.stale)  # raises what a confirmed publish raises
+            refused += gathered.refused
+        if refused:
+            raise UnconfirmedPublishError(refused)
+
+
+_CURRENT: ContextVar[Together | None] = ContextVar("celery_redis_lua_together", default=None)
+
+
+def current() -> Together | None:
+    """The block this context is in, or None."""
+    return _CURRENT.get()
+
+
+def gather(lib: Any, size: int, sent: Send, queue: str, message: Outgoing, redeliver: Redeliver) -> None:
+    """Gather a publish in this context's block (:meth:`Together.add`)."""
+    scope = _CURRENT.get()
+    if scope is None:
+        raise RuntimeError("celery-redis-lua: a publish gathered outside a confirm_together() block")
+    scope.add(lib, size, sent, queue, message, redeliver)
+
+
+@contextlib.contextmanager
+def confirm_together() -> Iterator[None]:
+    """Confirm the block's publishes together at its end (see the module's docstring). What
+    the block published before an exception in it is sent all the same."""
+    if _CURRENT.get() is not None:
+        yield  # the outer block confirms
+        return
+    scope = Together()
+    token = _CURRENT.set(scope)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)  # what is published again at the end is confirmed, one by one
+        scope.finish()

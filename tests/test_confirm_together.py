@@ -1,0 +1,135 @@
+"""confirm_together() (protocol/together.py) through plain kombu on real servers: a block's
+confirmed publishes are stored, in order, by one script call when the block ends; a full
+round (``publish_pipeline`` messages) goes at once; what the server refused is raised at the end, naming the
+queue, with the others stored; a route that went stale inside the block is followed afresh;
+an exception in the block does not drop what it published; a nested block joins the outer;
+outside a block nothing changes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Exchange, Queue
+
+from celery_redis_lua import Keyspace, ScriptLibrary, UnconfirmedPublishError, confirm_together
+from conftest import require_kind
+from helpers import ScriptCalls
+from scripts.servers import Server
+from test_unconfirmed import stored
+
+EXCHANGE = Exchange("unconfirmed", "direct")
+QUEUE = Queue("unconfirmed", EXCHANGE, routing_key="u")
+OTHER = Queue("unconfirmed-2", EXCHANGE, routing_key="u")
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    require_kind(request.param)
+    with Server(request.param) as srv:
+        yield srv
+
+
+def connection(server: Server, **options: Any) -> Connection:
+    return Connection(f"redislua://127.0.0.1:{server.port}/0", transport_options=options)
+
+
+def ready(server: Server, queue: str = QUEUE.name) -> int:
+    return ScriptLibrary(server.client(), Keyspace()).stats([queue])[0].ready
+
+
+def declared(conn: Connection) -> Any:
+    producer = conn.Producer(serializer="raw")
+    producer.publish("first", exchange=EXCHANGE, routing_key="u", declare=[QUEUE])
+    return producer
+
+
+def test_a_blocks_publishes_are_stored_in_order_when_it_ends(server: Server) -> None:
+    with connection(server) as conn:
+        producer = declared(conn)
+        counted = ScriptCalls(server.client())
+        with confirm_together():
+            for i in range(50):
+                producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
+            assert ready(server) == 1  # returned before stored: only the one before the block
+        assert ready(server) == 51
+        calls = counted.stop()
+        producer.publish("after", exchange=EXCHANGE, routing_key="u")
+        assert ready(server) == 52  # outside a block, stored before publish returns
+    assert calls.get("publish") == 1, calls  # one script call stored the fifty
+    assert stored(server) == ["first", *(f"m{i}" for i in range(50)), "after"]
+
+
+def test_a_full_pipeline_goes_at_once(server: Server) -> None:
+    with connection(server, publish_pipeline=10) as conn:
+        producer = declared(conn)
+        with confirm_together():
+            for i in range(25):
+                producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
+            assert ready(server) == 21  # two full pipelines written, their replies read
+        assert ready(server) == 26
+
+
+def test_what_the_server_refused_is_raised_at_the_end_and_the_rest_is_stored(server: Server) -> None:
+    keys = Keyspace()
+    bad = Queue("refused", EXCHANGE, routing_key="r")
+    with connection(server) as conn:
+        producer = declared(conn)
+        producer.publish("declared", exchange=EXCHANGE, routing_key="r", declare=[bad])
+        server.client().set(keys.wake(bad.name), "not a list")  # someone else's bad write
+        with pytest.raises(UnconfirmedPublishError) as raised, confirm_together():
+            producer.publish("a", exchange=EXCHANGE, routing_key="u")
+            producer.publish("b", exchange=EXCHANGE, routing_key="r", headers={"id": "task-b"})
+            producer.publish("c", exchange=EXCHANGE, routing_key="u")
+    assert re.match(r"1 unconfirmed publish\(es\) to 'refused'.*WRONGTYPE", str(raised.value)), raised.value
+    assert stored(server) == ["first", "a", "c"]
+
+
+def test_a_route_that_went_stale_in_the_block_is_followed_afresh(server: Server) -> None:
+    """The cached table routes to both queues; an unbind in another connection lands before
+    the block ends: that publish is refused as stale and published again at the end, with a
+    fresh lookup, to the first queue only."""
+    with connection(server) as conn:
+        producer = conn.Producer(serializer="raw")
+        producer.publish("both", exchange=EXCHANGE, routing_key="u", declare=[QUEUE, OTHER])
+        producer.publish("both again", exchange=EXCHANGE, routing_key="u")  # the table is cached now
+        with confirm_together():
+            with Connection(f"redislua://127.0.0.1:{server.port}/0") as other:
+                OTHER(other.default_channel).unbind_from(exchange=EXCHANGE, routing_key="u")
+            producer.publish("first only", exchange=EXCHANGE, routing_key="u")
+            assert ready(server) == 2  # in the block's pipeline, its route not yet judged
+    assert stored(server, QUEUE.name) == ["both", "both again", "first only"]
+    assert stored(server, OTHER.name) == ["both", "both again"]
+
+
+def test_an_exception_in_the_block_drops_nothing_it_published(server: Server) -> None:
+    with connection(server) as conn:
+        producer = declared(conn)
+        with pytest.raises(KeyError), confirm_together():
+            producer.publish("sent", exchange=EXCHANGE, routing_key="u")
+            assert ready(server) == 1
+            raise KeyError("the caller's own error")
+    assert stored(server) == ["first", "sent"]
+
+
+def test_a_nested_block_joins_the_outer_one(server: Server) -> None:
+    with connection(server) as conn:
+        producer = declared(conn)
+        with confirm_together():
+            with confirm_together():
+                producer.publish("inner", exchange=EXCHANGE, routing_key="u")
+            assert ready(server) == 1  # the outer block confirms it
+        assert ready(server) == 2
+
+
+def test_a_lost_server_is_raised_at_the_end_naming_what_is_unknown(server: Server) -> None:
+    with connection(server) as conn:
+        producer = declared(conn)
+        with pytest.raises(UnconfirmedPublishError) as raised, confirm_together():
+            for i in range(3):
+                producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u", headers={"id": f"t{i}"})
+            server.stop()  # before the block's end: none of the three was sent
+    assert re.match(r"3 unconfirmed publish\(es\) to 'unconfirmed' were refused by the server; "
+                    r"the first: ConnectionError", str(raised.value)), raised.value
