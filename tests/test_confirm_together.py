@@ -3,11 +3,13 @@ confirmed publishes are stored, in order, by one script call when the block ends
 round (``publish_pipeline`` messages) goes at once; what the server refused is raised at the end, naming the
 queue, with the others stored; a route that went stale inside the block is followed afresh;
 an exception in the block does not drop what it published; a nested block joins the outer;
-outside a block nothing changes."""
+a lost server is raised at the end; another thread is not in the block; a cluster's queues
+each get their call."""
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +17,9 @@ import pytest
 from kombu import Connection, Exchange, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary, UnconfirmedPublishError, confirm_together
-from conftest import require_kind
+from conftest import cluster_url, require_kind
 from helpers import ScriptCalls
-from scripts.servers import Server
+from scripts.servers import Cluster, Server
 from test_unconfirmed import stored
 
 EXCHANGE = Exchange("unconfirmed", "direct")
@@ -133,3 +135,32 @@ def test_a_lost_server_is_raised_at_the_end_naming_what_is_unknown(server: Serve
             server.stop()  # before the block's end: none of the three was sent
     assert re.match(r"3 unconfirmed publish\(es\) to 'unconfirmed' were refused by the server; "
                     r"the first: ConnectionError", str(raised.value)), raised.value
+
+
+def test_the_block_is_its_threads_alone(server: Server) -> None:
+    """Another thread publishing meanwhile (a connection of its own, as Celery's producer pool
+    gives each thread) is confirmed one by one, as outside any block."""
+    with connection(server) as conn, connection(server) as others:
+        producer, theirs = declared(conn), others.Producer(serializer="raw")
+        with confirm_together():
+            producer.publish("mine", exchange=EXCHANGE, routing_key="u")
+            thread = threading.Thread(target=lambda: theirs.publish("theirs", exchange=EXCHANGE,
+                                                                    routing_key="u"))
+            thread.start()
+            thread.join(10)
+            assert ready(server) == 2  # "first" and theirs: stored before their publish returned
+        assert stored(server) == ["first", "theirs", "mine"]
+
+
+def test_on_a_cluster_each_queues_publishes_are_stored_at_the_end(valkey_cluster: Cluster) -> None:
+    queues = [Queue(f"together-{i}", EXCHANGE, routing_key=f"k{i}") for i in range(3)]
+    with Connection(cluster_url(valkey_cluster)) as conn:
+        producer = conn.Producer(serializer="raw")
+        for queue in queues:
+            producer.publish("declared", exchange=EXCHANGE, routing_key=queue.routing_key, declare=[queue])
+        lib = ScriptLibrary(valkey_cluster.client(), Keyspace())
+        with confirm_together():
+            for i in range(30):
+                producer.publish(f"m{i}", exchange=EXCHANGE, routing_key=f"k{i % 3}")
+            assert [s.ready for s in lib.stats([q.name for q in queues])] == [1, 1, 1]
+        assert [s.ready for s in lib.stats([q.name for q in queues])] == [11, 11, 11]
