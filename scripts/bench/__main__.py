@@ -39,7 +39,7 @@ def options() -> argparse.Namespace:
     kinds = list(available_kinds())
     p.add_argument("--server-kind", default="redis" if "redis" in kinds else "valkey",
                    help="throwaway server for the Redis-based peers (default: redis if on PATH)")
-    p.add_argument("--peers", default="lua,lua-unconfirmed,stock,plus,rabbit,rabbit-confirm",
+    p.add_argument("--peers", default="lua,lua-unconfirmed,lua-together,stock,plus,rabbit,rabbit-confirm",
                    help="default peers to run, if available ('': only the --checkout ones)")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[,module:Class]",
                    help="measure these instead of the default peers (name one 'stock' for ratios)")

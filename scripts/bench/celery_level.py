@@ -137,8 +137,9 @@ def throughput(worker: Worker, app: Any, n: int, probe: Probe) -> dict[str, Any]
     tag = uuid.uuid4().hex[:8]
     before = probe.snapshot()
     first = time.monotonic()
-    for _ in range(n):
-        app.send_task("bench.noop", args=(tag, time.monotonic()))
+    with worker.peer.block():
+        for _ in range(n):
+            app.send_task("bench.noop", args=(tag, time.monotonic()))
     published = time.monotonic()
     ran = worker.wait_for(tag, n, timeout=60 + n / 20)
     after = probe.snapshot()

@@ -36,8 +36,9 @@ def run(peer: Peer, n: int, prefetch: int, size: int, queue_name: str | None = N
 
             before = probe.snapshot()
             began, cpu = time.perf_counter(), time.process_time()
-            for _ in range(n):
-                producer.publish(body)
+            with peer.block():
+                for _ in range(n):
+                    producer.publish(body)
             publish_s, publish_cpu = time.perf_counter() - began, time.process_time() - cpu
             after_publish = probe.snapshot()
 

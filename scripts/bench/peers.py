@@ -9,6 +9,7 @@ any other kombu transport instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import socket
@@ -45,6 +46,15 @@ class Peer:
     # A variant of another peer's publish path (confirms on or off): it runs the kombu and
     # Celery throughput phases, not the broker mechanics or the shutdown timing.
     publish_variant: bool = False
+    # Ours with each run's publishes in one confirm_together() block (a Celery group's way).
+    together: bool = False
+
+    def block(self) -> contextlib.AbstractContextManager[None]:
+        """What a run's publishing loop goes in: a confirm_together() block, or nothing."""
+        if not self.together:
+            return contextlib.nullcontext()
+        from celery_redis_lua import confirm_together
+        return confirm_together()
 
     @property
     def is_redis(self) -> bool:
@@ -128,6 +138,9 @@ def default_peers(port: int, amqp_url: str, wanted: list[str]) -> tuple[list[Pee
         # the opt-in pipelined publish (confirm_publish=False): like RabbitMQ's default
         "lua-unconfirmed": (Peer("lua-unconfirmed", f"redislua://{base}/3",
                                  options={"confirm_publish": False}, publish_variant=True), None),
+        # confirmed, each run's publishes in one confirm_together() block (as a Celery group)
+        "lua-together": (Peer("lua-together", f"redislua://{base}/4", publish_variant=True, together=True),
+                         None),
         "stock": (Peer("stock", f"redis://{base}/1"), None),
         "plus": (Peer("plus", f"redis://{base}/2", PLUS_TRANSPORT), plus_available),
         "rabbit": (Peer("rabbit", amqp_url), lambda: amqp_available(amqp_url)),
