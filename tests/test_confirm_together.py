@@ -164,3 +164,31 @@ def test_on_a_cluster_each_queues_publishes_are_stored_at_the_end(valkey_cluster
                 producer.publish(f"m{i}", exchange=EXCHANGE, routing_key=f"k{i % 3}")
             assert [s.ready for s in lib.stats([q.name for q in queues])] == [1, 1, 1]
         assert [s.ready for s in lib.stats([q.name for q in queues])] == [11, 11, 11]
+
+
+def test_a_fenced_primary_is_waited_out_at_the_end(server: Server) -> None:
+    """min-replicas-to-write with no replica: the server refuses every write (NOREPLICAS)
+    until the fence is lifted, 0.5 s into the block's end; the end waits it out, as a publish
+    of its own would (fence_timeout), and stores all three."""
+    admin = server.client()
+    with connection(server) as conn:
+        producer = declared(conn)
+        with confirm_together():
+            for i in range(3):
+                producer.publish(f"m{i}", exchange=EXCHANGE, routing_key="u")
+            admin.config_set("min-replicas-to-write", 1)
+            threading.Timer(0.5, lambda: admin.config_set("min-replicas-to-write", 0)).start()
+        assert ready(server) == 4
+
+
+def test_a_fence_that_outlasts_fence_timeout_is_raised(server: Server) -> None:
+    admin = server.client()
+    with connection(server, fence_timeout=0.2) as conn:
+        producer = declared(conn)
+        try:
+            with pytest.raises(UnconfirmedPublishError, match="NoReplicasError"), confirm_together():
+                producer.publish("fenced", exchange=EXCHANGE, routing_key="u")
+                admin.config_set("min-replicas-to-write", 1)
+        finally:
+            admin.config_set("min-replicas-to-write", 0)
+    assert stored(server) == ["first"]

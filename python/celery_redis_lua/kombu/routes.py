@@ -132,8 +132,8 @@ def put_later(channel: Any, queue: str, outgoing: Outgoing) -> bool:
     if channel.unconfirmed is not None:
         channel.unconfirmed.add(send, queue, outgoing.call(channel.lib.keys, channel.lib.policy, queue))
     else:
-        together.gather(channel.lib, channel.options.publish_pipeline, send, queue, outgoing,
-                        partial(redeliver, channel.connection.client, channel.state))
+        together.gather(channel.lib, (channel.options.publish_pipeline, channel.options.fence_timeout), send,
+                        queue, outgoing, partial(redeliver, channel.connection.client, channel.state))
     return True
 
 

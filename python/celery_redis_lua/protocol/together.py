@@ -17,7 +17,8 @@ reply, publishes again (confirmed, on a connection of its own) what a cached rou
 stale refused, and raises :class:`UnconfirmedPublishError` naming what the server refused or
 what a lost connection left unknown. Nothing the block published is unconfirmed once it has
 ended: the promise moves from each publish to the block's end (with ``durability``, the
-round's wait is part of it).
+round's wait is part of it). A fenced primary's refusal (``NOREPLICAS``) is waited out as a
+publish of its own waits it out, for up to ``fence_timeout``.
 
 What it gives up, inside the block only: a crash loses what has gathered and not gone, as
 with ``confirm_publish=False``. A publish whose outcome a lost connection left unknown can
@@ -33,11 +34,15 @@ channel's own pipeline is used as before; the block adds nothing.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ResponseError
+
+from .fence import FIRST_RETRY_SECONDS, RETRY_SECONDS, NoReplicasError, refusal
 from .group import Pending, send
 from .ops import Outgoing, StaleRoute
 from .unconfirmed import Send, UnconfirmedPublishError
@@ -53,18 +58,32 @@ class _Gathered:
 
     lib: Any
     size: int
+    fence_timeout: float
     redeliver: Redeliver
     pending: list[tuple[Send, Pending]] = field(default_factory=list)
     stale: list[Send] = field(default_factory=list)
     refused: list[tuple[str, BaseException]] = field(default_factory=list)
 
     def go(self) -> None:
-        """Send what has gathered (group.send); record what became of each."""
+        """Send what has gathered (group.send), again while a fenced primary refuses it (as a
+        publish of its own waits it out, fence.py: for up to ``fence_timeout``); record what
+        became of each."""
         batch, self.pending = self.pending, []
-        if not batch:
-            return
-        with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
-            send(self.lib, [pending for _, pending in batch])
+        deadline, pause = time.monotonic() + self.fence_timeout, FIRST_RETRY_SECONDS
+        while batch:
+            with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
+                send(self.lib, [pending for _, pending in batch])
+            fenced = [(sent, Pending(p.queue, p.message)) for sent, p in batch if _fenced(p.result)]
+            left = deadline - time.monotonic()
+            if not fenced or left <= 0:
+                break
+            self._record([(sent, p) for sent, p in batch if not _fenced(p.result)])
+            batch = fenced  # refused before they ran: sending them again stores nothing twice
+            time.sleep(min(pause, left))  # a backoff: nothing tells when a replica catches up
+            pause = min(pause * 2, RETRY_SECONDS)
+        self._record(batch)
+
+    def _record(self, batch: list[tuple[Send, Pending]]) -> None:
         for sent, pending in batch:
             result = pending.result
             if isinstance(result, StaleRoute):
@@ -76,19 +95,23 @@ class _Gathered:
                 sent.stored.add(pending.queue)
 
 
+def _fenced(result: object) -> bool:
+    return isinstance(result, ResponseError) and isinstance(refusal(result), NoReplicasError)
+
+
 class Together:
     """One block's publishes (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._gathered: dict[int, _Gathered] = {}
 
-    def add(self, lib: Any, size: int, sent: Send, queue: str, message: Outgoing,
+    def add(self, lib: Any, limits: tuple[int, float], sent: Send, queue: str, message: Outgoing,
             redeliver: Redeliver) -> None:
         """Gather ``message`` for ``queue`` (of the publish ``sent``); send the gathered ones
-        when ``size`` of them are waiting."""
+        when ``limits[0]`` of them are waiting (``limits[1]``: the fence timeout)."""
         gathered = self._gathered.get(id(lib))
         if gathered is None or gathered.lib is not lib:
-            gathered = self._gathered[id(lib)] = _Gathered(lib, size, redeliver)
+            gathered = self._gathered[id(lib)] = _Gathered(lib, *limits, redeliver)
         gathered.pending.append((sent, Pending(queue, message)))
         if len(gathered.pending) >= gathered.size:
             gathered.go()
@@ -114,12 +137,14 @@ def current() -> Together | None:
     return _CURRENT.get()
 
 
-def gather(lib: Any, size: int, sent: Send, queue: str, message: Outgoing, redeliver: Redeliver) -> None:
-    """Gather a publish in this context's block (:meth:`Together.add`)."""
+def gather(lib: Any, limits: tuple[int, float], sent: Send, queue: str, message: Outgoing,
+           redeliver: Redeliver) -> None:
+    """Gather a publish in this context's block (:meth:`Together.add`): ``limits`` are the
+    channel's ``publish_pipeline`` and ``fence_timeout``."""
     scope = _CURRENT.get()
     if scope is None:
         raise RuntimeError("celery-redis-lua: a publish gathered outside a confirm_together() block")
-    scope.add(lib, size, sent, queue, message, redeliver)
+    scope.add(lib, limits, sent, queue, message, redeliver)
 
 
 @contextlib.contextmanager
