@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kombu import Connection, Exchange, Queue
 
 from celery_redis_lua import Keyspace, ScriptLibrary, UnconfirmedPublishError, confirm_together
-from conftest import cluster_url, require_kind
+from conftest import cluster_url
 from helpers import ScriptCalls
 from scripts.servers import Cluster, Server
 from test_unconfirmed import stored
@@ -27,11 +26,9 @@ QUEUE = Queue("unconfirmed", EXCHANGE, routing_key="u")
 OTHER = Queue("unconfirmed-2", EXCHANGE, routing_key="u")
 
 
-@pytest.fixture(params=["valkey", "redis"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    require_kind(request.param)
-    with Server(request.param) as srv:
-        yield srv
+@pytest.fixture
+def server(scratch_server: Server) -> Server:
+    return scratch_server  # a fresh one of each kind (conftest.py)
 
 
 def connection(server: Server, **options: Any) -> Connection:
