@@ -83,6 +83,7 @@ def test_what_the_server_refused_is_raised_at_the_end_and_the_rest_is_stored(ser
             producer.publish("b", exchange=EXCHANGE, routing_key="r", headers={"id": "task-b"})
             producer.publish("c", exchange=EXCHANGE, routing_key="u")
     assert re.match(r"1 unconfirmed publish\(es\) to 'refused'.*WRONGTYPE", str(raised.value)), raised.value
+    assert raised.value.task_ids == ["task-b"]
     assert stored(server) == ["first", "a", "c"]
 
 
@@ -132,6 +133,7 @@ def test_a_lost_server_is_raised_at_the_end_naming_what_is_unknown(server: Serve
             server.stop()  # before the block's end: none of the three was sent
     assert re.match(r"3 unconfirmed publish\(es\) to 'unconfirmed' were refused by the server; "
                     r"the first: ConnectionError", str(raised.value)), raised.value
+    assert raised.value.task_ids == ["t0", "t1", "t2"]  # which ones the caller may send again
 
 
 def test_the_block_is_its_threads_alone(server: Server) -> None:

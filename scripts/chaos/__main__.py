@@ -59,6 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shards", type=int, metavar="N",
                         help="ours only: the default queue declared with x-shards N "
                              f"(2..{MAX_SHARDS}; docs/sharding.md); the order check is per shard")
+    parser.add_argument("--together", type=int, metavar="N",
+                        help="ours only: the producer sends its tasks in confirm_together() blocks of N "
+                             "(2..1000), each task confirmed when its block ends (a Celery group's way)")
     parser.add_argument("--partitions", action="store_true",
                         help="one server only: the broker in its own network namespace, a veth pair per "
                              "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
@@ -83,6 +86,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("kombu's stock Redis transport does not run on a cluster")
     if args.shards is not None and (args.transport == "stock" or not 2 <= args.shards <= MAX_SHARDS):
         parser.error(f"--shards: ours only, 2..{MAX_SHARDS}, got {args.shards}")
+    if args.together is not None and (args.transport == "stock" or not 2 <= args.together <= 1000):
+        parser.error(f"--together: ours only, 2..1000, got {args.together}")
     if args.flow and args.transport == "stock":
         parser.error("--flow: pause, limit and delayed retry are our transport's")
     if args.durability_timeout and not args.durability:
@@ -196,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
         "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
         "shards": args.shards,
+        "together": args.together,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()})
@@ -247,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                + (PARTITION_FAULT_KINDS if args.partitions else ()))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
-                            args.seed, args.flow, args.shards)
+                            args.seed, args.flow, args.shards, args.together or 0)
         began = time.monotonic()
         producer.start()
         # After a partition the next fault waits (partitions.CALM_SECONDS) and the rest of the

@@ -1,6 +1,7 @@
 """The producer: one thread sending ``chaos.work`` at a fixed rate with a seeded mix of
 fast, slow, countdown and high-priority tasks; each accepted submission goes to the ledger
-with its eligibility time (the ETA for a countdown)."""
+with its eligibility time (the ETA for a countdown). With ``together`` (``--together N``) the
+tasks go in confirm_together() blocks of N, each confirmed when its block ends."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from celery import Celery
 
+from celery_redis_lua import UnconfirmedPublishError, confirm_together
 from scripts.chaos import flow, ledger
 from scripts.chaos.app import main_queues
 from scripts.chaos.profiles import Profile
@@ -22,7 +24,8 @@ RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, 
 
 class Producer(threading.Thread):
     def __init__(self, broker_url: str, transport_options: dict[str, Any], ledger_url: str,
-                 profile: Profile, seed: int, with_flow: bool = False, shards: int | None = None) -> None:
+                 profile: Profile, seed: int, with_flow: bool = False, shards: int | None = None,
+                 together: int = 0) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
         self.app.conf.broker_transport_options = transport_options
@@ -34,6 +37,7 @@ class Producer(threading.Thread):
         self.rng = random.Random(seed * 7919 + 1)
         self.halt = threading.Event()
         self.sent = self.errors = 0
+        self.together = together  # > 0: tasks go in confirm_together() blocks of this many
 
     def next_task(self) -> tuple[str, float, int, float]:
         """(kind, seconds the task runs, priority, countdown)."""
@@ -49,7 +53,8 @@ class Producer(threading.Thread):
             return kind, rng.uniform(0.005, 0.05), 9, 0.0
         return kind, rng.uniform(0.005, 0.05), 0, 0.0
 
-    def send(self, kind: str, seconds: float, priority: int, countdown: float) -> None:
+    def send(self, kind: str, seconds: float, priority: int, countdown: float) -> dict[str, Any] | None:
+        """Send one task; its ledger entry, to record once confirmed (None: refused, recorded)."""
         task_id = str(uuid.uuid4())
         now = time.time()
         eligible = now + countdown
@@ -65,23 +70,56 @@ class Producer(threading.Thread):
             options.update(queue="expiring", routing_key=f"jobs.{task_id[:8]}")
         if countdown:
             options["eta"] = datetime.fromtimestamp(eligible, tz=UTC)
+        submit = {"id": task_id, "t": now, "kind": kind, "priority": priority, "eligible": eligible,
+                  "seconds": seconds, "queue": options.get("queue", "celery"), **extra}
         try:
             self.app.send_task(name, args=args, **options)
         except Exception as error:
-            self.errors += 1
-            ledger.record("submit_error", self.ledger_url, id=task_id, t=time.time(), kind=kind,
-                          error=repr(error)[:300])
-            return
+            self.failed(submit, error)
+            return None
+        return submit
+
+    def confirmed(self, submit: dict[str, Any]) -> None:
         self.sent += 1
-        ledger.record("submit", self.ledger_url, id=task_id, t=now, sent=time.time(), kind=kind,
-                      priority=priority, eligible=eligible, seconds=seconds,
-                      queue=options.get("queue", "celery"), **extra)
+        ledger.record("submit", self.ledger_url, sent=time.time(), **submit)
+
+    def failed(self, submit: dict[str, Any], error: BaseException) -> None:
+        """Its outcome unknown (or refused): delivered anyway, it counts as recovered."""
+        self.errors += 1
+        ledger.record("submit_error", self.ledger_url, id=submit["id"], t=time.time(), kind=submit["kind"],
+                      error=repr(error)[:300])
+
+    def send_block(self) -> int:
+        """``together`` tasks in one confirm_together() block (a Celery group's way): each is
+        confirmed when the block ends, or named by its UnconfirmedPublishError."""
+        tasks = [self.next_task() for _ in range(self.together)]
+        gathered: list[dict[str, Any]] = []
+        try:
+            with confirm_together():
+                gathered = [s for s in (self.send(*task) for task in tasks) if s is not None]
+        except UnconfirmedPublishError as error:
+            refused = set(error.task_ids)
+            for submit in gathered:
+                (self.failed(submit, error) if submit["id"] in refused else self.confirmed(submit))
+            return len(tasks)
+        except Exception as error:  # the block's end itself failed: every outcome unknown
+            for submit in gathered:
+                self.failed(submit, error)
+            return len(tasks)
+        for submit in gathered:
+            self.confirmed(submit)
+        return len(tasks)
 
     def run(self) -> None:
         began, n = time.monotonic(), 0
         while not self.halt.is_set():
-            self.send(*self.next_task())
-            n += 1
+            if self.together:
+                n += self.send_block()
+            else:
+                submit = self.send(*self.next_task())
+                if submit is not None:
+                    self.confirmed(submit)
+                n += 1
             delay = began + n / self.profile.rate - time.monotonic()
             if delay > 0:
                 self.halt.wait(delay)  # pacing, not synchronisation

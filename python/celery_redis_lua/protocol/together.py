@@ -15,10 +15,11 @@ to MAX_BATCH messages, the calls of different queues in one pipeline) when
 ``publish_pipeline`` of them have gathered, and at the block's end. The end reads every
 reply, publishes again (confirmed, on a connection of its own) what a cached route that went
 stale refused, and raises :class:`UnconfirmedPublishError` naming what the server refused or
-what a lost connection left unknown. Nothing the block published is unconfirmed once it has
-ended: the promise moves from each publish to the block's end (with ``durability``, the
-round's wait is part of it). A fenced primary's refusal (``NOREPLICAS``) is waited out as a
-publish of its own waits it out, for up to ``fence_timeout``.
+what a lost connection left unknown (its ``task_ids``: which tasks). Nothing the block
+published is unconfirmed once it has ended: the promise moves from each publish to the
+block's end (with ``durability``, the round's wait is part of it). A fenced primary's
+refusal (``NOREPLICAS``) is waited out as a publish of its own waits it out, for up to
+``fence_timeout``.
 
 What it gives up, inside the block only: a crash loses what has gathered and not gone, as
 with ``confirm_publish=False``. A publish whose outcome a lost connection left unknown can
@@ -62,7 +63,7 @@ class _Gathered:
     redeliver: Redeliver
     pending: list[tuple[Send, Pending]] = field(default_factory=list)
     stale: list[Send] = field(default_factory=list)
-    refused: list[tuple[str, BaseException]] = field(default_factory=list)
+    refused: list[tuple[str, BaseException, str | None]] = field(default_factory=list)  # + task id
 
     def go(self) -> None:
         """Send what has gathered (group.send), again while a fenced primary refuses it (as a
@@ -90,7 +91,9 @@ class _Gathered:
                 if not self.stale or self.stale[-1] is not sent:  # a message routed to several queues
                     self.stale.append(sent)
             elif isinstance(result, BaseException) or result is None:
-                self.refused.append((pending.queue, result or RuntimeError("not sent")))
+                headers = sent.message.get("headers")
+                task_id = headers.get("id") if isinstance(headers, dict) else None
+                self.refused.append((pending.queue, result or RuntimeError("not sent"), task_id))
             else:
                 sent.stored.add(pending.queue)
 
@@ -119,14 +122,15 @@ class Together:
     def finish(self) -> None:
         """Send what is left, publish again what a stale route refused, and raise what was
         refused or left unknown, every library's together."""
-        refused: list[tuple[str, BaseException]] = []
+        refused: list[tuple[str, BaseException, str | None]] = []
         for gathered in self._gathered.values():
             gathered.go()
             if gathered.stale:
                 gathered.redeliver(gathered.stale)  # raises what a confirmed publish raises
             refused += gathered.refused
         if refused:
-            raise UnconfirmedPublishError(refused)
+            raise UnconfirmedPublishError([(queue, error) for queue, error, _ in refused],
+                                          [task_id for _, _, task_id in refused])
 
 
 _CURRENT: ContextVar[Together | None] = ContextVar("celery_redis_lua_together", default=None)

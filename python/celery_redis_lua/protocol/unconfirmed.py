@@ -33,14 +33,18 @@ from .ops import StaleRoute
 
 
 class UnconfirmedPublishError(Exception):
-    """Publishes that went out unconfirmed and that the server refused."""
+    """Publishes that went out unconfirmed and that the server refused (or whose outcome a lost
+    connection left unknown). ``errors``: (queue, error) of each; ``task_ids``: their task ids
+    in the same order (None for a message without one)."""
 
-    def __init__(self, errors: list[tuple[str, BaseException]]) -> None:
+    def __init__(self, errors: list[tuple[str, BaseException]],
+                 task_ids: list[str | None] | None = None) -> None:
         queues = sorted({queue for queue, _ in errors})
         first = errors[0][1]
         super().__init__(f"{len(errors)} unconfirmed publish(es) to {', '.join(map(repr, queues))} were "
                          f"refused by the server; the first: {type(first).__name__}: {first}")
         self.errors = errors
+        self.task_ids = task_ids if task_ids is not None else [None] * len(errors)
 
 
 @dataclass
@@ -166,7 +170,8 @@ class Pipeline:
         with self._lock:
             refused, self.refused = self.refused, []
         if refused:
-            raise UnconfirmedPublishError([(queue, error) for queue, error, _ in refused])
+            raise UnconfirmedPublishError([(queue, error) for queue, error, _ in refused],
+                                          [task_id for _, _, task_id in refused])
 
     def unsent(self) -> list[str]:
         """What was refused and never raised, or never sent, by queue (the exit's report)."""
