@@ -19,7 +19,8 @@ what a lost connection left unknown (its ``task_ids``: which tasks). Nothing the
 published is unconfirmed once it has ended: the promise moves from each publish to the
 block's end (with ``durability``, the round's wait is part of it). A fenced primary's
 refusal (``NOREPLICAS``) is waited out as a publish of its own waits it out, for up to
-``fence_timeout``.
+``fence_timeout``; a demoted primary's (``READONLY``) and a lost connection, for up to
+LOST_SECONDS, the latter only for a message with a task id.
 
 What it gives up, inside the block only: a crash loses what has gathered and not gone, as
 with ``confirm_publish=False``. A publish whose outcome a lost connection left unknown can
@@ -41,7 +42,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .fence import FIRST_RETRY_SECONDS, RETRY_SECONDS, NoReplicasError, refusal
 from .group import Pending, send
@@ -51,6 +54,9 @@ from .unconfirmed import Send, UnconfirmedPublishError
 __all__ = ["Together", "confirm_together", "current", "gather"]
 
 Redeliver = Callable[[list[Send]], None]  # publish these again, confirmed (the kombu channel's)
+# How long a message a lost connection or a demoted primary refused is sent again: a restart
+# or a failover (kombu's retry policy, which a publish of its own rides, is not the block's).
+LOST_SECONDS = 10.0
 
 
 @dataclass(eq=False)
@@ -66,21 +72,20 @@ class _Gathered:
     refused: list[tuple[str, BaseException, str | None]] = field(default_factory=list)  # + task id
 
     def go(self) -> None:
-        """Send what has gathered (group.send), again while a fenced primary refuses it (as a
-        publish of its own waits it out, fence.py: for up to ``fence_timeout``); record what
-        became of each."""
+        """Send what has gathered (group.send); send again what may go again (:func:`_again`),
+        backing off from 50 ms to 1 s; record what became of each."""
         batch, self.pending = self.pending, []
-        deadline, pause = time.monotonic() + self.fence_timeout, FIRST_RETRY_SECONDS
+        began, pause = time.monotonic(), FIRST_RETRY_SECONDS
         while batch:
             with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
                 send(self.lib, [pending for _, pending in batch])
-            fenced = [(sent, Pending(p.queue, p.message)) for sent, p in batch if _fenced(p.result)]
-            left = deadline - time.monotonic()
-            if not fenced or left <= 0:
+            waited = time.monotonic() - began
+            again = [(sent, p) for sent, p in batch if _again(sent, p.result, waited, self.fence_timeout)]
+            if not again:
                 break
-            self._record([(sent, p) for sent, p in batch if not _fenced(p.result)])
-            batch = fenced  # refused before they ran: sending them again stores nothing twice
-            time.sleep(min(pause, left))  # a backoff: nothing tells when a replica catches up
+            self._record([(sent, p) for sent, p in batch if not any(p is q for _, q in again)])
+            batch = [(sent, Pending(p.queue, p.message)) for sent, p in again]
+            time.sleep(pause)  # a backoff: nothing tells when a replica catches up or a server is back
             pause = min(pause * 2, RETRY_SECONDS)
         self._record(batch)
 
@@ -91,15 +96,29 @@ class _Gathered:
                 if not self.stale or self.stale[-1] is not sent:  # a message routed to several queues
                     self.stale.append(sent)
             elif isinstance(result, BaseException) or result is None:
-                headers = sent.message.get("headers")
-                task_id = headers.get("id") if isinstance(headers, dict) else None
-                self.refused.append((pending.queue, result or RuntimeError("not sent"), task_id))
+                self.refused.append((pending.queue, result or RuntimeError("not sent"), _task_id(sent)))
             else:
                 sent.stored.add(pending.queue)
 
 
-def _fenced(result: object) -> bool:
-    return isinstance(result, ResponseError) and isinstance(refusal(result), NoReplicasError)
+def _task_id(sent: Send) -> str | None:
+    headers = sent.message.get("headers")
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) else None
+
+
+def _again(sent: Send, result: object, waited: float, fence_timeout: float) -> bool:
+    """Whether a message may go again after ``waited`` seconds: refused before it ran, by a
+    fenced primary (within ``fence_timeout``, as a publish of its own waits it out) or by a
+    demoted one (READONLY, within LOST_SECONDS); or left unknown by a lost connection, within
+    LOST_SECONDS, when it has a task id (the task index finds a stored copy: a lost reply's
+    message is not stored twice). Without a task id it is raised: it might be stored."""
+    if isinstance(result, ResponseError) and isinstance(refusal(result), NoReplicasError):
+        return waited < fence_timeout
+    if isinstance(result, ReadOnlyError):
+        return waited < LOST_SECONDS
+    lost = isinstance(result, RedisConnectionError | RedisTimeoutError)
+    return lost and waited < LOST_SECONDS and _task_id(sent) is not None
 
 
 class Together:
