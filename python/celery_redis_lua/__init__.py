@@ -27,7 +27,7 @@ from .protocol.ops import (
 )
 from .protocol.policy import Policy
 from .protocol.runner import ScriptRunner
-from .protocol.together import confirm_together
+from .protocol.together import confirm_groups, confirm_together
 from .protocol.unconfirmed import UnconfirmedPublishError
 from .tools.flow import clear_limits, limit, pause, resume
 from .tools.locate import cancel, where
@@ -45,6 +45,6 @@ __all__ = [
     "Acked", "BadDedup", "BadFairnessKey", "Call", "Consumed", "DeadLetter", "Declared", "Dedup", "Deleted",
     "Delivery", "Dropped", "Keyspace", "KeyspaceError", "Limits", "Policy", "Published", "QueueStats",
     "Rejected", "Script", "ScriptError", "ScriptLibrary", "ScriptRunner", "SweepReport", "Transport",
-    "UnconfirmedPublishError", "cancel", "clear_limits", "confirm_together", "limit", "load_scripts", "pause",
-    "resume", "where",
+    "UnconfirmedPublishError", "cancel", "clear_limits", "confirm_groups", "confirm_together", "limit",
+    "load_scripts", "pause", "resume", "where",
 ]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from celery import Celery, chord, group
 
-from celery_redis_lua import confirm_together
+from celery_redis_lua import confirm_groups, confirm_together
 from helpers import ScriptCalls
 
 from .harness import Broker, Worker, running
@@ -42,3 +42,22 @@ def test_a_chords_header_rides_one_block(broker: Broker, producer: Celery, log_d
         assert result.get(timeout=60) == sum(2 * i for i in range(10))
     [stats] = broker.lib().stats(["celery"])
     assert (stats.ready, stats.in_flight, stats.dead) == (0, 0, 0)
+
+
+def test_confirm_groups_batches_every_group_and_leaves_a_single_send_as_it_was(
+        broker: Broker, producer: Celery, log_dir: Path) -> None:
+    """One line for the app: a group sent with no block in sight is one script call, and is
+    stored when apply_async returns; a single send_task is stored when it returns."""
+    confirm_groups(producer)
+    lib = broker.lib()
+    producer.send_task(ADD, (0, 0)).forget()  # declared, connected; stored on return
+    [stats] = lib.stats(["celery"])
+    assert stats.ready == 1
+    counted = ScriptCalls(broker.client())
+    result = group(producer.signature(ADD, (i, i)) for i in range(N)).apply_async()
+    [stats] = lib.stats(["celery"])
+    assert stats.ready == N + 1  # all stored when apply_async returned (no worker yet)
+    calls = counted.stop()
+    assert calls.get("publish") == 1, calls
+    with running(Worker(broker, name="grouped", concurrency=4, log_dir=log_dir)):
+        assert sorted(result.get(timeout=60)) == [2 * i for i in range(N)]

@@ -28,7 +28,9 @@ be sent again: with a task id (every Celery task has one) the task index finds t
 copy, and nothing is stored twice.
 
 The block is the context's (a thread's, or a greenlet's: contextvars); a block inside
-another joins it, and the outer one's end confirms both. Fanout publishes (broadcast) are
+another joins it, and the outer one's end confirms both. :func:`confirm_groups` opens one in
+each of a Celery app's producer scopes: every group, chord header and ``chunks`` then rides
+one call, with no change where they are sent. Fanout publishes (broadcast) are
 not queue publishes and stay confirmed one by one. With ``confirm_publish=False`` the
 channel's own pipeline is used as before; the block adds nothing.
 """
@@ -51,7 +53,7 @@ from .group import Pending, send
 from .ops import Outgoing, StaleRoute
 from .unconfirmed import Send, UnconfirmedPublishError
 
-__all__ = ["Together", "confirm_together", "current", "gather"]
+__all__ = ["Together", "confirm_groups", "confirm_together", "current", "gather"]
 
 Redeliver = Callable[[list[Send]], None]  # publish these again, confirmed (the kombu channel's)
 # How long a message a lost connection or a demoted primary refused is sent again: a restart
@@ -184,3 +186,19 @@ def confirm_together() -> Iterator[None]:
     finally:
         _CURRENT.reset(token)  # what is published again at the end is confirmed, one by one
         scope.finish()
+
+
+def confirm_groups(app: Any) -> None:
+    """Confirm together, for a Celery ``app``, what each of its producer scopes publishes: a
+    group's ``apply_async()`` (its tasks), a chord's header, ``chunks``, one call each; a single
+    ``send_task`` or ``delay`` is its own scope and returns once stored, as before. Every
+    publish of Celery's goes through ``app.producer_or_acquire``: the block is opened inside
+    it, so it ends while the producer (and its channel) is still this thread's."""
+    acquire = app.producer_or_acquire
+
+    @contextlib.contextmanager
+    def producer_or_acquire(producer: Any = None) -> Iterator[Any]:
+        with acquire(producer) as held, confirm_together():
+            yield held
+
+    app.producer_or_acquire = producer_or_acquire
