@@ -17,7 +17,7 @@ from kombu import Exchange, Producer, Queue
 
 from celery_redis_lua import Keyspace, Published, ScriptError, ScriptLibrary
 from celery_redis_lua.protocol.fairness import BadFairnessKey
-from celery_redis_lua.protocol.group import GroupCommit, group_for, server_of
+from celery_redis_lua.protocol.group import GroupCommit, Pending, group_for, server_of
 from celery_redis_lua.protocol.ops import Outgoing, StaleRoute
 from conftest import Broker
 from helpers import server_now_ms, wait_until
@@ -239,3 +239,36 @@ def test_greenlets_ride_together(valkey_server: Server, tmp_path: Any) -> None:
     rounds, published, size = (int(x) for x in done.stdout.split())
     assert (rounds, published, size) == (2, 8, 16), "the first alone, the seven behind it together"
     client.close()
+
+
+def test_a_blocks_round_rides_with_the_publishes_in_flight(server: redis.Redis) -> None:
+    """A confirm_together() block's round (protocol/together.py: publish_all) joins the
+    round being gathered like any caller's publish: the first publish alone, then the block's
+    three and another thread's single one together, in one call; each pending answered."""
+    libs = libraries(server, 3)
+    libs[0].declare("q")
+    group = group_for(libs[0])
+    block = [Pending("q", Outgoing(f"b{i}", task_id=f"b{i}")) for i in range(3)]
+    answers: dict[str, Any] = {}
+    calls, rounds = evalshas(server), group.rounds
+    server.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
+    try:
+        lead = threading.Thread(target=lambda: answers.update(lead=group.publish(
+            libs[0], "q", Outgoing("lead", task_id="lead"))))
+        lead.start()
+        wait_until(lambda: group._leading, timeout=10, what="the first publish leads")
+        others = [threading.Thread(target=lambda: group.publish_all(libs[1], block)),
+                  threading.Thread(target=lambda: answers.update(single=group.publish(
+                      libs[2], "q", Outgoing("single", task_id="single"))))]
+        for thread in others:
+            thread.start()
+        wait_until(lambda: group.waiting == 4, timeout=10, what="the block and the single one wait")
+    finally:
+        server.execute_command("CLIENT", "UNPAUSE")
+    for thread in [lead, *others]:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a caller never got its answer"
+    assert all(isinstance(p.result, Published) for p in block), [p.result for p in block]
+    assert isinstance(answers["lead"], Published) and isinstance(answers["single"], Published)
+    assert group.rounds - rounds == 2 and evalshas(server) - calls == 2, "the lead, then four in one call"
+    assert libs[0].size("q") == 5

@@ -80,17 +80,25 @@ class GroupCommit:
         with whoever else is publishing now: what ``lib.publish`` would return; raises what it
         would raise (:class:`StaleRoute` too)."""
         mine = Pending(queue, message)
+        self.publish_all(lib, [mine])
+        return mine.answer()
+
+    def publish_all(self, lib: Any, pendings: list[Pending]) -> None:
+        """Store each of ``pendings`` (a confirm_together() block's round, together.py) with
+        whoever else is publishing now; each gets its result (a connection error is raised
+        too, as :meth:`publish` raises it). They join the round as one: the first of them
+        waits for it, or leads."""
+        first = pendings[0]
         with self._lock:
-            self._waiting.append(mine)
+            self._waiting.extend(pendings)
             follow, self._leading = self._leading, True
             if follow:
-                mine.done = threading.Event()
-        if mine.done is not None:
-            mine.done.wait()
-            if not mine.lead:
-                return mine.answer()
+                first.done = threading.Event()
+        if first.done is not None:
+            first.done.wait()
+            if not first.lead:
+                return
         self._lead(lib)
-        return mine.answer()
 
     def _lead(self, lib: Any) -> None:
         """Send every waiting publish, then hand the lead to the first caller who came

@@ -10,9 +10,10 @@ Group commit (group.py) rides publishes that are in flight at the same time; a l
 thread (Celery's ``group().apply_async()``, a chord's header, ``chunks``, ``send_task`` in a
 loop) has one in flight at a time, so each waits for its own round trip. Inside the block a
 confirmed publish (the transport's default) returns once its message is gathered; the
-gathered messages go as group commit sends a round (one ``publish`` call per queue and up
-to MAX_BATCH messages, the calls of different queues in one pipeline) when
-``publish_pipeline`` of them have gathered, and at the block's end. The end reads every
+gathered messages go as a round of group commit (one ``publish`` call per queue and up to
+MAX_BATCH messages, the calls of different queues in one pipeline, with whatever other
+threads of the process publish to that server meanwhile) when ``publish_pipeline`` of them
+have gathered, and at the block's end. The end reads every
 reply, publishes again (confirmed, on a connection of its own) what a cached route that went
 stale refused, and raises :class:`UnconfirmedPublishError` naming what the server refused or
 what a lost connection left unknown (its ``task_ids``: which tasks). Nothing the block
@@ -49,7 +50,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .fence import FIRST_RETRY_SECONDS, RETRY_SECONDS, NoReplicasError, refusal
-from .group import Pending, send
+from .group import Pending, group_for
 from .ops import Outgoing, StaleRoute
 from .unconfirmed import Send, UnconfirmedPublishError
 
@@ -80,7 +81,7 @@ class _Gathered:
         began, pause = time.monotonic(), FIRST_RETRY_SECONDS
         while batch:
             with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
-                send(self.lib, [pending for _, pending in batch])
+                group_for(self.lib).publish_all(self.lib, [pending for _, pending in batch])
             waited = time.monotonic() - began
             again = [(sent, p) for sent, p in batch if _again(sent, p.result, waited, self.fence_timeout)]
             if not again:
