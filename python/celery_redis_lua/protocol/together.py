@@ -75,7 +75,7 @@ class _Gathered:
     refused: list[tuple[str, BaseException, str | None]] = field(default_factory=list)  # + task id
 
     def go(self) -> None:
-        """Send what has gathered (group.send); send again what may go again (:func:`_again`),
+        """Send what has gathered (a round of group commit); send again what may go again (:func:`_again`),
         backing off from 50 ms to 1 s; record what became of each."""
         batch, self.pending = self.pending, []
         began, pause = time.monotonic(), FIRST_RETRY_SECONDS
