@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,3 +226,48 @@ def test_a_fence_that_outlasts_fence_timeout_is_raised(server: Server) -> None:
         finally:
             admin.config_set("min-replicas-to-write", 0)
     assert stored(server) == ["first"]
+
+
+GREEN = """
+from gevent import monkey
+monkey.patch_all()
+import sys
+import gevent
+from kombu import Connection, Queue
+from celery_redis_lua import Keyspace, ScriptLibrary, confirm_together
+import redis
+url, port = sys.argv[1], int(sys.argv[2])
+queue = Queue("green", routing_key="green")
+mine, theirs = (Connection(url).Producer(serializer="raw") for _ in range(2))
+mine.publish("warm", exchange="", routing_key="green", declare=[queue])
+theirs.publish("warm", exchange="", routing_key="green")
+lib = ScriptLibrary(redis.Redis(port=port), Keyspace())
+seen = {}
+
+def in_a_block():
+    with confirm_together():
+        mine.publish("mine", exchange="", routing_key="green")
+        gevent.sleep(0.2)  # the other greenlet runs meanwhile, its publish outside any block
+        seen["in the block"] = lib.stats(["green"])[0].ready
+
+def outside():
+    gevent.sleep(0.05)
+    theirs.publish("theirs", exchange="", routing_key="green")
+    seen["theirs returned"] = lib.stats(["green"])[0].ready
+
+gevent.joinall([gevent.spawn(in_a_block), gevent.spawn(outside)], raise_error=True)
+print(seen["theirs returned"], seen["in the block"], lib.stats(["green"])[0].ready)
+"""
+
+
+def test_a_greenlets_block_is_its_own(valkey_server: Server, tmp_path: Path) -> None:
+    """gevent: a block is the greenlet's (contextvars), so another greenlet's publish while it
+    is open is confirmed at once, and the block's is stored at its end."""
+    pytest.importorskip("gevent", reason="gevent is not installed (pip install gevent)")
+    script = tmp_path / "green.py"
+    script.write_text(GREEN)
+    valkey_server.client().flushall()
+    done = subprocess.run([sys.executable, str(script), f"redislua://127.0.0.1:{valkey_server.port}/0",
+                           str(valkey_server.port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3", "3", "4"], "theirs stored at once, mine at the block's end"
