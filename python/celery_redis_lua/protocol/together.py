@@ -75,8 +75,8 @@ class _Gathered:
     refused: list[tuple[str, BaseException, str | None]] = field(default_factory=list)  # + task id
 
     def go(self) -> None:
-        """Send what has gathered (a round of group commit); send again what may go again (:func:`_again`),
-        backing off from 50 ms to 1 s; record what became of each."""
+        """Send what has gathered (a round of group commit); send again what may go again
+        (:func:`_again`), backing off from 50 ms to 1 s; record what became of each."""
         batch, self.pending = self.pending, []
         began, pause = time.monotonic(), FIRST_RETRY_SECONDS
         while batch:
@@ -144,12 +144,17 @@ class Together:
     def finish(self) -> None:
         """Send what is left, publish again what a stale route refused, and raise what was
         refused or left unknown, every library's together."""
+        for gathered in self._gathered.values():  # every library's sent before any is raised
+            gathered.go()
         refused: list[tuple[str, BaseException, str | None]] = []
         for gathered in self._gathered.values():
-            gathered.go()
-            if gathered.stale:
-                gathered.redeliver(gathered.stale)  # raises what a confirmed publish raises
             refused += gathered.refused
+            if not gathered.stale:
+                continue
+            try:
+                gathered.redeliver(gathered.stale)
+            except Exception as error:  # each may or may not have gone again: all named
+                refused += [(f"exchange {sent.exchange!r}", error, _task_id(sent)) for sent in gathered.stale]
         if refused:
             raise UnconfirmedPublishError([(queue, error) for queue, error, _ in refused],
                                           [task_id for _, _, task_id in refused])
