@@ -154,12 +154,14 @@ def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabb
         return {"target": name, "met": met, "ours": mine, "bound": bound,
                 "ratio": mine / bound if bound else None}
 
-    def check_as(name: str, mine_of: str, key: str, peer: str, factor: float) -> dict[str, Any]:
+    def check_as(name: str, mine_of: str, key: str, peer: str, factor: float,
+                 higher: bool = True) -> dict[str, Any]:
         mine, theirs = summary.get(mine_of, {}).get(key), summary.get(peer, {}).get(key)
         if mine is None or theirs is None:
             return {"target": name, "met": None, "note": f"not measured ({mine_of} or {peer} missing)"}
-        return {"target": name, "met": mine >= theirs * factor, "ours": mine, "bound": theirs * factor,
-                "ratio": mine / (theirs * factor)}
+        bound = theirs * factor
+        return {"target": name, "met": mine >= bound if higher else mine <= bound, "ours": mine,
+                "bound": bound, "ratio": mine / bound}
 
     def absolute(name: str, key: str, bound: float, higher: bool = False) -> dict[str, Any]:
         mine = summary.get(ours, {}).get(key)
@@ -185,6 +187,12 @@ def targets(summary: dict[str, dict[str, float | None]], ours: str = "lua", rabb
         *(check(f"Celery {v.replace('_', ' ')}-ack, prefilled drain, >= 1.2x RabbitMQ", f"drain_{v}", rabbit,
                 1.2, True) for v in DRAIN_TARGETS if f"drain_{v}" in summary.get(ours, {})),
         check("server CPU/msg <= 0.6x stock", "server_cpu", BASELINE, 0.6, False),
+        # Issue 41: server CPU per Celery task (publish, delivery, ack) at most half stock's,
+        # one by one and with the tasks sent in a confirm_together() block.
+        *(check(f"server CPU/task, Celery {v.replace('_', ' ')} <= 0.5x stock", f"celery_cpu_{v}", BASELINE,
+                0.5, False) for v in CELERY_TARGETS),
+        *(check_as(f"server CPU/task, Celery {v.replace('_', ' ')}, tasks in a block, <= 0.5x stock",
+                   "lua-together", f"celery_cpu_{v}", BASELINE, 0.5, False) for v in CELERY_TARGETS),
         check("server CPU/publish <= stock", "server_cpu_publish", BASELINE, 1.0, False),
         absolute("client CPU/publish <= 100 µs", "client_cpu_publish", 100.0),
         absolute("client CPU/consume+ack <= 60 µs", "client_cpu_consume", 60.0),
