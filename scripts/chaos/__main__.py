@@ -72,6 +72,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
                         help="the socket_timeout and socket_connect_timeout transport options of every "
                              "client (default: none, redis-py's: a read waits for TCP itself)")
+    parser.add_argument("--fence-timeout", type=float, metavar="SECONDS",
+                        help="ours only: the fence_timeout transport option of every client (default: "
+                             "the transport's, 10 s)")
     parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
     parser.add_argument("--verdict-of", metavar="SCORECARD",
                         help="no run: recompute the verdict of a run from its ledger (kept in the "
@@ -196,12 +199,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             options["durability"] = args.durability
         if args.durability_timeout:
             options["durability_timeout"] = args.durability_timeout
+        if args.fence_timeout is not None:
+            options["fence_timeout"] = args.fence_timeout
     card["run"].update({
         "transport": args.transport, "broker": args.broker, "profile": args.profile,
         "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
         "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
         "shards": args.shards,
-        "together": args.together,
+        "together": args.together, "fence_timeout": args.fence_timeout,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
         "transport_options": options, "profile_settings": profile.as_dict()})

@@ -21,7 +21,9 @@ published is unconfirmed once it has ended: the promise moves from each publish 
 block's end (with ``durability``, the round's wait is part of it). A fenced primary's
 refusal (``NOREPLICAS``) is waited out as a publish of its own waits it out, for up to
 ``fence_timeout``; a demoted primary's (``READONLY``) and a lost connection, for up to
-LOST_SECONDS, the latter only for a message with a task id.
+LOST_SECONDS or ``fence_timeout`` if longer, the latter only for a message with a task id.
+Kombu's retry policy, which a publish of its own rides after that, does not apply to a block:
+with a fenced group that refuses writes for 10-15 s after a failover, raise ``fence_timeout``.
 
 What it gives up, inside the block only: a crash loses what has gathered and not gone, as
 with ``confirm_publish=False``. A publish whose outcome a lost connection left unknown can
@@ -113,15 +115,19 @@ def _task_id(sent: Send) -> str | None:
 def _again(sent: Send, result: object, waited: float, fence_timeout: float) -> bool:
     """Whether a message may go again after ``waited`` seconds: refused before it ran, by a
     fenced primary (within ``fence_timeout``, as a publish of its own waits it out) or by a
-    demoted one (READONLY, within LOST_SECONDS); or left unknown by a lost connection, within
-    LOST_SECONDS, when it has a task id (the task index finds a stored copy: a lost reply's
-    message is not stored twice). Without a task id it is raised: it might be stored."""
+    demoted one (READONLY, within LOST_SECONDS or ``fence_timeout`` if longer); or left unknown
+    by a lost connection, within the same, when it has a task id (the task index finds a stored
+    copy: a lost reply's message is not stored twice). Without a task id it is raised: it might
+    be stored."""
     if isinstance(result, ResponseError) and isinstance(refusal(result), NoReplicasError):
         return waited < fence_timeout
+    # A failover can be a lost connection, then a demoted primary, then a fence (the promoted
+    # replica without one of its own): what the user allows for a fence is allowed for all.
+    window = max(LOST_SECONDS, fence_timeout)
     if isinstance(result, ReadOnlyError):
-        return waited < LOST_SECONDS
+        return waited < window
     lost = isinstance(result, RedisConnectionError | RedisTimeoutError)
-    return lost and waited < LOST_SECONDS and _task_id(sent) is not None
+    return lost and waited < window and _task_id(sent) is not None
 
 
 class Together:
