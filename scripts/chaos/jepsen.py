@@ -189,11 +189,19 @@ def in_delivered_queues(messages: dict[str, Message], firsts: dict[str, First]) 
     return placed
 
 
+def served_until(fault: dict[str, Any]) -> float:
+    """When a fault's old primary stopped serving clients: a split brain's ``split_until`` (its
+    demotion; a fenced one refused writes from ``writes_until``, the end of the window its
+    confirmed writes may be lost in, yet still served reads, subscriptions and publishes);
+    another failover's ``writes_until``; else the fault's time."""
+    return float(fault.get("split_until") or fault.get("writes_until", fault["t"]))
+
+
 def explaining_fault(faults: list[dict[str, Any]], ready: float, delivered: float) -> dict[str, Any] | None:
     """The first applied fault between FAULT_BEFORE before ``ready`` and ``delivered`` (a
-    failover lasting until its ``writes_until``)."""
+    failover lasting until its old primary stopped serving, :func:`served_until`)."""
     return next((f for f in faults if not f.get("skipped")
-                 and ready - FAULT_BEFORE <= f.get("writes_until", f["t"]) and f["t"] <= delivered), None)
+                 and ready - FAULT_BEFORE <= served_until(f) and f["t"] <= delivered), None)
 
 
 def lowest_priorities(taken: list[Batch], messages: dict[str, Message]) -> dict[Batch, dict[str, int]]:
