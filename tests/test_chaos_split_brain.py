@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from scripts.chaos import ledger, switch, verdict
+from scripts.chaos import ledger, netns, switch, verdict
 from scripts.chaos.profiles import PROFILES
 from scripts.servers import SentinelServer, Server, ServerUnavailable, server_binary
 from tests.test_chaos_smoke import chaos_harness
@@ -254,3 +254,18 @@ def test_a_node_on_the_switch_listens_on_its_address_inside_its_namespace() -> N
     group = SentinelGroup("redis", placement=net.place, sentinel_servers=[sentinel])
     assert group.broker_url() == "redislua+sentinel://10.250.0.13:7003/0"
     assert net.node_of("10.250.0.13") == 3
+
+
+def test_a_bridge_left_by_a_dead_harness_is_removed_and_no_other() -> None:
+    needs_switch()
+    dead, alive = "crlsw999991", "crlsw999992"
+    for name, owner in ((dead, "crl-part-999999999-1"), (alive, "crl-part-1-1")):  # no such pid; init
+        subprocess.run(["ip", "link", "add", name, "type", "bridge"], check=True, capture_output=True)
+        subprocess.run(["ip", "link", "set", name, "alias", owner], check=True, capture_output=True)
+    try:
+        assert dead in netns.remove_stale()
+        links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
+        assert dead not in links and alive in links
+    finally:
+        for name in (dead, alive):
+            subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)

@@ -264,7 +264,7 @@ def jepsen_failover_rows(cards: list[dict[str, Any]]) -> list[list[str]]:
     if not any(v.get("failovers") for v in verdicts):
         return []
     kinds = sorted({k for v in verdicts for k in v.get("faults_applied", {})
-                    if k in ("sentinel_failover", "primary_kill", "cluster_failover")})
+                    if k in ("sentinel_failover", "primary_kill", "cluster_failover", "partition_primary")})
     rows = [[f"duplicates per {kind}"] + [
         f"{v['duplicates_by_fault'].get(kind, 0) / v['faults_applied'][kind]:.2f}"
         if v.get("faults_applied", {}).get(kind) else "-" for v in verdicts] for kind in kinds]
@@ -290,6 +290,9 @@ def failover_line(card: dict[str, Any]) -> str:
                      f"(median {statistics.median(named):.1f} s)")
     if demoted:
         parts.append(f"a still-running old primary demoted after {min(demoted):.1f}-{max(demoted):.1f} s")
+    fenced = [f["fence_closed_seconds"] for f in moved if f.get("fence_closed_seconds") is not None]
+    if fenced:  # partition_primary on a fenced group: the isolated primary refused writes from then
+        parts.append(f"an isolated primary's fence closed after {min(fenced):.1f}-{max(fenced):.1f} s")
     return "; ".join(parts)
 
 
