@@ -151,8 +151,21 @@ def summary(card: dict[str, Any], path: Path) -> str:
         *([order_line(v["order"])] if "order" in v else []),
         *([flow_line(v["flow"])] if "flow" in v else []),
         *([partitions.line(v["partitions"])] if "partitions" in v else []),
+        *unmade_line(run, v),
         "",
     ])
+
+
+def unmade_line(run: dict[str, Any], v: dict[str, Any]) -> list[str]:
+    """Partition kinds --partitions could not make on this host or topology and that the
+    schedule did not hold (those it held are among the skipped faults): said, not dropped."""
+    unmade = {kind: why for kind, why in run.get("partitions", {}).get("skipped", {}).items()
+              if kind not in v["faults_skipped"] and kind not in v["faults_applied"]}
+    if not unmade:
+        return []
+    reasons = "; ".join(f"{why} ({', '.join(k for k, w in unmade.items() if w == why)})"
+                        for why in dict.fromkeys(unmade.values()))
+    return [f"- partition kinds not made here: {reasons}"]
 
 
 def released(cap: dict[str, Any]) -> str:
