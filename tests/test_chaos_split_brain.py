@@ -212,7 +212,7 @@ def test_a_short_run_with_a_split_brain_on_a_fenced_group_passes() -> None:
     needs_switch()
     chaos = chaos_harness("redis")
     card = chaos.run(chaos.parse(["--broker", "redis-sentinel-fenced", "--seed", "45", "--partitions",
-                                  "--load-seconds", "20", "--faults", "partition_primary",
+                                  "--load-seconds", "14", "--faults", "partition_primary",
                                   "--partition-seconds", "6,6", "--no-doc"]))
     result = card["verdict"]
     detail = {key: result.get(key) for key in ("partitions", "faults_applied", "faults_skipped", "lost_ids",

@@ -283,8 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "acked", "resumed", "resume_acked")
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
-            if "healed" in entry:
-                calm_until = time.monotonic() + partitions.CALM_SECONDS
+            if "healed" in entry:  # the calm counts from the heal (a split brain's fault returns later)
+                calm = entry["healed"] + partitions.CALM_SECONDS - time.time()
+                calm_until = time.monotonic() + max(0.0, calm)
         load_until = max(began + profile.load_seconds + lag, calm_until)
         time.sleep(max(0.0, load_until - time.monotonic()))
         if lag:
