@@ -204,11 +204,15 @@ def test_a_primary_cut_from_its_peers_still_answers_its_client() -> None:
     assert subprocess.run(["ip", "link", "show", net.bridge], capture_output=True).returncode != 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_short_run_with_a_split_brain_on_a_fenced_group_passes() -> None:
-    """Issue 40 §1 in `make test`: a fenced Redis Sentinel group on the switch, its primary
-    cut off from its peers once (6 s: long enough for the sentinels to fail over), then the
-    verdict: PASS, every loss the split's (inside its window), every duplicate attributed."""
+    """A fenced Redis Sentinel group on the switch, its primary cut off from its peers once
+    (6 s: long enough for the sentinels to fail over), then the verdict: PASS, every loss the
+    split's (inside its window), every duplicate attributed. About 70 s (the demotion alone
+    comes 10 s after the heal, and the leases the old primary took lapse before the drain
+    ends), so `make test-all` only; `make test` has the cut on real servers above and the
+    verdict's rules on hand-made ledgers."""
     needs_switch()
     chaos = chaos_harness("redis")
     card = chaos.run(chaos.parse(["--broker", "redis-sentinel-fenced", "--seed", "45", "--partitions",
@@ -219,6 +223,9 @@ def test_a_short_run_with_a_split_brain_on_a_fenced_group_passes() -> None:
                                                "lost_explained_examples", "unattributable_examples",
                                                "broker", "events_lost_examples")}
     fault = next(f for f in card["faults"] if f["kind"] == "partition_primary")
+    print({k: result.get(k) for k in ("submitted", "submit_errors", "lost", "lost_by_failover", "duplicates",
+                                      "duplicates_by_fault", "events_lost", "partitions")},
+          card["run"]["drain_seconds_used"], fault)
     assert result["faults_applied"] == {"partition_primary": 1}, detail
     assert fault["failover"] and fault["new_primary"] != fault["old_primary"], fault
     assert fault["old_answered_during_cut"] > 0, fault  # the old primary served its clients meanwhile

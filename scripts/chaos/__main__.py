@@ -117,8 +117,13 @@ def log(message: str) -> None:
 def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str,
           queues: tuple[str, ...] = verdict.QUEUES) -> float:
     """Wait (bounded) until every submission finished and the broker holds nothing (the
-    broker being the primary the sentinels name now, for a Sentinel group)."""
+    broker being the primary the sentinels name now, for a Sentinel group). Once the broker
+    holds nothing, tasks still unfinished are lost (a failover's unreplicated writes): no
+    message is left to run them. The wait ends when that has stayed so, with the same count
+    unfinished, longer than a slow task runs (a task a worker took without a late ack, off
+    the broker, still finishes meanwhile), instead of running out the drain's bound."""
     began = time.monotonic()
+    still, seen = began, None
     while time.monotonic() - began < profile.drain_seconds:
         records = ledger.read(ledger_url)
         finished = {entry["id"] for entry in records["finish"]}
@@ -128,6 +133,10 @@ def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str,
         except (redis.RedisError, OSError, TimeoutError):
             pending = None  # a failover still under way: ask again
         if not missing and pending == 0:
+            break
+        if (missing, pending) != seen:
+            still, seen = time.monotonic(), (missing, pending)
+        elif pending == 0 and time.monotonic() - still > profile.slow_seconds[1] + 2:
             break
         time.sleep(1)  # polling interval of a bounded wait
     return round(time.monotonic() - began, 1)
