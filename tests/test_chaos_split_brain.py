@@ -276,3 +276,26 @@ def test_a_bridge_left_by_a_dead_harness_is_removed_and_no_other() -> None:
     finally:
         for name in (dead, alive):
             subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
+
+
+def test_a_duplicate_redelivered_behind_a_backlog_is_still_the_splits() -> None:
+    """Delivered again 60 s after the demotion, beyond the window (43 s), yet among first
+    deliveries that had waited 30 s in the queue: the window grows by that wait (the seed 801
+    run: 18 such, 78 s of backlog). Without the backlog it stays unattributed."""
+    for waited, attributed in ((30.0, True), (0.0, False)):
+        found = records()
+        publish(found, "t1", 8.0)
+        found["start"] = [{"id": "t1", "t": T0 + 9.5, "worker": W1, "pid": 11, "received": T0 + 9.4},
+                          {"id": "t1", "t": T0 + 100.0, "worker": W2, "pid": 22, "received": T0 + 99.9,
+                           "delivery_count": 1}]
+        found["finish"] = [{"id": "t1", "t": T0 + 100.1, "worker": W2, "pid": 22}]
+        found["event"] = [{"id": "t1", "t": T0 + 100.1}]
+        for i in range(5):  # first deliveries around the duplicate, each eligible `waited` before
+            tid = f"b{i}"
+            publish(found, tid, 99.0 + i - waited)
+            found["start"].append({"id": tid, "t": T0 + 99.0 + i, "worker": W2, "pid": 22})
+            found["finish"].append({"id": tid, "t": T0 + 99.1 + i, "worker": W2, "pid": 22})
+            found["event"].append({"id": tid, "t": T0 + 99.1 + i})
+        found["fault"] = [split(fence=16.0)]
+        result = judged(found)
+        assert (result["unattributable"] == 0) == attributed, (waited, result["unattributable_examples"])

@@ -322,6 +322,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     unattributable: list[dict[str, Any]] = []
     publish_retries = 0
     attributed: list[dict[str, Any]] = []
+    # a duplicate no fault explains within the window: the window grown by its queue's wait
+    queue_wait = jepsen.backlog(submits, records["start"])
     for tid, submit in submits.items():
         runs = starts.get(tid, [])
         if runs:
@@ -331,7 +333,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         for prev, dup in itertools.pairwise(runs):
             if (tid, prev["t"]) in deliberate:
                 continue  # the retry of a run that failed on purpose (flow.py)
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
+                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
             retried = fault is None and publish_retried(submit, faults)
             if retried:
                 fault = retried
@@ -350,7 +353,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         for prev, dup in itertools.pairwise(starts.get(tid, [])):
             if (tid, prev["t"]) in deliberate:
                 continue
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
+                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
             if fault is None:
                 unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
                                        "submit_error": True})
