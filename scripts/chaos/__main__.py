@@ -16,8 +16,8 @@ import redis
 from celery import Celery
 
 from celery_redis_lua.protocol.shards import MAX_SHARDS
-from scripts.chaos import faults, flow, ledger, netns, partitions, report, verdict
-from scripts.chaos.broker import BROKERS, EVENTS, HARNESS, PRODUCER, Broker
+from scripts.chaos import faults, flow, ledger, netns, partitions, report, switch, verdict
+from scripts.chaos.broker import BROKERS, EVENTS, HARNESS, PRODUCER, SENTINEL_REPLICAS, Broker
 from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
 from scripts.chaos.profiles import (
@@ -26,6 +26,7 @@ from scripts.chaos.profiles import (
     PARTITION_FAULT_KINDS,
     POWER_LOSS_KINDS,
     PROFILES,
+    SPLIT_BRAIN_KINDS,
     Profile,
 )
 from scripts.chaos.workers import ChaosWorker
@@ -63,10 +64,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="ours only: the producer sends its tasks in confirm_together() blocks of N "
                              "(2..1000), each task confirmed when its block ends (a Celery group's way)")
     parser.add_argument("--partitions", action="store_true",
-                        help="one server only: the broker in its own network namespace, a veth pair per "
+                        help="one server: the broker in its own network namespace, a veth pair per "
                              "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
-                             "partition_oneway and latency in the schedule; kinds this host cannot make "
-                             "are skipped, and said so")
+                             "partition_oneway and latency in the schedule; a Sentinel group: each node "
+                             "in its own namespace on a bridge (switch.py) and partition_primary, the "
+                             "split brain, in the schedule (the others skipped: not yet there); kinds "
+                             "this host cannot make are skipped, and said so. Not on a cluster yet")
     parser.add_argument("--partition-seconds", metavar="MIN,MAX",
                         help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
     parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
@@ -102,12 +105,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--faults: unknown kind(s) {unknown}; kinds: {', '.join(ALL_FAULT_KINDS)}")
         if set(kinds) & set(FLOW_FAULT_KINDS) and not args.flow:
             parser.error(f"--faults: {', '.join(FLOW_FAULT_KINDS)} needs --flow")
-        if set(kinds) & set(PARTITION_FAULT_KINDS) and not args.partitions:
-            parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS)} need --partitions")
+        if set(kinds) & set(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS) and not args.partitions:
+            parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS)} "
+                         "need --partitions")
         args.faults = kinds
-    if args.partitions and BROKERS[args.broker][2] != "one":
-        parser.error("--partitions: one server only (redis-aof, valkey, ...), not yet a Sentinel group "
-                     "or a cluster")
+    if args.partitions and BROKERS[args.broker][2] == "cluster":
+        parser.error("--partitions: one server (redis-aof, valkey, ...) or a Sentinel group "
+                     "(redis-sentinel, ...), not yet a cluster")
     if args.partition_seconds:
         low, _, high = args.partition_seconds.partition(",")
         args.partition_seconds = (float(low), float(high or low))
@@ -121,8 +125,13 @@ def log(message: str) -> None:
 def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str,
           queues: tuple[str, ...] = verdict.QUEUES) -> float:
     """Wait (bounded) until every submission finished and the broker holds nothing (the
-    broker being the primary the sentinels name now, for a Sentinel group)."""
+    broker being the primary the sentinels name now, for a Sentinel group). Once the broker
+    holds nothing, tasks still unfinished are lost (a failover's unreplicated writes): no
+    message is left to run them. The wait ends when that has stayed so, with the same count
+    unfinished, longer than a slow task runs (a task a worker took without a late ack, off
+    the broker, still finishes meanwhile), instead of running out the drain's bound."""
     began = time.monotonic()
+    still, seen = began, None
     while time.monotonic() - began < profile.drain_seconds:
         records = ledger.read(ledger_url)
         finished = {entry["id"] for entry in records["finish"]}
@@ -132,6 +141,10 @@ def drain(profile: Profile, ledger_url: str, broker: Broker, transport: str,
         except (redis.RedisError, OSError, TimeoutError):
             pending = None  # a failover still under way: ask again
         if not missing and pending == 0:
+            break
+        if (missing, pending) != seen:
+            still, seen = time.monotonic(), (missing, pending)
+        elif pending == 0 and time.monotonic() - still > profile.slow_seconds[1] + 2:
             break
         time.sleep(1)  # polling interval of a bounded wait
     return round(time.monotonic() - began, 1)
@@ -149,13 +162,21 @@ def settle(broker: Broker, card: dict[str, Any]) -> None:
         log(f"sentinel group did not settle: {error!r}")
 
 
-def partition_network(profile: Profile, card: dict[str, Any]) -> netns.Topology | None:
-    """With --partitions: the broker's namespace and the clients' pairs, made now; or None,
-    said loudly and recorded, with every partition kind skipped and why. Latency needs netem,
-    probed separately (this kernel has none)."""
-    why = netns.unavailable()
-    skips = dict.fromkeys(PARTITION_FAULT_KINDS, f"no network namespaces: {why}") if why else {}
-    if not why:
+def partition_network(profile: Profile, card: dict[str, Any],
+                      broker: str) -> netns.Topology | switch.Switch | None:
+    """With --partitions: the broker's namespace and the clients' pairs (one server), or the
+    Sentinel group's switch, made now; or None, said loudly and recorded, with every
+    partition kind skipped and why. Latency needs netem, probed separately (this kernel has
+    none). On a Sentinel group the clients share the bridge's address: the kinds that cut one
+    client off are not made there yet, and are skipped, said so."""
+    sentinel = BROKERS[broker][2] == "sentinel"
+    why = switch.switch_unavailable() if sentinel else netns.unavailable()
+    kinds = PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS
+    skips = dict.fromkeys(kinds, f"no network namespaces: {why}") if why else {}
+    if not why and sentinel:
+        skips = dict.fromkeys(PARTITION_FAULT_KINDS, "not yet on a Sentinel group: its clients share "
+                              "the bridge's address (switch.py), no pair of their own to cut")
+    elif not why:  # partition_primary, on one server, skips itself (split_brain.inject)
         netem = netns.netem_unavailable()
         if netem:
             skips["latency"] = netem
@@ -164,6 +185,9 @@ def partition_network(profile: Profile, card: dict[str, Any]) -> netns.Topology 
         log(f"PARTITIONS: {kind} will be SKIPPED: {reason}")
     if why:
         return None
+    if sentinel:
+        # the primary, the replicas and the three sentinels (broker.py), a namespace each
+        return switch.Switch(1 + SENTINEL_REPLICAS.get(broker, 1) + 3).create()
     labels = (HARNESS, EVENTS, PRODUCER, *(f"w{i}-{pool}" for i, (pool, _) in enumerate(profile.workers, 1)))
     return netns.Topology(labels).create()
 
@@ -179,10 +203,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
     kinds = args.faults or None
     card: dict[str, Any] = {"run": {}}
-    network = partition_network(profile, card) if args.partitions else None
+    network = partition_network(profile, card, args.broker) if args.partitions else None
     try:
         broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)),
-                               network=network)
+                               network=network if isinstance(network, netns.Topology) else None,
+                               switch=network if isinstance(network, switch.Switch) else None)
     except BaseException:
         if network is not None:
             network.destroy()
@@ -255,7 +280,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             card["run"]["recorder_error"] = broker.recorder_error
         plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
                                + (FLOW_FAULT_KINDS if args.flow else ())
-                               + (PARTITION_FAULT_KINDS if args.partitions else ()))
+                               + (PARTITION_FAULT_KINDS if args.partitions and not broker.sentinel else ())
+                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.sentinel else ()))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
                             args.seed, args.flow, args.shards, args.together or 0)
@@ -277,8 +303,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "acked", "resumed", "resume_acked")
             log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
                 f"{ {k: v for k, v in entry.items() if k not in quiet} }")
-            if "healed" in entry:
-                calm_until = time.monotonic() + partitions.CALM_SECONDS
+            if "healed" in entry:  # the calm counts from the heal (a split brain's fault returns later)
+                calm = entry["healed"] + partitions.CALM_SECONDS - time.time()
+                calm_until = time.monotonic() + max(0.0, calm)
         load_until = max(began + profile.load_seconds + lag, calm_until)
         time.sleep(max(0.0, load_until - time.monotonic()))
         if lag:

@@ -16,6 +16,7 @@ from celery_redis_lua import Keyspace
 from celery_redis_lua.protocol.shards import members
 from scripts.chaos import aof
 from scripts.chaos.netns import Topology
+from scripts.chaos.switch import Switch
 from scripts.servers import Cluster, SentinelGroup, Server, server_version
 
 MASTER_NAME = "mymaster"
@@ -96,11 +97,17 @@ class Broker:
     banked_errors: dict[str, int] = field(default_factory=dict)
     # With --partitions (one server): the server's namespace and the clients' veth pairs.
     network: Topology | None = None
+    # With --partitions (a Sentinel group): each data server and sentinel in its own
+    # namespace on one bridge (switch.py), for partition_primary.
+    switch: Switch | None = None
 
     @classmethod
-    def create(cls, name: str, fsync_recorder: bool = False, network: Topology | None = None) -> Broker:
+    def create(cls, name: str, fsync_recorder: bool = False, network: Topology | None = None,
+               switch: Switch | None = None) -> Broker:
         """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server).
-        ``network``: run the server inside that (created) partition topology (one server)."""
+        ``network``: run the server inside that (created) partition topology (one server).
+        ``switch``: run a Sentinel group's nodes on that (created) switch, node k as the group
+        numbers them (the primary, the replicas, the sentinels)."""
         kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
         if cls.is_fenced(name):
@@ -108,7 +115,9 @@ class Broker:
                      "--min-replicas-max-lag", str(FENCE_MAX_LAG)]
         if topology == "sentinel":
             return cls(name, group=SentinelGroup(kind, replicas=SENTINEL_REPLICAS.get(name, 1), sentinels=3,
-                                                 master_name=MASTER_NAME, args=args))
+                                                 master_name=MASTER_NAME, args=args,
+                                                 placement=switch.place if switch else None),
+                       switch=switch)
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
                                              args=args))
@@ -195,6 +204,8 @@ class Broker:
             self.server.stop()
         if self.network is not None:
             self.network.destroy()
+        if self.switch is not None:
+            self.switch.destroy()
 
     def current(self, timeout: float = 30.0) -> Server:
         """The primary now (asked of the sentinels; retried while they fail over); on a
@@ -290,7 +301,8 @@ class Broker:
             at = args.index("--replicaof")
             del args[at:at + 3]
         if replica_of is not None:
-            args += ["--replicaof", "127.0.0.1", str(replica_of)]
+            assert self.group is not None
+            args += ["--replicaof", self.group.host_of(replica_of), str(replica_of)]
         server.args = args
         return server.start()
 
@@ -351,7 +363,11 @@ class Broker:
             return {"server": self.server.port}
         primary = self.current()
         delay = primary.client(socket_timeout=5).config_get("repl-diskless-sync-delay")
-        return {"primary": primary.port,
+        switch = ({"switch": {"bridge": f"{self.switch.bridge} {self.switch.gateway}/24",
+                              "nodes": {s.port: s.host for s in [*self.group.servers,
+                                                                 *self.group.sentinel_servers]}}}
+                  if self.switch is not None else {})
+        return {**switch, "primary": primary.port,
                 "repl_diskless_sync_delay": int(delay.get("repl-diskless-sync-delay", -1)),
                 "data_servers": [s.port for s in self.group.servers],
                 "sentinels": [s.port for s in self.group.sentinel_servers],

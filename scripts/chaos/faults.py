@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from scripts.chaos import aof, flow, ledger, partitions
+from scripts.chaos import aof, flow, ledger, partitions, split_brain
 from scripts.chaos.broker import Broker
 from scripts.chaos.profiles import (
     CLUSTER_FAULT_KINDS,
@@ -34,6 +34,7 @@ from scripts.chaos.profiles import (
     PARTITION_FAULT_KINDS,
     POWER_LOSS_KINDS,
     SENTINEL_FAULT_KINDS,
+    SPLIT_BRAIN_KINDS,
     STOCK_SKIPS,
     Profile,
 )
@@ -110,6 +111,9 @@ class FaultInjector:
         elif kind in PARTITION_FAULT_KINDS:
             entry.update(partitions.inject(kind, self.broker.network, self.workers, self.rng,
                                            self.profile.partition_seconds, self.partition_skips or {}))
+        elif kind in SPLIT_BRAIN_KINDS:  # its own settle, cut, heal and watch of the failover
+            entry.update(split_brain.inject(self.broker, self.rng, self.profile.partition_seconds,
+                                            self.partition_skips or {}))
         elif kind in SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS and not self.broker.replicated:
             entry.update(skipped="needs a Sentinel broker or a cluster")
         else:
@@ -257,15 +261,7 @@ class FaultInjector:
     @staticmethod
     def wait_demoted(server: Server, timeout: float) -> float | None:
         """When ``server`` first answered as a replica (None if not within ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if server.client(socket_timeout=1).info("replication")["role"] == "slave":
-                    return time.time()
-            except (redis.RedisError, OSError):
-                pass
-            time.sleep(0.05)  # polling interval of a bounded wait
-        return None
+        return split_brain.demoted_at(server, timeout)
 
     def worker_fault(self, kind: str) -> dict[str, Any]:
         worker = self.rng.choice(self.workers)

@@ -189,11 +189,44 @@ def in_delivered_queues(messages: dict[str, Message], firsts: dict[str, First]) 
     return placed
 
 
+def served_until(fault: dict[str, Any]) -> float:
+    """When a fault's old primary stopped serving clients: a split brain's ``split_until`` (its
+    demotion; a fenced one refused writes from ``writes_until``, the end of the window its
+    confirmed writes may be lost in, yet still served reads, subscriptions and publishes);
+    another failover's ``writes_until``; else the fault's time."""
+    return float(fault.get("split_until") or fault.get("writes_until", fault["t"]))
+
+
+BACKLOG_SPAN = 5.0  # seconds either side of a moment: the first deliveries that tell its queue's wait
+
+
+def backlog(submits: dict[str, dict[str, Any]], starts: list[dict[str, Any]]) -> Any:
+    """A function of a moment: how long first deliveries started within BACKLOG_SPAN of it had
+    waited since they were eligible (the median; 0 without any). A message delivered again
+    waits in its queue behind the same backlog, so the time from a fault to a duplicate it
+    caused grows by as much (the fenced run of seed 801: redeliveries 110-129 s after the
+    executions they repeat, among first deliveries that had waited 78 s)."""
+    seen: set[str] = set()
+    found = []
+    for start in sorted(starts, key=lambda s: s["t"]):
+        if start["id"] in submits and start["id"] not in seen and not start.get("delivery_count"):
+            seen.add(start["id"])
+            found.append((start["t"], start["t"] - submits[start["id"]]["eligible"]))
+    times = [t for t, _ in found]
+
+    def wait_at(moment: float) -> float:
+        near = sorted(w for _, w in found[bisect.bisect_left(times, moment - BACKLOG_SPAN):
+                                         bisect.bisect_right(times, moment + BACKLOG_SPAN)])
+        return max(0.0, near[len(near) // 2]) if near else 0.0
+
+    return wait_at
+
+
 def explaining_fault(faults: list[dict[str, Any]], ready: float, delivered: float) -> dict[str, Any] | None:
     """The first applied fault between FAULT_BEFORE before ``ready`` and ``delivered`` (a
-    failover lasting until its ``writes_until``)."""
+    failover lasting until its old primary stopped serving, :func:`served_until`)."""
     return next((f for f in faults if not f.get("skipped")
-                 and ready - FAULT_BEFORE <= f.get("writes_until", f["t"]) and f["t"] <= delivered), None)
+                 and ready - FAULT_BEFORE <= served_until(f) and f["t"] <= delivered), None)
 
 
 def lowest_priorities(taken: list[Batch], messages: dict[str, Message]) -> dict[Batch, dict[str, int]]:

@@ -84,17 +84,29 @@ def netem_unavailable() -> str | None:
     return None
 
 
+def _dead_owner(name: str) -> bool:
+    """``crl-part-<pid>-<rest>`` whose process is gone (a name this package makes)."""
+    parts = name.split("-")
+    return len(parts) == 4 and parts[:2] == ["crl", "part"] and parts[2].isdigit() \
+        and not os.path.exists(f"/proc/{parts[2]}")
+
+
 def remove_stale() -> list[str]:
-    """Delete the namespaces a harness killed before its cleanup left (``crl-part-<pid>-<net>``
-    whose process is gone; their veth pairs go with them). Only names this module makes."""
+    """Delete the namespaces a harness killed before its cleanup left (``crl-part-<pid>-<net>``,
+    or switch.py's ``crl-part-<pid>-<net>n<k>``, whose process is gone; their veth pairs go
+    with them) and switch.py's bridges (their alias is ``crl-part-<pid>-<net>``). Only names
+    this package makes."""
     removed = []
     for line in run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        parts = name.split("-")
-        if len(parts) == 4 and parts[:2] == ["crl", "part"] and parts[2].isdigit() \
-                and not os.path.exists(f"/proc/{parts[2]}"):
+        if _dead_owner(name):
             run("ip", "netns", "del", name, check=False)
             removed.append(name)
+    listed = run("ip", "-j", "link", "show", "type", "bridge", check=False).stdout or "[]"
+    for link in json.loads(listed):
+        if _dead_owner(link.get("ifalias", "")):
+            run("ip", "link", "del", link["ifname"], check=False)
+            removed.append(link["ifname"])
     return removed
 
 

@@ -23,9 +23,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from scripts.chaos import split_brain
 from scripts.chaos.jepsen import percentile
 from scripts.chaos.netns import Topology
-from scripts.chaos.profiles import PARTITION_FAULT_KINDS
+from scripts.chaos.profiles import PARTITION_FAULT_KINDS, SPLIT_BRAIN_KINDS
 
 RECOVERY_LIMIT = 5.0  # seconds, p99 per kind (issue 40 §1)
 # After a heal the next fault waits this long, and the load goes on at least this long: a
@@ -33,6 +34,8 @@ RECOVERY_LIMIT = 5.0  # seconds, p99 per kind (issue 40 §1)
 # would cut the client off again before it could recover), nor by the end of the load.
 CALM_SECONDS = 3 * RECOVERY_LIMIT
 CUTS = {"partition_worker": False, "partition_producer": False, "partition_oneway": True}
+# the kinds whose recovery the verdict reports (partition_primary's: split_brain.recovery)
+MEASURED = (*CUTS, *SPLIT_BRAIN_KINDS)
 PRODUCER = "producer"
 
 
@@ -105,7 +108,11 @@ def recovery(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, An
                        "p99": p99, "max": percentile(values, 1.0, 3), "never_recovered": len(never[kind]),
                        "never_examples": never[kind][:5],
                        "ok": not never[kind] and p99 is not None and p99 <= RECOVERY_LIMIT}
-    skipped = sorted({f["kind"] for f in faults if f["kind"] in PARTITION_FAULT_KINDS and f.get("skipped")})
+    split = split_brain.recovery(records, faults)
+    if split is not None:
+        kinds[split_brain.KIND] = split
+    skipped = sorted({f["kind"] for f in faults if f["kind"] in PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS
+                      and f.get("skipped")})
     return {"limit_seconds": RECOVERY_LIMIT, "kinds": kinds,
             "skipped": {k: next(f["skipped"] for f in faults if f["kind"] == k and f.get("skipped"))
                         for k in skipped},
@@ -115,6 +122,9 @@ def recovery(records: dict[str, list[dict[str, Any]]], faults: list[dict[str, An
 def line(p: dict[str, Any]) -> str:
     """The scorecard's partition recovery in one line of docs/RELIABILITY.md."""
     parts = [f"{kind} {k['partitions']}x: p50 {k['p50']} s, p99 {k['p99']} s, max {k['max']} s"
+             + (f" (any worker; {k['failovers']} failed over, promotion -> every worker on the new "
+                f"primary p50 {k['followed_p50']} s, max {k['followed_max']} s; reported, no limit)"
+                if kind == split_brain.KIND else "")
              + (f", never recovered {k['never_recovered']}" if k["never_recovered"] else "")
              + ("" if k["ok"] else " **FAILS**") for kind, k in p["kinds"].items()]
     skipped = "".join(f"; {kind} skipped: {why}" for kind, why in p["skipped"].items())

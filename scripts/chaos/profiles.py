@@ -29,8 +29,12 @@ FLOW_FAULT_KINDS = ("queue_pause",)
 # own still arriving), and +200 ms of latency (netem; reported unavailable where the kernel
 # has no netem). With --partitions only (one server), and then in the default schedule.
 PARTITION_FAULT_KINDS = ("partition_worker", "partition_producer", "partition_oneway", "latency")
+# The Jepsen split brain (scripts/chaos/switch.py, split_brain.py): a Sentinel group's primary cut
+# off from its replicas and sentinels, not from its clients. With --partitions on a Sentinel
+# broker only (each node in its own namespace on a bridge), and then in the default schedule.
+SPLIT_BRAIN_KINDS = ("partition_primary",)
 ALL_FAULT_KINDS = (FAULT_KINDS + tuple(dict.fromkeys(SENTINEL_FAULT_KINDS + CLUSTER_FAULT_KINDS))
-                   + POWER_LOSS_KINDS + FLOW_FAULT_KINDS + PARTITION_FAULT_KINDS)
+                   + POWER_LOSS_KINDS + FLOW_FAULT_KINDS + PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS)
 WORKER_FAULTS = frozenset({"worker_kill", "worker_term", "worker_quit"})
 # Faults that hit one worker (its ``target``): a duplicate or a lost event is theirs only when
 # that worker held the task; the producer's partition explains no worker's duplicate.

@@ -151,8 +151,21 @@ def summary(card: dict[str, Any], path: Path) -> str:
         *([order_line(v["order"])] if "order" in v else []),
         *([flow_line(v["flow"])] if "flow" in v else []),
         *([partitions.line(v["partitions"])] if "partitions" in v else []),
+        *unmade_line(run, v),
         "",
     ])
+
+
+def unmade_line(run: dict[str, Any], v: dict[str, Any]) -> list[str]:
+    """Partition kinds --partitions could not make on this host or topology and that the
+    schedule did not hold (those it held are among the skipped faults): said, not dropped."""
+    unmade = {kind: why for kind, why in run.get("partitions", {}).get("skipped", {}).items()
+              if kind not in v["faults_skipped"] and kind not in v["faults_applied"]}
+    if not unmade:
+        return []
+    reasons = "; ".join(f"{why} ({', '.join(k for k, w in unmade.items() if w == why)})"
+                        for why in dict.fromkeys(unmade.values()))
+    return [f"- partition kinds not made here: {reasons}"]
 
 
 def released(cap: dict[str, Any]) -> str:
@@ -267,7 +280,7 @@ def jepsen_failover_rows(cards: list[dict[str, Any]]) -> list[list[str]]:
     if not any(v.get("failovers") for v in verdicts):
         return []
     kinds = sorted({k for v in verdicts for k in v.get("faults_applied", {})
-                    if k in ("sentinel_failover", "primary_kill", "cluster_failover")})
+                    if k in ("sentinel_failover", "primary_kill", "cluster_failover", "partition_primary")})
     rows = [[f"duplicates per {kind}"] + [
         f"{v['duplicates_by_fault'].get(kind, 0) / v['faults_applied'][kind]:.2f}"
         if v.get("faults_applied", {}).get(kind) else "-" for v in verdicts] for kind in kinds]
@@ -293,6 +306,9 @@ def failover_line(card: dict[str, Any]) -> str:
                      f"(median {statistics.median(named):.1f} s)")
     if demoted:
         parts.append(f"a still-running old primary demoted after {min(demoted):.1f}-{max(demoted):.1f} s")
+    fenced = [f["fence_closed_seconds"] for f in moved if f.get("fence_closed_seconds") is not None]
+    if fenced:  # partition_primary on a fenced group: the isolated primary refused writes from then
+        parts.append(f"an isolated primary's fence closed after {min(fenced):.1f}-{max(fenced):.1f} s")
     return "; ".join(parts)
 
 

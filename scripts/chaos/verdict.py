@@ -39,7 +39,10 @@ EVENT_AFTER = 2.0
 # the sentinels promote. A lost task is explained by such a failover when durability is off
 # and its publish ran between REPLICATION_LAG seconds before the fault and the moment the
 # old primary stopped taking writes (``writes_until``: its SIGKILL, or its demotion when it
-# was still up and its clients kept writing to it), plus ms-rounding slack.
+# was still up and its clients kept writing to it; for a split brain, partition_primary, the
+# demotion after the heal or, on a fenced group, the fence's closing if earlier: after it the
+# isolated primary refused every write, and a write confirmed then was the new primary's),
+# plus ms-rounding slack.
 REPLICATION_LAG = 1.0
 # When the event receiver itself failed (an exception ended it; it is started again after
 # 1 s and reconnects), the events of tasks finished meanwhile had no listener: a loss
@@ -87,18 +90,19 @@ def attribute(prev: dict[str, Any], dup: dict[str, Any], faults: list[dict[str, 
     cluster run of 2026-12-02 saw seven start up to a second after a primary_kill). Entries
     of earlier runs have no receipt time; their start stands in.
 
-    A failover (a fault entry with ``failover``) lasts from the fault to ``writes_until``,
-    when the old primary stopped serving: until then two primaries can each deliver a
-    message both hold (a countdown both promote, a message one of them already handed out)
-    and take acks the other never sees. So a failover explains a duplicate whose executions
+    A failover (a fault entry with ``failover``) lasts from the fault to when the old primary
+    stopped serving (jepsen.served_until: ``writes_until``; a split brain's ``split_until``,
+    its demotion): until then two primaries can each deliver a message both hold (a
+    countdown both promote, a message one of them already handed out) and take acks the
+    other never sees. So a failover explains a duplicate whose executions
     span any part of that interval, not only those whose first execution came before it."""
     held_from = min(prev.get("received") or prev["t"], prev["t"]) - 1.0
     if (dup.get("delivery_count") or 0) < (prev.get("delivery_count") or 0):
         # a stale copy (an older delivery than the one that ran first): held since its receipt
         held_from = min(held_from, (dup.get("received") or dup["t"]) - 1.0)
     candidates = [f for f in faults if not f.get("skipped")
-                  and held_from <= f.get("writes_until", f["t"]) and f["t"] <= dup["t"]
-                  and dup["t"] - f.get("writes_until", f["t"]) <= window]
+                  and held_from <= jepsen.served_until(f) and f["t"] <= dup["t"]
+                  and dup["t"] - jepsen.served_until(f) <= window]
     on_worker = [f for f in candidates if f["kind"] in TARGETED_FAULTS
                  and f.get("target") in (prev["worker"], *stale_on_cut_worker(f, prev, dup))]
     broker_wide = [f for f in candidates if f["kind"] not in TARGETED_FAULTS | PRODUCER_FAULTS]
@@ -154,7 +158,7 @@ def failover_duplicates(attributed: list[dict[str, Any]], applied: Counter[str])
     """Duplicates a failover explains, per kind of fault: per fault applied (issue 40 §3's
     target: at most 5 per sentinel_failover), and by when, as "previous -> duplicate". The
     previous delivery was received ``before`` the fault, ``during`` its window (the fault to
-    ``writes_until``) or ``after`` it; the duplicate started ``during`` the window, ``on_close``
+    jepsen.served_until) or ``after`` it; the duplicate started ``during`` the window, ``on_close``
     (within ON_CLOSE_SECONDS after it: delivered again once the old primary was gone or a
     fenced new one took writes again) or ``later`` (a lapsed lease swept back). A duplicate of a
     publish retried across the fault is ``publish_retried``."""
@@ -163,7 +167,7 @@ def failover_duplicates(attributed: list[dict[str, Any]], applied: Counter[str])
         fault = entry["fault"]
         if not fault.get("failover"):
             continue
-        until = fault.get("writes_until", fault["t"])
+        until = jepsen.served_until(fault)
         received = entry["prev"].get("received") or entry["prev"]["t"]
         held = "before" if received < fault["t"] else "during" if received <= until else "after"
         start = entry["dup"]["t"]
@@ -192,9 +196,9 @@ def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, li
             while_restarting += 1  # the receiver itself was down: nothing listened
             continue
         held_from = submits[tid]["eligible"] - 1.0 if tid in submits else finish["t"] - 1.0
-        # a failover lasts until the old primary stops serving (writes_until): an event
+        # a failover lasts until the old primary stops serving (served_until): an event
         # published to it meanwhile is gone with its demotion
-        if not any(held_from <= f.get("writes_until", f["t"]) and f["t"] <= finish["t"] + EVENT_AFTER and (
+        if not any(held_from <= jepsen.served_until(f) and f["t"] <= finish["t"] + EVENT_AFTER and (
                 f["kind"] not in TARGETED_FAULTS | PRODUCER_FAULTS or f.get("target") == finish["worker"])
                 for f in faults if not f.get("skipped")):
             unexplained.append(tid)
@@ -318,6 +322,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     unattributable: list[dict[str, Any]] = []
     publish_retries = 0
     attributed: list[dict[str, Any]] = []
+    # a duplicate no fault explains within the window: the window grown by its queue's wait
+    queue_wait = jepsen.backlog(submits, records["start"])
     for tid, submit in submits.items():
         runs = starts.get(tid, [])
         if runs:
@@ -327,7 +333,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         for prev, dup in itertools.pairwise(runs):
             if (tid, prev["t"]) in deliberate:
                 continue  # the retry of a run that failed on purpose (flow.py)
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
+                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
             retried = fault is None and publish_retried(submit, faults)
             if retried:
                 fault = retried
@@ -346,7 +353,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         for prev, dup in itertools.pairwise(starts.get(tid, [])):
             if (tid, prev["t"]) in deliberate:
                 continue
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
+                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
             if fault is None:
                 unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
                                        "submit_error": True})
@@ -402,7 +410,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     }
     ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
           and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
-    if any(f["kind"] in partitions.CUTS for f in every_fault):
+    if any(f["kind"] in partitions.MEASURED for f in every_fault):
         verdict["partitions"] = partitions.recovery(records, every_fault)
         ok = ok and verdict["partitions"]["ok"]
     if flow_settings is not None:
