@@ -10,13 +10,15 @@ running it again stores nothing twice. redis-py has no class of its own for the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
 NOREPLICAS = "NOREPLICAS"
-# A refused call goes again after FIRST_RETRY_SECONDS, then doubling up to RETRY_SECONDS.
+# A refused or failed call goes again after FIRST_RETRY_SECONDS, then doubling up to
+# RETRY_SECONDS: a fence, a failover's CLUSTERDOWN or READONLY lasts a second or a few, and
+# nothing tells when it is over (a replica catching up sends no event to wait on).
 FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
 T = TypeVar("T")
 
@@ -35,11 +37,19 @@ def refusal(error: ResponseError) -> ResponseError:
     return error
 
 
+def pauses() -> Iterator[float]:
+    """The waits between a call's tries: FIRST_RETRY_SECONDS, doubling up to RETRY_SECONDS."""
+    pause = FIRST_RETRY_SECONDS
+    while True:
+        yield pause
+        pause = min(pause * 2, RETRY_SECONDS)
+
+
 def wait_out(run: Callable[[], T], timeout: float) -> T:
-    """``run()``, run again while a fenced primary refuses it, backing off from 50 ms to 1 s,
+    """``run()``, run again while a fenced primary refuses it, backing off (:func:`pauses`),
     for up to ``timeout`` seconds; then its refusal is raised (0: at once)."""
     deadline = time.monotonic() + timeout
-    pause = FIRST_RETRY_SECONDS
+    waits = pauses()
     while True:
         try:
             return run()
@@ -47,5 +57,4 @@ def wait_out(run: Callable[[], T], timeout: float) -> T:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise
-            time.sleep(min(pause, left))  # a backoff: nothing tells when a replica catches up
-            pause = min(pause * 2, RETRY_SECONDS)
+            time.sleep(min(next(waits), left))

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .call import Call
+from .fence import FIRST_RETRY_SECONDS, RETRY_SECONDS
 from .library import ScriptLibrary
 from .settle import report
 from .unconfirmed import Pipeline
 
 logger = logging.getLogger(__name__)
 
-# A failed call goes again after FIRST_RETRY_SECONDS, then doubling up to RETRY_SECONDS: a
-# failover's CLUSTERDOWN lasts a second or two, and a late ack may find its message restored.
-FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
+# A failed call goes again after FIRST_RETRY_SECONDS, then doubling up to RETRY_SECONDS
+# (fence.py's): a late ack may find its message restored.
 
 
 Group = tuple[str, str, bool]  # ("ack" or "reject", queue, requeue): one script call each

@@ -51,7 +51,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .fence import FIRST_RETRY_SECONDS, RETRY_SECONDS, NoReplicasError, refusal
+from .fence import NoReplicasError, pauses, refusal
 from .group import Pending, group_for
 from .ops import Outgoing, StaleRoute
 from .unconfirmed import Send, UnconfirmedPublishError
@@ -80,7 +80,7 @@ class _Gathered:
         """Send what has gathered (a round of group commit); send again what may go again
         (:func:`_again`), backing off from 50 ms to 1 s; record what became of each."""
         batch, self.pending = self.pending, []
-        began, pause = time.monotonic(), FIRST_RETRY_SECONDS
+        began, waits = time.monotonic(), pauses()
         while batch:
             with contextlib.suppress(Exception):  # a lost connection: every pending's result, below
                 group_for(self.lib).publish_all(self.lib, [pending for _, pending in batch])
@@ -90,8 +90,7 @@ class _Gathered:
                 break
             self._record([(sent, p) for sent, p in batch if not any(p is q for _, q in again)])
             batch = [(sent, Pending(p.queue, p.message)) for sent, p in again]
-            time.sleep(pause)  # a backoff: nothing tells when a replica catches up or a server is back
-            pause = min(pause * 2, RETRY_SECONDS)
+            time.sleep(next(waits))  # nothing tells when a replica catches up or a server is back
         self._record(batch)
 
     def _record(self, batch: list[tuple[Send, Pending]]) -> None:
