@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 14
+-- version: 15
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -145,7 +145,7 @@ end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
-  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  local line = state .. string.format(' %d %d ', count, s.priority) .. s.expires_at -- '%d': no float printing
   if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
@@ -191,8 +191,9 @@ for _, q in ipairs(queues) do
 end
 
 local time = rcall('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local seconds, micros = tonumber(time[1]), tonumber(time[2])
+local now_us = seconds * 1000000 + micros
+local now = (now_us - micros % 1000) / 1000
 local deadline = now + visibility
 
 -- 1. Promote due delayed messages, and work out when the next one falls due.

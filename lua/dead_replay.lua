@@ -1,6 +1,6 @@
 #!lua
 -- name: dead_replay
--- version: 10
+-- version: 11
 -- summary: Move dead letters of one queue back into it as fresh ready messages (delivery count 0).
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -72,20 +72,16 @@ end
 -- the id is stored four times per message (66 bytes less per message on Redis 7.0).
 -- 13 digits of microseconds last until 2112.
 local function next_id(last_id, now_us)
-  local id_us, counter = now_us, 0
-  if last_id then
-    local last_us = tonumber(string.sub(last_id, 1, 13), 16)
-    if last_us and last_us >= now_us then
-      id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
-      if counter > 0xF then id_us, counter = id_us + 1, 0 end
-    end
-  end
+  local last_us = last_id and tonumber(string.sub(last_id, 1, 13), 16)
+  if not last_us or last_us < now_us then return string.format('%013x0', now_us) end -- a clock that moved on
+  local id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
+  if counter > 0xF then id_us, counter = id_us + 1, 0 end
   return string.format('%013x%x', id_us, counter)
 end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
-  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  local line = state .. string.format(' %d %d ', count, s.priority) .. s.expires_at -- '%d': no float printing
   if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
@@ -142,8 +138,9 @@ else
 end
 
 local time = rcall('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local seconds, micros = tonumber(time[1]), tonumber(time[2])
+local now_us = seconds * 1000000 + micros
+local now = (now_us - micros % 1000) / 1000
 local ids_and_clock = rcall('HMGET', meta_key, 'last_id', 'fair')
 local last_id = ids_and_clock[1] or nil -- replayed ids follow it, as published ones do
 local ready_at = tonumber(ids_and_clock[2]) or now -- a fair queue: its virtual clock V

@@ -1,6 +1,6 @@
 #!lua
 -- name: publish
--- version: 15
+-- version: 16
 -- summary: Store messages in one queue, one or a batch: each ready at once, or delayed until an absolute ETA.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -149,23 +149,11 @@ end
 -- the id is stored four times per message (66 bytes less per message on Redis 7.0).
 -- 13 digits of microseconds last until 2112.
 local function next_id(last_id, now_us)
-  local id_us, counter = now_us, 0
-  if last_id then
-    local last_us = tonumber(string.sub(last_id, 1, 13), 16)
-    if last_us and last_us >= now_us then
-      id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
-      if counter > 0xF then id_us, counter = id_us + 1, 0 end
-    end
-  end
+  local last_us = last_id and tonumber(string.sub(last_id, 1, 13), 16)
+  if not last_us or last_us < now_us then return string.format('%013x0', now_us) end -- a clock that moved on
+  local id_us, counter = last_us, (tonumber(string.sub(last_id, 14), 16) or 0) + 1
+  if counter > 0xF then id_us, counter = id_us + 1, 0 end
   return string.format('%013x%x', id_us, counter)
-end
-
--- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
-local function state_line(state, count, s)
-  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
-  if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
-  if s.task == '' then return line end
-  return line .. ' ' .. s.task
 end
 
 local function integer(value, default)
@@ -242,8 +230,9 @@ end
 -- Two values onto `list` (nil: a new one), returned: what a call gathers for one HSET or
 -- ZADD per key, for every message it stores.
 local function push(list, a, b)
-  list = list or {}
-  list[#list + 1], list[#list + 2] = a, b
+  if not list then return {a, b} end -- sized once, where filling an empty table grows it twice
+  local n = #list
+  list[n + 1], list[n + 2] = a, b
   return list
 end
 
@@ -312,21 +301,27 @@ for i = 1, n do
 end
 
 local time = rcall('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local seconds, micros = tonumber(time[1]), tonumber(time[2])
+local now_us = seconds * 1000000 + micros
+local now = (now_us - micros % 1000) / 1000
 
 -- Queue arguments declared by consumers apply to every producer; one HMGET for the call:
 -- the fixed fields, then each message's fairness tag ('fair:<key>', '' for none) and route;
 -- and one of the task index for the messages' task ids. `at`: a field's place in its reply.
-local fields, tasks, at = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair'}, nil, {}
-for _, m in ipairs(messages) do
+-- (The tables are made at their size where it is known: each growth is an allocation.)
+local own = messages[1].own
+local fields = {'expires', 'message_ttl', 'max_priority', 'last_id', 'paused', 'limits', 'fair', own}
+local tasks, at = nil, {[own] = 8}
+for i = 1, n do
+  local m = messages[i]
   if not at[m.own] then fields[#fields + 1], at[m.own] = m.own, #fields + 1 end
   local route = m.exchange and 'route:' .. m.exchange
   if route and not at[route] then fields[#fields + 1], at[route] = route, #fields + 1 end
   if m.task ~= '' then
     m.index = 'task:' .. m.task
-    if not at[m.index] then
-      tasks = tasks or {}
+    if not tasks then
+      tasks, at[m.index] = {m.index}, 1
+    elseif not at[m.index] then
       tasks[#tasks + 1], at[m.index] = m.index, #tasks + 1
     end
   end
@@ -428,8 +423,10 @@ for i, m in ipairs(messages) do
     local ready_at = math.max(eta, now)
     local expires_at = ttl > 0 and string.format('%d', ready_at + ttl) or '-'
     local releases = m.hold and m.dedup_mode ~= 'throttle' -- the holder's settle ends the hold
-    local line = state_line(eta > now and 'delayed' or 'ready', 0, {
-      priority = priority, expires_at = expires_at, task = m.task, dedup = releases and string.sub(m.hold, 7) or ''})
+    -- The state string parse_state reads back (the other scripts' state_line), in one
+    -- concatenation: a number joined with `..` is printed as a float, '%d' as an integer.
+    local line = (eta > now and 'delayed 0 ' or 'ready 0 ') .. string.format('%d', priority) .. ' ' .. expires_at ..
+                 (releases and ':' .. string.sub(m.hold, 7) or '') .. (m.task ~= '' and ' ' .. m.task or '')
     to_message = push(to_message, id, m.payload)
     to_state = push(to_state, id, line)
     if m.hold then -- the message, its task index and the hold in one HSET

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 13
+-- version: 14
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -140,7 +140,7 @@ end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
-  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  local line = state .. string.format(' %d %d ', count, s.priority) .. s.expires_at -- '%d': no float printing
   if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task

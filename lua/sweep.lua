@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 12
+-- version: 13
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -132,7 +132,7 @@ end
 
 -- The state string parse_state reads back, for message `s` in `state` after `count` deliveries.
 local function state_line(state, count, s)
-  local line = state .. ' ' .. count .. ' ' .. s.priority .. ' ' .. s.expires_at
+  local line = state .. string.format(' %d %d ', count, s.priority) .. s.expires_at -- '%d': no float printing
   if (s.dedup or '') ~= '' then line = line .. ':' .. s.dedup end
   if s.task == '' then return line end
   return line .. ' ' .. s.task
