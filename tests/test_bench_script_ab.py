@@ -19,3 +19,13 @@ def test_an_ab_run_measures_both_versions(script: str, variant: str,
     assert result["old"] > 0 and result["new"] > 0 and result["ratio"] == result["new"] / result["old"]
     script_ab.main(["--script", script, "--rounds", "1", "-n", "20", "--batch", "4", "--variant", variant])
     assert "new/old" in capsys.readouterr().out
+
+
+def test_instructions_are_counted_inside_evalsha_only() -> None:
+    """Under callgrind the cost is the server's instructions inside EVALSHA: a publish with a
+    dedup id (a sha1, the hold's read and write) counts more than one without, and a call
+    counts tens of thousands, not the millions the server's idle loop would add."""
+    require_kind("valkey")
+    result = script_ab.run("publish", "HEAD", "valkey", rounds=1, n=30, batch=1, variant="dedup",
+                           instructions=True)
+    assert 20_000 < result["old"] < result["new"] < 1_000_000, result

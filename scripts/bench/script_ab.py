@@ -5,9 +5,15 @@ Both versions are loaded into one throwaway server and run in interleaved rounds
 (which includes the commands a script runs), median over the rounds, and the ratio new/old.
 It is how a change to a hot-path script shows it kept its cost ("within 5% of today's").
 
+``--instructions`` counts instead the CPU instructions the server ran inside EVALSHA, under
+valgrind's callgrind (the server started by it, collecting only within ``evalShaCommand``):
+the same count for the same binary and inputs whatever else the host is doing, so one round
+tells a 1% change apart where commandstats' microseconds wander by ±20% on a shared host.
+
     python -m scripts.bench.script_ab --script publish --base HEAD~1
     python -m scripts.bench.script_ab --script publish --base main --variant dedup --kind redis
     python -m scripts.bench.script_ab --script consume --base main --batch 10
+    python -m scripts.bench.script_ab --script publish --base HEAD~1 --instructions --rounds 1
 
 Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
   publish  N publishes into one queue, pipelined; ``--variant dedup``: the new version with a
@@ -22,9 +28,11 @@ Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +52,42 @@ def evalsha_usec(client: Any) -> tuple[int, int]:
     return int(stats["usec"]), int(stats["calls"])
 
 
+@dataclass
+class CallgrindServer(Server):
+    """A server run under callgrind, counting instructions inside EVALSHA only."""
+
+    def command_line(self) -> list[str]:
+        assert self.directory is not None
+        return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.directory / 'callgrind.out'}",
+                "--collect-atstart=no", "--toggle-collect=evalShaCommand", *super().command_line()]
+
+    def instructions(self) -> int:
+        """The instructions counted since the last call (a dump resets the counters)."""
+        assert self.process is not None and self.directory is not None
+        before = set(self.directory.glob("callgrind.out.*"))
+        subprocess.run(["callgrind_control", "-d", str(self.process.pid)], check=True,
+                       capture_output=True, timeout=60)
+        (dump,) = set(self.directory.glob("callgrind.out.*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"{dump}: no totals line")
+
+
+# What a round measures: the server's µs (commandstats) or its instructions (callgrind).
+COUNTER: dict[str, Any] = {}
+
+
 def measured(client: Any, run: Callable[[], None]) -> float:
-    """Server µs per EVALSHA of what ``run`` sends."""
+    """Server µs (or, under callgrind, instructions) per EVALSHA of what ``run`` sends."""
+    server = COUNTER.get("callgrind")
     usec0, calls0 = evalsha_usec(client)
+    if server is not None:
+        server.instructions()  # what ran before is not this round's
     run()
     usec1, calls1 = evalsha_usec(client)
-    return (usec1 - usec0) / max(1, calls1 - calls0)
+    cost = server.instructions() if server is not None else usec1 - usec0
+    return cost / max(1, calls1 - calls0)
 
 
 def publish_round(client: Any, sha: str, n: int, tag: str, dedup: bool, fair: bool = False) -> float:
@@ -77,12 +115,17 @@ def consume_round(client: Any, sha: str, publish_sha: str, n: int, batch: int, t
     return measured(client, pipe.execute) / batch  # per message
 
 
-def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, variant: str) -> dict[str, float]:
+def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, variant: str,
+        instructions: bool = False) -> dict[str, float]:
     old_source = subprocess.run(["git", "show", f"{base}:lua/{script}.lua"], cwd=ROOT, check=True,
                                 capture_output=True, text=True).stdout
     new_source = (ROOT / "lua" / f"{script}.lua").read_text()
     results: dict[str, list[float]] = {"old": [], "new": []}
-    with Server(kind) as server:
+    if instructions and not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        raise SystemExit("--instructions needs valgrind (Debian's package valgrind)")
+    with (CallgrindServer(kind) if instructions else Server(kind)) as server:
+        if instructions:
+            COUNTER["callgrind"] = server
         client = server.client(socket_timeout=60)
         old, new = client.script_load(old_source), client.script_load(new_source)
         publish_sha = client.script_load((ROOT / "lua" / "publish.lua").read_text())
@@ -99,6 +142,7 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
                     raise SystemExit(f"no workload for script {script!r} (publish, consume)")
                 results[name].append(cost)
         client.close()
+        COUNTER.pop("callgrind", None)
     medians = {name: statistics.median(costs) for name, costs in results.items()}
     return {**medians, "ratio": medians["new"] / medians["old"]}
 
@@ -112,13 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", type=int, default=4000, help="calls per round (publish) or messages (consume)")
     parser.add_argument("--batch", type=int, default=10, help="consume: messages per call")
     parser.add_argument("--variant", choices=["plain", "dedup", "fair"], default="plain")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the server's instructions inside EVALSHA under callgrind, not its µs")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.n < args.batch or args.batch < 1:
         parser.error("--rounds and --batch must be >= 1 and -n at least --batch")
-    result = run(args.script, args.base, args.kind, args.rounds, args.n, args.batch, args.variant)
-    unit = "µs per message" if args.script == "consume" else "µs per call"
+    result = run(args.script, args.base, args.kind, args.rounds, args.n, args.batch, args.variant,
+                 args.instructions)
+    unit = "instructions" if args.instructions else "µs"
+    unit += " per message" if args.script == "consume" else " per call"
     print(f"{args.script} on {args.kind} ({args.rounds} rounds of {args.n}, variant {args.variant}): "
-          f"{args.base} {result['old']:.2f}, working tree {result['new']:.2f} {unit}; "
+          f"{args.base} {result['old']:,.2f}, working tree {result['new']:,.2f} {unit}; "
           f"new/old {result['ratio']:.3f}")
 
 
