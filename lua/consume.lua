@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 15
+-- version: 16
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -325,6 +325,7 @@ end
 local reply = {wake_in, 0}
 local delivered, expired, drained = 0, 0, false
 local skips_left = 4 * count + 100
+local deadline_text = string.format('%d', deadline) -- each delivery's index score
 while skips_left > 0 do
   local taken, exhausted = take(count - delivered)
   if #taken == 0 then drained = exhausted break end -- every queue is empty, or at its limit
@@ -356,14 +357,15 @@ while skips_left > 0 do
         table.insert(gone[q], id)
       else
         rcall('HSET', q.state, id, state_line('unacked', s.count, s))
-        deadlines[q] = deadlines[q] or {}
-        table.insert(deadlines[q], string.format('%d', deadline))
-        table.insert(deadlines[q], id)
+        local entries = deadlines[q]
+        if entries then
+          entries[#entries + 1], entries[#entries + 2] = deadline_text, id
+        else
+          deadlines[q] = {deadline_text, id} -- sized at once: a table filled from empty grows twice
+        end
       end
-      reply[#reply + 1] = item[1]
-      reply[#reply + 1] = id
-      reply[#reply + 1] = s.count
-      reply[#reply + 1] = found
+      local r = #reply
+      reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = item[1], id, s.count, found
       delivered = delivered + 1
       if q.room then q.room, q.delivered = q.room - 1, (q.delivered or 0) + 1 end
     end
