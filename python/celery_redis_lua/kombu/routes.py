@@ -59,9 +59,7 @@ class RouteCache:
         # exchange -> the time this channel recorded a change at (rerouted): a table looked up
         # in that very millisecond would be refused at its next publish, so it is not kept.
         self._recorded: dict[str, int] = {}
-        # A confirm_together() block's stale routes, published again (:func:`redeliver` on the
-        # channel's client and state): made at the channel's first gathered publish, once.
-        self.redeliver: Callable[[list[Send]], None] | None = None
+        self.redeliver: Callable[[list[Send]], None] | None = None  # a block's (put_later)
 
     def get(self, exchange: str, publishing: Publishing | None = None) -> Routes:
         """The table of ``exchange``: cached unless expired or ``publishing`` asks for a fresh
@@ -136,7 +134,7 @@ def put_later(channel: Any, queue: str, outgoing: Outgoing) -> bool:
         channel.unconfirmed.add(send, queue, outgoing.call(channel.lib.keys, channel.lib.policy, queue))
     else:
         routes = channel.routes
-        if routes.redeliver is None:
+        if routes.redeliver is None:  # made once, at the channel's first gathered publish
             routes.redeliver = partial(redeliver, channel.connection.client, channel.state)
         together.gather(channel.lib, (channel.options.publish_pipeline, channel.options.fence_timeout), send,
                         queue, outgoing, routes.redeliver)
