@@ -77,6 +77,7 @@ class Worker:
     log_dir: Path = Path("/tmp")
     gossip: bool = False  # True: the worker consumes events (its own celeryev.<uuid> queue)
     process: subprocess.Popen[bytes] | None = None
+    _start_of_run: int = 0  # where this start's lines begin in the log (a restart appends)
 
     @property
     def hostname(self) -> str:
@@ -87,6 +88,11 @@ class Worker:
         return self.log_dir / f"worker-{self.name}.log"
 
     def start(self, ready_timeout: float = 60) -> Worker:
+        return self.launch().wait_ready(ready_timeout)
+
+    def launch(self) -> Worker:
+        """Start the process; :meth:`wait_ready` waits for its "ready." (several workers
+        launched first start side by side: their imports are most of a start)."""
         command = [
             sys.executable, "-m", "celery", "-A", "celery_e2e.app", "worker",
             "--loglevel", "INFO", "--pool", self.pool, "--concurrency", str(self.concurrency),
@@ -94,13 +100,17 @@ class Worker:
             *([] if self.gossip else ["--without-gossip"]), *self.extra_args,
         ]
         log = self.log_path.open("ab")
-        start_of_run = log.tell()  # a restarted worker appends: look for its own "ready."
+        self._start_of_run = log.tell()
         self.process = subprocess.Popen(
             command, env=self.broker.env(**self.env), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=TESTS_DIR,
         )
+        return self
+
+    def wait_ready(self, ready_timeout: float = 60) -> Worker:
+        assert self.process is not None
         deadline = time.monotonic() + ready_timeout
-        while b" ready." not in self.log_path.read_bytes()[start_of_run:]:
+        while b" ready." not in self.log_path.read_bytes()[self._start_of_run:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited early:\n{self.log_tail()}")
             if time.monotonic() > deadline:
@@ -118,10 +128,13 @@ class Worker:
         assert self.process is not None
         return self.process.wait(timeout)
 
-    def stop(self, timeout: float = 30) -> None:
+    def stop(self, timeout: float = 30, signalled: bool = False) -> None:
+        """Warm shutdown (SIGTERM), waited for up to ``timeout``; then SIGKILL. ``signalled``:
+        the SIGTERM was sent already (running() stops its workers side by side)."""
         if self.process is None or self.process.poll() is not None:
             return
-        self.signal(signal.SIGTERM)
+        if not signalled:
+            self.signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -141,11 +154,14 @@ class Worker:
 
 @contextlib.contextmanager
 def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
-    """Start workers; always stop (and on failure, show) them."""
+    """Start workers side by side, each ready before the body runs; always stop them side by
+    side (and on failure, show them)."""
     started: list[Worker] = []
     try:
         for worker in workers:
-            started.append(worker.start())
+            started.append(worker.launch())
+        for worker in workers:
+            worker.wait_ready()
         yield workers
     except BaseException:
         for worker in started:
@@ -153,7 +169,10 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
         raise
     finally:
         for worker in started:
-            worker.stop()
+            if worker.process is not None and worker.process.poll() is None:
+                worker.signal(signal.SIGTERM)
+        for worker in started:
+            worker.stop(signalled=True)
 
 
 def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05, what: str = "condition") -> Any:
