@@ -209,6 +209,14 @@ SLOW_ON_REDIS = (
 )
 
 
+def prefixed_on_redis(item: pytest.Item) -> bool:
+    """A key prefix changes the names the keyspace builds, the same on either server: the
+    prefixed runs on Redis (standalone and cluster) are in `make test-all`; `make test` keeps
+    them on Valkey, standalone and cluster (the hash tags), and every unprefixed run."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("keyspace") == PREFIXES[1] and str(params.get("target", "")).startswith("redis")
+
+
 def on_redis_standalone(item: pytest.Item) -> bool:
     callspec = getattr(item, "callspec", None)
     return callspec is not None and callspec.id.split("-")[0] == "redis" and "cluster" not in callspec.id
@@ -217,9 +225,9 @@ def on_redis_standalone(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: a subset is not held to it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Count the cluster tests of the suites whose queue placement is checked (helpers.Placement);
-    mark the Redis runs of SLOW_ON_REDIS slow."""
+    mark the Redis runs of SLOW_ON_REDIS, and the prefixed runs on Redis, slow."""
     for item in items:
-        if item.nodeid.startswith(SLOW_ON_REDIS) and on_redis_standalone(item):
+        if (item.nodeid.startswith(SLOW_ON_REDIS) and on_redis_standalone(item)) or prefixed_on_redis(item):
             item.add_marker(pytest.mark.slow)
         params = getattr(item, "callspec", None)
         params = params.params if params is not None else {}
