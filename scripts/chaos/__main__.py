@@ -66,10 +66,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--partitions", action="store_true",
                         help="one server: the broker in its own network namespace, a veth pair per "
                              "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
-                             "partition_oneway and latency in the schedule; a Sentinel group: each node "
-                             "in its own namespace on a bridge (switch.py) and partition_primary, the "
-                             "split brain, in the schedule (the others skipped: not yet there); kinds "
-                             "this host cannot make are skipped, and said so. Not on a cluster yet")
+                             "partition_oneway and latency in the schedule; a Sentinel group or a "
+                             "cluster: each node in its own namespace on a bridge (switch.py; cluster "
+                             "nodes announce their bridge address) and partition_primary, the split "
+                             "brain, in the schedule (the others skipped: not yet there); kinds this "
+                             "host cannot make are skipped, and said so")
     parser.add_argument("--partition-seconds", metavar="MIN,MAX",
                         help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
     parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
@@ -109,9 +110,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS)} "
                          "need --partitions")
         args.faults = kinds
-    if args.partitions and BROKERS[args.broker][2] == "cluster":
-        parser.error("--partitions: one server (redis-aof, valkey, ...) or a Sentinel group "
-                     "(redis-sentinel, ...), not yet a cluster")
     if args.partition_seconds:
         low, _, high = args.partition_seconds.partition(",")
         args.partition_seconds = (float(low), float(high or low))
@@ -165,16 +163,17 @@ def settle(broker: Broker, card: dict[str, Any]) -> None:
 def partition_network(profile: Profile, card: dict[str, Any],
                       broker: str) -> netns.Topology | switch.Switch | None:
     """With --partitions: the broker's namespace and the clients' pairs (one server), or the
-    Sentinel group's switch, made now; or None, said loudly and recorded, with every
-    partition kind skipped and why. Latency needs netem, probed separately (this kernel has
-    none). On a Sentinel group the clients share the bridge's address: the kinds that cut one
-    client off are not made there yet, and are skipped, said so."""
-    sentinel = BROKERS[broker][2] == "sentinel"
-    why = switch.switch_unavailable() if sentinel else netns.unavailable()
+    Sentinel group's or the cluster's switch, made now; or None, said loudly and recorded,
+    with every partition kind skipped and why. Latency needs netem, probed separately (this
+    kernel has none). On a switch the clients share the bridge's address: the kinds that cut
+    one client off are not made there yet, and are skipped, said so."""
+    topology = BROKERS[broker][2]
+    bridged = topology in ("sentinel", "cluster")
+    why = switch.switch_unavailable() if bridged else netns.unavailable()
     kinds = PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS
     skips = dict.fromkeys(kinds, f"no network namespaces: {why}") if why else {}
-    if not why and sentinel:
-        skips = dict.fromkeys(PARTITION_FAULT_KINDS, "not yet on a Sentinel group: its clients share "
+    if not why and bridged:
+        skips = dict.fromkeys(PARTITION_FAULT_KINDS, f"not yet on a {topology}: its clients share "
                               "the bridge's address (switch.py), no pair of their own to cut")
     elif not why:  # partition_primary, on one server, skips itself (split_brain.inject)
         netem = netns.netem_unavailable()
@@ -185,7 +184,9 @@ def partition_network(profile: Profile, card: dict[str, Any],
         log(f"PARTITIONS: {kind} will be SKIPPED: {reason}")
     if why:
         return None
-    if sentinel:
+    if topology == "cluster":  # three primaries and a replica each (broker.py), a namespace each
+        return switch.Switch(3 * 2).create()
+    if topology == "sentinel":
         # the primary, the replicas and the three sentinels (broker.py), a namespace each
         return switch.Switch(1 + SENTINEL_REPLICAS.get(broker, 1) + 3).create()
     labels = (HARNESS, EVENTS, PRODUCER, *(f"w{i}-{pool}" for i, (pool, _) in enumerate(profile.workers, 1)))
@@ -280,8 +281,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             card["run"]["recorder_error"] = broker.recorder_error
         plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
                                + (FLOW_FAULT_KINDS if args.flow else ())
-                               + (PARTITION_FAULT_KINDS if args.partitions and not broker.sentinel else ())
-                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.sentinel else ()))
+                               + (PARTITION_FAULT_KINDS if args.partitions and not broker.replicated else ())
+                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.replicated else ()))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
                             args.seed, args.flow, args.shards, args.together or 0)
