@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import redis
 
 from scripts.chaos import split_brain, switch
-from scripts.servers import Cluster, ServerUnavailable, server_binary
+from scripts.servers import Cluster, Server, ServerUnavailable, server_binary
 from tests.test_chaos_split_brain import T0, judged, publish, records
 
 
@@ -120,3 +121,57 @@ def test_a_cluster_primary_cut_from_its_peers_answers_its_client_and_is_replaced
         net.destroy()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"crl-part-{os.getpid()}-{net.net}n" not in listed
+
+
+def in_namespace(namespace: str, call: Any) -> Any:
+    """``call()`` run by a thread moved into ``namespace`` (switch.enter, as the producer's),
+    its result or the exception it raised."""
+    found: dict[str, Any] = {}
+
+    def run() -> None:
+        switch.enter(namespace)
+        try:
+            found["result"] = call()
+        except Exception as error:  # handed back to the test
+            found["result"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return found["result"]
+
+
+@pytest.mark.timeout(60)
+def test_a_client_on_the_switch_is_cut_off_on_its_own_both_ways_or_one_way() -> None:
+    """A client in its own namespace (a worker's or the producer's on a bridged topology):
+    both ways, its command times out and never reaches the server; one way, the server runs
+    it and the reply never comes; after each heal the same connection answers (about 3 s)."""
+    why = switch.switch_unavailable()
+    if why:
+        pytest.skip(f"a switched topology is unavailable: {why}")
+    net = switch.Switch(1, clients=("c",)).create()
+    server = Server("valkey", **net.place(0))  # type: ignore[arg-type]
+    try:
+        server.start()
+        client = redis.Redis(host=server.host, port=server.port, socket_timeout=1, retry=None)
+        assert in_namespace(net.client_namespace("c"), client.ping) is True
+        net.partition("c")
+        assert isinstance(in_namespace(net.client_namespace("c"), lambda: client.set("both", 1)),
+                          redis.TimeoutError)
+        assert server.client().get("both") is None  # the command never arrived
+        net.heal("c")
+        client.connection_pool.disconnect()  # a timed-out connection is not reused
+        # established before the one-way cut (a new connect's SYN-ACK would be dropped)
+        assert in_namespace(net.client_namespace("c"), client.ping) is True
+        net.partition("c", oneway=True)
+        assert isinstance(in_namespace(net.client_namespace("c"), lambda: client.set("oneway", 1)),
+                          redis.TimeoutError)
+        assert server.client().get("oneway") == b"1"  # it arrived and ran; the reply was dropped
+        net.heal("c")
+        client.connection_pool.disconnect()
+        assert in_namespace(net.client_namespace("c"), client.ping) is True
+        # the server saw it come from the client's own address, not the bridge's
+        assert any(c["addr"].startswith(net.client_address("c") + ":") for c in server.client().client_list())
+    finally:
+        server.stop()
+        net.destroy()
