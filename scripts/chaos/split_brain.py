@@ -127,7 +127,7 @@ def writes_until(seen: dict[str, Any], split_until: float) -> float:
     first of its fence's closing and (a cluster) its cluster going down, if before its
     demotion (``split_until``); else the demotion."""
     closed = [at for at in (seen.get("fence_closed"), seen.get("cluster_down")) if at is not None]
-    return min([*closed, split_until])
+    return float(min([*closed, split_until]))
 
 
 def isolate(broker: Broker) -> tuple[Server, Server | None, int]:
