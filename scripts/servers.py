@@ -306,6 +306,10 @@ class Cluster:
     tls: Tls | None = None  # every node TLS only, the cluster bus and replication too
     nodes: list[Server] = field(default_factory=list)
     size: int = 3
+    # node index -> {"netns": ..., "address": ...}: each node in its own network namespace
+    # (scripts/chaos/switch.py), announcing that address (cluster-announce-ip) so that clients
+    # and the bus use it, not loopback; None: every node on loopback
+    placement: Callable[[int], dict[str, str]] | None = None
 
     def start(self, size: int | None = None, timeout: float = 30.0) -> Cluster:
         self.size = size or self.size
@@ -323,16 +327,16 @@ class Cluster:
                 # its data is as fresh as replication gets.
                 "--cluster-replica-validity-factor", "0", "--repl-diskless-sync-delay", "0",
                 *self.args]
-        for _ in range(self.size * (1 + self.replicas)):
-            self.nodes.append(Server(self.kind, port=free_port(cluster_bus=True), args=list(args),
-                                     password=self.password, tls=self.tls).start())
+        for index in range(self.size * (1 + self.replicas)):
+            self.nodes.append(Server(self.kind, **self.placed(index, args), password=self.password,
+                                     tls=self.tls).start())
         per_node = 16384 // self.size
         clients = [node.client(socket_timeout=5) for node in self.nodes]
         for i, client in enumerate(clients[:self.size]):
             last = 16383 if i == self.size - 1 else (i + 1) * per_node - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per_node, last)
         for node in self.nodes[1:]:
-            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+            clients[0].execute_command("CLUSTER", "MEET", node.host, node.port)
         deadline = time.monotonic() + timeout
         self._poll(lambda: all(int(self._info(c).get("cluster_known_nodes", 0)) == len(self.nodes)
                                for c in clients), deadline, "meet")
@@ -342,6 +346,19 @@ class Cluster:
         for client in clients:
             client.close()
         self.wait_healthy(max(1.0, deadline - time.monotonic()))
+
+    def placed(self, index: int, args: list[str]) -> dict[str, Any]:
+        """Node ``index``'s port, arguments and, with ``placement``, namespace and address. Its
+        port is checked free (with the bus port, +10000) on the root namespace's loopback only,
+        so it is also kept distinct from the other nodes' (the cluster tells nodes apart by port)."""
+        taken = {node.port for node in self.nodes}
+        port = free_port(cluster_bus=True)
+        while port in taken:
+            port = free_port(cluster_bus=True)
+        if self.placement is None:
+            return {"port": port, "args": list(args)}
+        where = self.placement(index)
+        return {**where, "port": port, "args": [*args, "--cluster-announce-ip", where["address"]]}
 
     def _poll(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
         while True:
@@ -446,7 +463,7 @@ class Cluster:
 
     @property
     def startup_nodes(self) -> list[redis.cluster.ClusterNode]:
-        return [redis.cluster.ClusterNode("127.0.0.1", node.port) for node in self.nodes]
+        return [redis.cluster.ClusterNode(node.host, node.port) for node in self.nodes]
 
     def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
         tls = self.tls.client_kwargs() if self.tls else {}

@@ -66,10 +66,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--partitions", action="store_true",
                         help="one server: the broker in its own network namespace, a veth pair per "
                              "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
-                             "partition_oneway and latency in the schedule; a Sentinel group: each node "
-                             "in its own namespace on a bridge (switch.py) and partition_primary, the "
-                             "split brain, in the schedule (the others skipped: not yet there); kinds "
-                             "this host cannot make are skipped, and said so. Not on a cluster yet")
+                             "partition_oneway and latency in the schedule; a Sentinel group or a "
+                             "cluster: each node, the producer and each worker in its own namespace on "
+                             "a bridge (switch.py; cluster nodes announce their bridge address), and "
+                             "partition_worker, partition_producer, partition_oneway and "
+                             "partition_primary, the split brain, in the schedule (latency not yet); "
+                             "kinds this host cannot make are skipped, and said so")
     parser.add_argument("--partition-seconds", metavar="MIN,MAX",
                         help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
     parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
@@ -109,9 +111,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS)} "
                          "need --partitions")
         args.faults = kinds
-    if args.partitions and BROKERS[args.broker][2] == "cluster":
-        parser.error("--partitions: one server (redis-aof, valkey, ...) or a Sentinel group "
-                     "(redis-sentinel, ...), not yet a cluster")
     if args.partition_seconds:
         low, _, high = args.partition_seconds.partition(",")
         args.partition_seconds = (float(low), float(high or low))
@@ -165,31 +164,32 @@ def settle(broker: Broker, card: dict[str, Any]) -> None:
 def partition_network(profile: Profile, card: dict[str, Any],
                       broker: str) -> netns.Topology | switch.Switch | None:
     """With --partitions: the broker's namespace and the clients' pairs (one server), or the
-    Sentinel group's switch, made now; or None, said loudly and recorded, with every
-    partition kind skipped and why. Latency needs netem, probed separately (this kernel has
-    none). On a Sentinel group the clients share the bridge's address: the kinds that cut one
-    client off are not made there yet, and are skipped, said so."""
-    sentinel = BROKERS[broker][2] == "sentinel"
-    why = switch.switch_unavailable() if sentinel else netns.unavailable()
+    Sentinel group's or the cluster's switch, made now, with the producer and each worker in
+    a namespace of their own on it (to be cut off on their own; the harness, the event
+    receiver and the ledger stay in the root namespace); or None, said loudly and recorded,
+    with every partition kind skipped and why. Latency needs netem, probed separately (this
+    kernel has none), and is not made on a switch yet."""
+    topology = BROKERS[broker][2]
+    bridged = topology in ("sentinel", "cluster")
+    why = switch.switch_unavailable() if bridged else netns.unavailable()
     kinds = PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS
     skips = dict.fromkeys(kinds, f"no network namespaces: {why}") if why else {}
-    if not why and sentinel:
-        skips = dict.fromkeys(PARTITION_FAULT_KINDS, "not yet on a Sentinel group: its clients share "
-                              "the bridge's address (switch.py), no pair of their own to cut")
-    elif not why:  # partition_primary, on one server, skips itself (split_brain.inject)
+    if not why:  # partition_primary, on one server, skips itself (split_brain.inject)
         netem = netns.netem_unavailable()
-        if netem:
-            skips["latency"] = netem
+        if netem or bridged:
+            skips["latency"] = netem or "not yet on a switch (netem on each client's veth: not made)"
     card["run"]["partitions"] = {"namespaces": why or "available", "skipped": skips}
     for kind, reason in skips.items():
         log(f"PARTITIONS: {kind} will be SKIPPED: {reason}")
     if why:
         return None
-    if sentinel:
+    workers = tuple(f"w{i}-{pool}" for i, (pool, _) in enumerate(profile.workers, 1))
+    if topology == "cluster":  # three primaries and a replica each (broker.py), a namespace each
+        return switch.Switch(3 * 2, clients=(PRODUCER, *workers)).create()
+    if topology == "sentinel":
         # the primary, the replicas and the three sentinels (broker.py), a namespace each
-        return switch.Switch(1 + SENTINEL_REPLICAS.get(broker, 1) + 3).create()
-    labels = (HARNESS, EVENTS, PRODUCER, *(f"w{i}-{pool}" for i, (pool, _) in enumerate(profile.workers, 1)))
-    return netns.Topology(labels).create()
+        return switch.Switch(1 + SENTINEL_REPLICAS.get(broker, 1) + 3, clients=(PRODUCER, *workers)).create()
+    return netns.Topology((HARNESS, EVENTS, PRODUCER, *workers)).create()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,7 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     queues = tuple(member for queue in verdict.chaos_queues(args.flow) for member in broker.members(queue))
     flow_app: Celery | None = None
     try:
-        ledger_server = Server("valkey").start()
+        # on a switch, also on the bridge's address: the workers' and the producer's
+        # namespaces reach it there (never cut: a cut drops only the nodes' addresses)
+        ledger_server = Server("valkey", address=broker.switch.gateway if broker.switch else None).start()
         broker.start()
     except BaseException:
         broker.stop()  # with --partitions, its namespace and pairs too
@@ -262,7 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i, (pool, concurrency) in enumerate(profile.workers, 1):
             name = f"w{i}-{pool}"  # with --partitions, each worker reaches the broker by its own pair
             worker_env = {**env, "CHAOS_BROKER_URL": broker.url(args.transport, name)}
-            workers.append(ChaosWorker(name, pool, concurrency, worker_env, log_dir))
+            prefix = tuple(broker.switch.exec_prefix(name)) if broker.switch and broker.switch.clients else ()
+            workers.append(ChaosWorker(name, pool, concurrency, worker_env, log_dir, prefix=prefix))
             workers[-1].start()
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
         if args.flow:  # the workers declared the flow queues; the cap is set before any load
@@ -280,11 +283,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             card["run"]["recorder_error"] = broker.recorder_error
         plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
                                + (FLOW_FAULT_KINDS if args.flow else ())
-                               + (PARTITION_FAULT_KINDS if args.partitions and not broker.sentinel else ())
-                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.sentinel else ()))
+                               + (PARTITION_FAULT_KINDS if args.partitions else ())
+                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.replicated else ()))
         card["run"]["fault_plan"] = plan
         producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
-                            args.seed, args.flow, args.shards, args.together or 0)
+                            args.seed, args.flow, args.shards, args.together or 0,
+                            broker.switch.client_namespace(PRODUCER) if broker.switch else None)
         began = time.monotonic()
         producer.start()
         # After a partition the next fault waits (partitions.CALM_SECONDS) and the rest of the

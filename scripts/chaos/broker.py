@@ -97,8 +97,8 @@ class Broker:
     banked_errors: dict[str, int] = field(default_factory=dict)
     # With --partitions (one server): the server's namespace and the clients' veth pairs.
     network: Topology | None = None
-    # With --partitions (a Sentinel group): each data server and sentinel in its own
-    # namespace on one bridge (switch.py), for partition_primary.
+    # With --partitions (a Sentinel group or a cluster): each data server and sentinel (each
+    # cluster node) in its own namespace on one bridge (switch.py), for partition_primary.
     switch: Switch | None = None
 
     @classmethod
@@ -107,7 +107,8 @@ class Broker:
         """``fsync_recorder``: record the server's fsyncs, for power-loss faults (one server).
         ``network``: run the server inside that (created) partition topology (one server).
         ``switch``: run a Sentinel group's nodes on that (created) switch, node k as the group
-        numbers them (the primary, the replicas, the sentinels)."""
+        numbers them (the primary, the replicas, the sentinels); or a cluster's, node k its
+        k-th (the primaries, then the replicas)."""
         kind, fsync, topology = BROKERS[name]
         args = ["--appendonly", "yes", "--appendfsync", fsync]
         if cls.is_fenced(name):
@@ -120,7 +121,8 @@ class Broker:
                        switch=switch)
         if topology == "cluster":
             return cls(name, cluster=Cluster(kind, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
-                                             args=args))
+                                             args=args, placement=switch.place if switch else None),
+                       switch=switch)
         if network is not None:
             broker = cls(name, server=NetnsServer(kind, args=args, topology=network), network=network)
         else:
@@ -321,7 +323,8 @@ class Broker:
         if self.cluster is not None:
             if transport != "ours":
                 raise ValueError("kombu's stock Redis transport does not run on a cluster")
-            return f"redislua+cluster://127.0.0.1:{self.cluster.nodes[0].port}/0"
+            first = self.cluster.nodes[0]  # its bridge address with --partitions (switch.py)
+            return f"redislua+cluster://{first.host}:{first.port}/0"
         if self.group is not None:
             return self.group.broker_url("redislua+sentinel" if transport == "ours" else "sentinel")
         assert self.server is not None
@@ -350,7 +353,10 @@ class Broker:
 
     def _topology(self) -> dict[str, Any]:
         if self.cluster is not None:
-            return {"primaries": [p.port for p in self.cluster.primaries()],
+            switch = ({"switch": {"bridge": f"{self.switch.bridge} {self.switch.gateway}/24",
+                                  "nodes": {n.port: n.host for n in self.cluster.nodes}}}
+                      if self.switch is not None else {})
+            return {**switch, "primaries": [p.port for p in self.cluster.primaries()],
                     "nodes": [n.port for n in self.cluster.nodes],
                     "main_queue_on": self.current().port, "node_timeout_ms": CLUSTER_NODE_TIMEOUT_MS}
         if self.group is None:

@@ -109,7 +109,8 @@ class FaultInjector:
             else:
                 entry.update(flow.pause_fault(self.flow_app, self.rng, self.profile.pause_seconds))
         elif kind in PARTITION_FAULT_KINDS:
-            entry.update(partitions.inject(kind, self.broker.network, self.workers, self.rng,
+            network = self.broker.network or self.broker.switch  # one server's pairs, or the switch
+            entry.update(partitions.inject(kind, network, self.workers, self.rng,
                                            self.profile.partition_seconds, self.partition_skips or {}))
         elif kind in SPLIT_BRAIN_KINDS:  # its own settle, cut, heal and watch of the failover
             entry.update(split_brain.inject(self.broker, self.rng, self.profile.partition_seconds,

@@ -27,6 +27,7 @@ from scripts.chaos import split_brain
 from scripts.chaos.jepsen import percentile
 from scripts.chaos.netns import Topology
 from scripts.chaos.profiles import PARTITION_FAULT_KINDS, SPLIT_BRAIN_KINDS
+from scripts.chaos.switch import Switch
 
 RECOVERY_LIMIT = 5.0  # seconds, p99 per kind (issue 40 §1)
 # After a heal the next fault waits this long, and the load goes on at least this long: a
@@ -39,7 +40,7 @@ MEASURED = (*CUTS, *SPLIT_BRAIN_KINDS)
 PRODUCER = "producer"
 
 
-def inject(kind: str, network: Topology | None, workers: list[Any], rng: random.Random,
+def inject(kind: str, network: Topology | Switch | None, workers: list[Any], rng: random.Random,
            seconds: tuple[float, float], skipped: dict[str, str]) -> dict[str, Any]:
     """Cut, wait the drawn duration (the fault itself), heal; the entry's ``t`` is when the cut
     was in force (its commands returned; ``cut_began`` before them: a publish that began in
@@ -48,8 +49,9 @@ def inject(kind: str, network: Topology | None, workers: list[Any], rng: random.
     and lost-event rules of verdict.py)."""
     if kind in skipped:
         return {"skipped": skipped[kind]}
-    if network is None or kind not in CUTS:
-        return {"skipped": "needs --partitions (the broker in its own network namespace)"}
+    if network is None or kind not in CUTS or (isinstance(network, Switch) and not network.clients):
+        return {"skipped": "needs --partitions (the broker in its own network namespace, or each "
+                           "client in its own on a switch)"}
     if kind == "partition_producer":
         label, target, pid = PRODUCER, PRODUCER, None
     else:

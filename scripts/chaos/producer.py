@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery
 
 from celery_redis_lua import UnconfirmedPublishError, confirm_together
-from scripts.chaos import flow, ledger
+from scripts.chaos import flow, ledger, switch
 from scripts.chaos.app import main_queues
 from scripts.chaos.profiles import Profile
 
@@ -25,7 +25,7 @@ RETRY_POLICY = {"max_retries": 40, "interval_start": 0.1, "interval_step": 0.2, 
 class Producer(threading.Thread):
     def __init__(self, broker_url: str, transport_options: dict[str, Any], ledger_url: str,
                  profile: Profile, seed: int, with_flow: bool = False, shards: int | None = None,
-                 together: int = 0) -> None:
+                 together: int = 0, netns: str | None = None) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.app = Celery("chaos-producer", broker=broker_url, set_as_current=False)
         self.app.conf.broker_transport_options = transport_options
@@ -38,6 +38,7 @@ class Producer(threading.Thread):
         self.halt = threading.Event()
         self.sent = self.errors = 0
         self.together = together  # > 0: tasks go in confirm_together() blocks of this many
+        self.netns = netns  # a namespace of its own on the switch (partition_producer on a switch)
 
     def next_task(self) -> tuple[str, float, int, float]:
         """(kind, seconds the task runs, priority, countdown)."""
@@ -111,6 +112,8 @@ class Producer(threading.Thread):
         return len(tasks)
 
     def run(self) -> None:
+        if self.netns:  # before its first connection: every socket it opens is the namespace's
+            switch.enter(self.netns)
         began, n = time.monotonic(), 0
         while not self.halt.is_set():
             if self.together:

@@ -309,6 +309,9 @@ def failover_line(card: dict[str, Any]) -> str:
     fenced = [f["fence_closed_seconds"] for f in moved if f.get("fence_closed_seconds") is not None]
     if fenced:  # partition_primary on a fenced group: the isolated primary refused writes from then
         parts.append(f"an isolated primary's fence closed after {min(fenced):.1f}-{max(fenced):.1f} s")
+    down = [f["cluster_down_seconds"] for f in moved if f.get("cluster_down_seconds") is not None]
+    if down:  # partition_primary on a cluster: the isolated primary refused every command from then
+        parts.append(f"an isolated cluster primary said CLUSTERDOWN after {min(down):.1f}-{max(down):.1f} s")
     return "; ".join(parts)
 
 

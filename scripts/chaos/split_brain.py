@@ -1,31 +1,41 @@
-"""``partition_primary`` (issue 40 §1): the Jepsen split brain on a Sentinel broker. The
-primary's namespace (switch.py) is cut off from every replica and sentinel, both ways, for
-the profile's ``partition_seconds`` (2-30 s); the clients still reach it. The sentinels
-fail over to a replica while the old primary goes on taking its clients' writes; at the
-heal they demote it and the writes it took since the cut are gone with its dataset.
+"""``partition_primary`` (issue 40 §1): the Jepsen split brain, on a Sentinel group or a
+cluster. The primary's namespace (switch.py) is cut off from its peers, both ways, for the
+profile's ``partition_seconds`` (2-30 s): every replica and sentinel of a Sentinel group;
+every other node of a cluster (its bus, port + 10000, and its data port: replication). The
+clients (the bridge's address) still reach it. The sentinels, or the cut primary's replica
+(after cluster-node-timeout), fail over while the old primary goes on taking its clients'
+writes for as long as it will; at the heal it is demoted and the writes it took since the
+cut are gone with its dataset. On a cluster the primary cut is the one holding the main
+queue (broker.current()), where most of the load is.
 
 The entry says what happened, measured, not assumed:
 
 - ``old_primary``, ``new_primary`` (ports), ``node`` (the old primary's address), the cut
-  (``t``: in force; ``cut_began``: its commands began), ``healed``;
-- ``new_primary_seconds``: when a sentinel first named another primary, from the cut;
+  (``t``: in force; ``cut_began``: its commands began), ``healed``; on a cluster ``replica``;
+- ``new_primary_seconds``: when a sentinel first named another primary (on a cluster: when
+  the cut primary's replica first answered as a primary), from the cut;
 - ``fence_closed_seconds`` (fenced groups, min-replicas-to-write): when the old primary
   first counted fewer good replicas than it needs, so refused every write (its replica's
   acks stopped at the cut; it counts it lagging after min-replicas-max-lag);
+- ``cluster_down_seconds`` (a cluster): when the old primary first said ``cluster_state:fail``
+  (probed as a client, CLUSTER INFO): cut off from the majority of primaries, it marks them
+  failing after cluster-node-timeout and refuses every command with CLUSTERDOWN;
 - ``split_until``: when the old primary answered as a replica (its demotion, after the
   heal): until then two primaries served clients (duplicates, lost events, reordering);
 - ``writes_until``: the end of the window in which a write the old primary confirmed may be
-  lost: the fence's closing when it closed before the demotion, else the demotion. The
-  verdict explains a lost task by this fault only if its publish was confirmed between
-  REPLICATION_LAG before the cut and ``writes_until`` (a write confirmed in that window by
-  the new primary is not lost: the old one's loss is the only loss the window explains);
-- ``failover``: whether the sentinels moved the primary (a short cut may end before they do).
+  lost: the first of the fence's closing and the cluster going down, when before the
+  demotion, else the demotion (:func:`writes_until`). The verdict explains a lost task by
+  this fault only if its publish was confirmed between REPLICATION_LAG before the cut and
+  ``writes_until`` (a write confirmed in that window by the new primary is not lost: the old
+  one's loss is the only loss the window explains);
+- ``failover``: whether the primary moved (a short cut may end before it does).
 
 Recovery (:func:`recovery`), reported, not held to partitions.RECOVERY_LIMIT (the failover
 alone takes seconds: down-after 1 s, an election, a promotion; the demotion comes on the
-sentinels' next look at the old primary after the heal): heal -> the first consume batch of
-any worker; and promotion -> every worker that consumed before the cut consuming again
-after the demotion (then on the new primary: the old one, a replica, takes no consume)."""
+sentinels' next look at the old primary after the heal, on a cluster at the first gossip):
+heal -> the first consume batch of any worker; and promotion -> every worker that consumed
+before the cut consuming again after the demotion (then on the new primary: the old one, a
+replica, takes no consume)."""
 
 from __future__ import annotations
 
@@ -67,67 +77,108 @@ def good_replicas(info: dict[str, Any]) -> int | None:
     return int(found[0]) if found else None
 
 
-def watch(broker: Broker, old: Server, until: float) -> dict[str, Any]:
-    """During the cut: when a sentinel first named another primary, when the old primary's
-    fence closed, and how often it still answered the harness as a primary."""
-    assert broker.group is not None
-    seen: dict[str, Any] = {"promoted": None, "new_port": None, "fence_closed": None, "answered": 0}
+def cluster_down(server: Server) -> bool:
+    """Whether a cluster node says its cluster is down (``CLUSTER INFO``): a primary that lost
+    the majority of primaries refuses every command on its slots with CLUSTERDOWN."""
+    info = server.client(socket_timeout=1).execute_command("CLUSTER", "INFO")
+    info = info.decode() if isinstance(info, bytes) else info
+    return "cluster_state:ok" not in info
+
+
+def promoted_port(broker: Broker, old: Server, replica: Server | None) -> int | None:
+    """The port of the primary that replaced ``old`` (None: not yet): the one the sentinels
+    name, or, on a cluster, ``old``'s replica once it answers as a primary."""
+    with contextlib.suppress(redis.RedisError, OSError):
+        if broker.group is not None:
+            port = broker.group.primary_port()
+            return port if port != old.port else None
+        if replica is not None and replica.client(socket_timeout=1).info("replication")["role"] == "master":
+            return replica.port
+    return None
+
+
+def watch(broker: Broker, old: Server, replica: Server | None, until: float) -> dict[str, Any]:
+    """During the cut: when another primary was first named (promoted), when the old
+    primary's fence closed, when (a cluster) it said its cluster was down, and how often it
+    still answered the harness as a primary."""
+    seen: dict[str, Any] = {"promoted": None, "new_port": None, "fence_closed": None, "cluster_down": None,
+                            "answered": 0}
     while time.time() < until:
         if seen["promoted"] is None:
-            with contextlib.suppress(redis.RedisError, OSError):
-                port = broker.group.primary_port()
-                if port != old.port:
-                    seen.update(promoted=time.time(), new_port=port)
+            port = promoted_port(broker, old, replica)
+            if port is not None:
+                seen.update(promoted=time.time(), new_port=port)
         with contextlib.suppress(redis.RedisError, OSError):
             info = old.client(socket_timeout=1).info("replication")
             seen["answered"] += info.get("role") == "master"
             good = good_replicas(info)
             if broker.fenced and seen["fence_closed"] is None and good is not None and good < 1:
                 seen["fence_closed"] = time.time()
+        if broker.cluster is not None and seen["cluster_down"] is None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                if cluster_down(old):
+                    seen["cluster_down"] = time.time()
         time.sleep(max(0.0, min(POLL, until - time.time())))  # the cut lasts until `until`
     return seen
 
 
+def writes_until(seen: dict[str, Any], split_until: float) -> float:
+    """The end of the window in which a write the old primary confirmed may be lost: the
+    first of its fence's closing and (a cluster) its cluster going down, if before its
+    demotion (``split_until``); else the demotion."""
+    closed = [at for at in (seen.get("fence_closed"), seen.get("cluster_down")) if at is not None]
+    return float(min([*closed, split_until]))
+
+
+def isolate(broker: Broker) -> tuple[Server, Server | None, int]:
+    """The primary to cut (the sentinels' or, on a cluster, the main queue's: most of the
+    load's), its replica on a cluster (the one to be promoted), and its node on the switch."""
+    assert broker.switch is not None
+    old = broker.current()
+    replica = broker.cluster.replica_of(old) if broker.cluster is not None else None
+    return old, replica, broker.switch.node_of(old.host)
+
+
 def inject(broker: Broker, rng: random.Random, seconds: tuple[float, float],
            skipped: dict[str, str]) -> dict[str, Any]:
-    """Settle, cut the primary the sentinels name off from its peers for the drawn duration,
-    heal, wait for its demotion and the group to settle; the entry (module docstring)."""
+    """Settle, cut the primary off from its peers (every other data server and sentinel, or
+    every other cluster node: bus and data ports) for the drawn duration, heal, wait for its
+    demotion and the group or cluster to settle; the entry (module docstring)."""
     if KIND in skipped:
         return {"skipped": skipped[KIND]}
-    switch, group = broker.switch, broker.group
-    if switch is None or group is None:
-        return {"skipped": "needs --partitions on a Sentinel broker (its nodes on a bridge, switch.py)"}
+    switch = broker.switch
+    if switch is None or not broker.replicated:
+        return {"skipped": "needs --partitions on a Sentinel broker or a cluster (its nodes on a bridge, "
+                           "switch.py)"}
     began = time.monotonic()
     broker.settle(SETTLE_TIMEOUT)  # no cut on an unfinished failover
     settle_wait = time.monotonic() - began
-    old = broker.current()
-    node = switch.node_of(old.host)
+    old, replica, node = isolate(broker)
     planned = rng.uniform(*seconds)
     cut_began = time.time()
     switch.isolate(node)
     cut = time.time()  # in force from here on
     try:
-        seen = watch(broker, old, cut + planned)  # the fault itself: cut off this long
+        seen = watch(broker, old, replica, cut + planned)  # the fault itself: cut off this long
     finally:
         switch.heal(node)
     healed = time.time()
-    moved = seen["promoted"] is not None
-    with contextlib.suppress(redis.RedisError, OSError):
-        moved = moved or group.primary_port() != old.port
+    moved = seen["promoted"] is not None or promoted_port(broker, old, replica) is not None
     demoted = demoted_at(old, SETTLE_TIMEOUT) if moved else None
     broker.settle(SETTLE_TIMEOUT)
     new = broker.current()
     split_until = demoted if demoted is not None else healed
-    fence = seen["fence_closed"]
     entry = {"t": cut, "cut_began": cut_began, "target": "primary", "old_primary": old.port, "node": old.host,
              "peers_cut": [switch.address(j) for j in range(switch.nodes) if j != node],
              "partitioned_seconds": round(healed - cut, 3), "healed": healed,
              "failover": moved or new.port != old.port, "new_primary": new.port,
              "old_answered_during_cut": seen["answered"], "split_until": split_until,
-             "writes_until": fence if fence is not None and fence < split_until else split_until,
-             "settled_seconds": round(time.time() - cut, 3)}
-    for name, at in (("new_primary_seconds", seen["promoted"]), ("fence_closed_seconds", fence),
-                     ("old_demoted_seconds", demoted)):
+             "writes_until": writes_until(seen, split_until), "settled_seconds": round(time.time() - cut, 3)}
+    if replica is not None:
+        entry["replica"] = replica.port
+    for name, at in (("new_primary_seconds", seen["promoted"]),
+                     ("fence_closed_seconds", seen["fence_closed"]),
+                     ("cluster_down_seconds", seen["cluster_down"]), ("old_demoted_seconds", demoted)):
         if at is not None:
             entry[name] = round(at - cut, 3)
     if settle_wait > 0.2:

@@ -24,6 +24,9 @@ class ChaosWorker:
     log_dir: Path
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    # what runs it in a network namespace of its own (switch.py: ``ip netns exec``, which
+    # execs it: the pid, its process group and signals stay the worker's)
+    prefix: tuple[str, ...] = ()
 
     @property
     def hostname(self) -> str:
@@ -35,7 +38,7 @@ class ChaosWorker:
 
     def start(self, ready_timeout: float = 90) -> None:
         command = [
-            sys.executable, "-m", "celery", "-A", "scripts.chaos.app", "worker",
+            *self.prefix, sys.executable, "-m", "celery", "-A", "scripts.chaos.app", "worker",
             "--loglevel", "INFO", "--pool", self.pool, "--concurrency", str(self.concurrency),
             "--hostname", self.hostname, "--without-mingle", "--without-gossip",
             "--without-heartbeat", "-E", "-Q", self.env.get("CHAOS_QUEUES", "celery,expiring"),
