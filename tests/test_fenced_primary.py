@@ -25,7 +25,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from celery_redis_lua.protocol.fence import NoReplicasError
 from conftest import require_kind
 from helpers import wait_until
-from scripts.servers import Server
+from scripts.servers import Cluster, Server
 from test_ack_retry import (
     NAME,
     QUEUE,
@@ -160,3 +160,43 @@ def test_with_fence_timeout_0_a_refused_publish_raises_at_once(fenced: Server) -
     with Connection(url(fenced), transport_options=options) as conn, pytest.raises(NoReplicasError):
         conn.Producer().publish({"n": 1}, exchange=QUEUE.exchange, routing_key=NAME, declare=[QUEUE])
     assert refused_scripts(fenced.client(socket_timeout=10)) == 1, "refused once, not tried again"
+
+
+def test_a_fenced_shard_does_not_stop_the_other_shards_queues() -> None:
+    """On a cluster a consume asks each slot's primary in turn. One primary fenced (NOREPLICAS)
+    used to raise out of the whole consume: the messages already taken from the other
+    primaries were left in flight with nobody holding them (back only after the visibility
+    timeout), and every queue stopped until the shard took writes again. Now the other
+    shards' messages are returned; the refusal is raised only when nothing else was taken."""
+    require_kind("valkey")
+    keys = Keyspace()
+    with Cluster("valkey") as cluster:
+        client = cluster.client()
+        lib = ScriptLibrary(client, keys, visibility_ms=60_000)
+
+        def primary_port(queue: str) -> int:
+            return int(client.nodes_manager.get_node_from_slot(client.keyslot(keys.queue(queue))).port)
+
+        healthy = "q0"
+        fenced_queue = next(q for q in (f"q{i}" for i in range(1, 64))
+                            if primary_port(q) != primary_port(healthy))
+        for queue in (healthy, fenced_queue):
+            lib.declare(queue)
+            for i in range(3):
+                lib.publish(queue, b"{}", task_id=f"{queue}-{i}")
+        fenced = next(node for node in cluster.nodes if node.port == primary_port(fenced_queue)).client()
+        fenced.config_set("min-replicas-to-write", 1)
+        try:
+            for n, order in enumerate(([fenced_queue, healthy], [healthy, fenced_queue])):
+                if n:
+                    for i in range(3):
+                        lib.publish(healthy, b"{}", task_id=f"{healthy}-again-{i}")
+                taken = lib.consume(order, 10)  # the fenced slot asked first, then last
+                assert [d.queue for d in taken.deliveries] == [healthy] * 3
+            stats = lib.stats([healthy])[0]
+            assert (stats.in_flight, stats.ready) == (6, 0)  # every one taken was handed out
+            with pytest.raises(NoReplicasError):  # nothing else to take: the refusal is raised
+                lib.consume([healthy, fenced_queue], 10)
+        finally:
+            fenced.config_set("min-replicas-to-write", 0)
+        assert len(lib.consume([fenced_queue], 10).deliveries) == 3  # the fence lifted: all there

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisError
 
 from . import ops
 from .call import Call
@@ -33,6 +35,8 @@ from .ops import (
 )
 from .policy import Policy
 from .runner import ScriptRunner
+
+logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -181,14 +185,25 @@ class ScriptLibrary:
         """Up to ``count`` messages across ``queues``. Priority order holds across the
         queues of one cluster slot; on a cluster, slot groups are asked in turn. ``run``
         runs each consume call (default :meth:`run`; a kombu channel's also carries the acks
-        gathered meanwhile)."""
+        gathered meanwhile). A slot group whose call fails (a fenced or lost primary) does not
+        stop the others: what they took is returned, and the failure is raised only when
+        nothing was taken (else what the earlier groups took would be in flight with nobody
+        holding it until the visibility timeout, and a shard's outage would stop every queue)."""
         deliveries: list[ops.Delivery] = []
         wake: list[int] = []
         rate: list[int] = []
         expired = 0
         run = run or self.run
+        failed: BaseException | None = None
         for group in self.slot_groups(queues):
-            consumed = run(ops.consume(self.keys, self.policy, group, count - len(deliveries), no_ack=no_ack))
+            try:
+                consumed = run(ops.consume(self.keys, self.policy, group, count - len(deliveries),
+                                           no_ack=no_ack))
+            except (RedisError, OSError) as error:
+                failed = failed or error
+                logger.warning("celery-redis-lua: consume of %s failed (%s); the other slots go on",
+                               ", ".join(group), error)
+                continue
             deliveries += consumed.deliveries
             expired += consumed.expired
             if consumed.wake_in_ms is not None:
@@ -197,6 +212,8 @@ class ScriptLibrary:
                 rate.append(consumed.rate_in_ms)
             if len(deliveries) >= count:
                 break
+        if failed is not None and not deliveries:
+            raise failed
         return Consumed(deliveries, min(wake) if wake else None, expired, min(rate) if rate else None)
 
     def sweep(self, queues: Sequence[str], *, batch: int = ops.SWEEP_BATCH, report_limit: int = 10,
