@@ -4,6 +4,7 @@ option, errors at connection time, polling_interval, and unknown options."""
 from __future__ import annotations
 
 import re
+import socket
 import ssl
 import warnings
 from collections.abc import Iterator
@@ -61,6 +62,8 @@ BAD: list[tuple[str, Any]] = [
     ("message_ttl", 0), ("message_ttl", -5), ("message_ttl", "x"), ("message_ttl", True),
     ("socket_timeout", 0), ("socket_timeout", "x"), ("socket_connect_timeout", -1),
     ("socket_keepalive", "yes"), ("socket_keepalive", 1), ("socket_keepalive_options", [1]),
+    ("partition_timeout", 0), ("partition_timeout", 0.5), ("partition_timeout", "5"),
+    ("partition_timeout", 3601), ("partition_timeout", True),
     ("max_connections", 0), ("max_connections", 2.5), ("max_connections", None),
     ("health_check_interval", -1), ("health_check_interval", "x"),
     ("retry_on_timeout", "no"), ("client_name", 5),
@@ -85,6 +88,7 @@ GOOD: list[tuple[str, Any]] = [
     ("blocking_timeout", 0), ("blocking_timeout", 2.5), ("queue_expires", 60),
     ("global_keyprefix", "app:"), ("message_ttl", 3600), ("message_ttl", 0.5),
     ("socket_timeout", 30), ("socket_keepalive", True), ("socket_keepalive_options", {1: 2}),
+    ("partition_timeout", None), ("partition_timeout", 1), ("partition_timeout", 30.5),
     ("max_connections", 1), ("health_check_interval", 0), ("retry_on_timeout", False),
     ("client_name", "worker-1"), ("ssl", True), ("ssl", {"ssl_cert_reqs": ssl.CERT_REQUIRED}),
     ("fanout_prefix", False), ("fanout_prefix", "custom."), ("fanout_patterns", False),
@@ -186,6 +190,34 @@ def test_options_reach_the_redis_connections(server: Server) -> None:
         assert pool.connection_kwargs["health_check_interval"] == 5
         names = [c["name"] for c in server.client().client_list()]
         assert "crl-options-test" in names
+        channel.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="no TCP_USER_TIMEOUT on this platform")
+@pytest.mark.parametrize(("options", "user_timeout_ms", "idle"), [
+    ({}, 5000, 2),  # the default: partition_timeout 5 s
+    ({"partition_timeout": 12}, 12000, 6),
+    ({"partition_timeout": None}, 0, None),  # off: the socket's defaults
+    ({"socket_keepalive": False}, 0, None),  # the user's own keepalive setting wins
+    ({"socket_keepalive": True, "socket_keepalive_options": {socket.TCP_KEEPIDLE: 30}}, 0, 30),
+])
+def test_the_partition_detector_is_set_on_every_socket(server: Server, options: dict[str, Any],
+                                                       user_timeout_ms: int, idle: int | None) -> None:
+    """protocol/liveness.py: keepalive with TCP_USER_TIMEOUT on the connections a channel
+    uses, read back off the sockets themselves; and kombu's connect_timeout reaches redis-py."""
+    with Connection(url(server), transport_options=options, connect_timeout=3) as connection:
+        channel = connection.channel()
+        pool = channel.client.connection_pool
+        assert pool.connection_kwargs["socket_connect_timeout"] == 3
+        held = pool.get_connection()
+        try:
+            sock = held._sock
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == user_timeout_ms
+            assert bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)) == (idle is not None)
+            if idle is not None:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == idle
+        finally:
+            pool.release(held)
         channel.close()
 
 

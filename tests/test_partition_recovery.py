@@ -9,15 +9,17 @@ skipped, with the reason, without them."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 from kombu import Connection, Queue
+from kombu.exceptions import OperationalError
 
 from scripts.chaos import netns
-from scripts.servers import ServerUnavailable, server_binary
+from scripts.servers import Server, ServerUnavailable, server_binary
 
 CUT_SECONDS = 14.0  # the server's retransmissions of a reply sent into the cut: at +12.6 s, +25.4 s
 RECOVERY_LIMIT = 5.0  # issue 40 §1
@@ -45,18 +47,29 @@ def test_a_consumer_recovers_within_seconds_of_a_partition_healing(network: netn
 
     server = NetnsServer("valkey", topology=network).start()
     queue, got, stop = Queue("healed"), [], threading.Event()
+    reconnects: list[float] = []
 
     def url(label: str) -> str:
         return f"redislua://{network.broker_address(label)}:{server.port}/0"
 
     def consume() -> None:
         # blocking_timeout 1 s: a wait is always pending when the cut comes; the default
-        # health_check_interval (25 s) is the setting the overdue limit used to wait out
-        with Connection(url("consumer"), transport_options={"blocking_timeout": 1}) as conn, \
-                conn.Consumer(queue, callbacks=[lambda _, message: (got.append(time.time()), message.ack())]):
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    conn.drain_events(timeout=1)
+        # health_check_interval (25 s) is the setting the overdue limit used to wait out. A
+        # connection the partition detector closed raises, and is opened again, as a Celery
+        # worker does after a lost connection.
+        while not stop.is_set():
+            conn = Connection(url("consumer"), transport_options={"blocking_timeout": 1})
+            try:
+                callbacks = [lambda _, message: (got.append(time.time()), message.ack())]
+                with conn.Consumer(queue, callbacks=callbacks):
+                    while not stop.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            conn.drain_events(timeout=1)
+            except (*conn.connection_errors, OperationalError):
+                reconnects.append(time.time())
+            finally:
+                with contextlib.suppress(*conn.connection_errors):
+                    conn.release()
 
     consumer = threading.Thread(target=consume, daemon=True)
     try:
@@ -85,3 +98,117 @@ def test_a_consumer_recovers_within_seconds_of_a_partition_healing(network: netn
         network.heal_all()
         consumer.join(15)
         server.stop()
+
+
+def _pause_then_cut(network: netns.Topology, server: object, sender: threading.Thread,
+                    oneway: bool) -> tuple[float, float]:
+    """The harness holds the server's write commands for 1.5 s (CLIENT PAUSE WRITE holds every
+    script), so the publish sent meanwhile is received and acknowledged by the server's kernel
+    and answered only after the producer is cut off: its reply is lost in the partition, the
+    case no retransmission of the producer's own can end. Returns (cut, pause end) times."""
+    harness = server.client()  # type: ignore[attr-defined]
+    harness.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    paused = time.monotonic()
+    sender.start()
+    time.sleep(0.5)  # the publish is sent and held
+    network.partition("producer", oneway=oneway)
+    harness.close()
+    return time.monotonic(), paused + 1.5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("oneway", [False, True], ids=["both-ways", "one-way"])
+def test_a_call_whose_reply_is_lost_in_a_partition_is_given_up_within_partition_timeout(
+        producer_network: netns.Topology, oneway: bool) -> None:
+    """With no socket timeout, a call whose reply went into a cut waited for the server's TCP
+    to retransmit it after the heal (5-12 s after a 14 s cut). The keepalive detector
+    (protocol/liveness.py, on by default) closes the connection once nothing has been
+    acknowledged for partition_timeout (5 s), during the cut; kombu reconnects after the heal,
+    and the publish tried again is stored once (its task id finds the first, which the server
+    did store)."""
+    from scripts.chaos.broker import NetnsServer
+
+    server = NetnsServer("valkey", topology=producer_network).start()
+    queue, outcome = Queue("cut"), {}
+    url = f"redislua://{producer_network.broker_address('producer')}:{server.port}/0"
+    try:
+        with Connection(url) as conn:
+            producer = conn.Producer()
+            producer.publish({"n": 0}, routing_key="cut", declare=[queue])  # connected, declared
+
+            def publish() -> None:
+                try:
+                    producer.publish({"n": 1}, routing_key="cut", headers={"id": "lost-reply"})
+                    outcome["ok"] = time.monotonic()
+                except Exception as error:  # which error it was is what the test reads
+                    outcome["error"] = (error, time.monotonic())
+
+            sender = threading.Thread(target=publish, daemon=True)
+            _, answered = _pause_then_cut(producer_network, server, sender, oneway)
+            sender.join(CUT_SECONDS)
+            producer_network.heal("producer")
+            assert "error" in outcome, f"not given up during the {CUT_SECONDS} s cut: {outcome}"
+            error, at = outcome["error"]
+            assert at - answered <= 5 + 2, f"given up {at - answered:.1f} s after the reply went: {error!r}"
+            healed = time.monotonic()
+            conn.ensure_connection(max_retries=20, interval_start=0.1, interval_step=0.1, interval_max=0.5)
+            producer.publish({"n": 1}, routing_key="cut", headers={"id": "lost-reply"}, retry=True,
+                             retry_policy={"max_retries": 20, "interval_start": 0.1, "interval_step": 0.1,
+                                           "interval_max": 0.5})
+            assert time.monotonic() - healed <= RECOVERY_LIMIT
+        stored = server.client().hvals(f"state:{{{queue.name}}}")
+        assert sum(1 for line in stored if line.endswith(b" lost-reply")) == 1, stored
+    finally:
+        producer_network.heal_all()
+        server.stop()
+
+
+@pytest.fixture
+def producer_network() -> Iterator[netns.Topology]:
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    try:
+        server_binary("valkey")
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    topology = netns.Topology(("harness", "producer")).create()
+    try:
+        yield topology
+    finally:
+        topology.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_server_is_waited_for_past_partition_timeout() -> None:
+    """The other half of the detector's promise: a server that is stopped (SIGSTOP: a VM
+    pause, a long fork or fsync, a slow script) keeps its kernel acknowledging, so a call
+    pending on it for longer than partition_timeout is answered when it resumes, on the same
+    connection; a socket timeout of that length would have given it up and reconnected."""
+    try:
+        server_binary("valkey")
+    except ServerUnavailable as error:
+        pytest.skip(str(error))
+    with Server("valkey") as server, Connection(
+            f"redislua://127.0.0.1:{server.port}/0", transport_options={"partition_timeout": 2}) as conn:
+        queue = Queue("stopped")
+        producer = conn.Producer()
+        producer.publish({"n": 0}, routing_key="stopped", declare=[queue])
+        watcher = server.client()
+        connections = int(watcher.info("stats")["total_connections_received"])
+        assert server.process is not None
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            done: list[float] = []
+            sender = threading.Thread(daemon=True, target=lambda: (
+                producer.publish({"n": 1}, routing_key="stopped"), done.append(time.monotonic())))
+            sender.start()
+            sender.join(2 * 2 + 2)  # past partition_timeout, twice over
+            assert not done, "answered while the server was stopped?"
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        sender.join(10)
+        assert done, "the publish was not answered after the server resumed"
+        assert int(watcher.info("stats")["total_connections_received"]) == connections, \
+            "the call was given up and reconnected"
+        assert server.client().zcard("queue:{stopped}") == 2

@@ -33,6 +33,7 @@ from ..protocol.cluster import (
 from ..protocol.durability import EARLY_CONFIRMATION
 from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.fence import NoReplicasError
+from ..protocol.liveness import socket_params
 from ..protocol.ops import Declared
 from ..protocol.options import OptionError, TransportOptions, parse_options
 from ..protocol.sentinel import (
@@ -207,9 +208,11 @@ class Transport(virtual.Transport):
             "db": self.db,
             "max_connections": options.max_connections,
             "socket_timeout": options.socket_timeout,
-            "socket_connect_timeout": options.socket_connect_timeout,
-            "socket_keepalive": options.socket_keepalive,
-            "socket_keepalive_options": options.socket_keepalive_options,
+            # None: kombu's connect_timeout (Celery's broker_connection_timeout): a connect sent
+            # into a partition is tried afresh after it, not at SYN's backed-off retransmission
+            "socket_connect_timeout": options.socket_connect_timeout or conninfo.connect_timeout,
+            **socket_params(options.socket_keepalive, options.socket_keepalive_options,
+                            options.partition_timeout),
             "health_check_interval": options.health_check_interval,
             # No retry_on_timeout: redis-py would resend a script whose reply timed out, and a
             # resent publish stores a message twice, a resent consume strands a batch in flight.

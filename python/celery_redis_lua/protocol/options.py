@@ -73,6 +73,11 @@ class TransportOptions:
     socket_connect_timeout: float | None = option(None, _REDIS_PY)
     socket_keepalive: bool | None = option(None, _REDIS_PY)
     socket_keepalive_options: dict[int, int | bytes] | None = option(None, _REDIS_PY)
+    partition_timeout: float | None = option(
+        5, "seconds after which a connection whose peer's host acknowledged nothing (a network "
+        "partition, a host gone) is closed and kombu reconnects; a busy or stopped server is still "
+        "waited for (TCP keepalive with `TCP_USER_TIMEOUT`, Linux; see [Networks that partition]"
+        "(deployment.md#networks-that-partition)); `None`: off, or set `socket_keepalive*` yourself")
     max_connections: int = option(
         10, "connections commands share per connection object; a command waits (up to 20 s) for a "
         "free one. Outside it, per channel: the blocking waits (2), one held for the channel's single "
@@ -275,6 +280,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "socket_connect_timeout": _number(0, inclusive=False, allow_none=True),
     "socket_keepalive": _typed(bool),
     "socket_keepalive_options": _typed(dict),
+    "partition_timeout": _number(1, high=3600, allow_none=True),
     "max_connections": _number(1, integer=True),
     "health_check_interval": _number(0),
     "retry_on_timeout": _typed(bool),

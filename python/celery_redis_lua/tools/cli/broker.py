@@ -42,7 +42,8 @@ FLAGS = {"transport option 'master_name'": "--master-name",
 # The transport options of an app (-A) that say how to reach its broker; the others (a stock
 # kombu app's among them) are the workers' business.
 APP_CONNECTION_OPTIONS = ("sentinel_kwargs", "min_other_sentinels", "cluster", "cluster_nodes",
-                          "credential_provider", "ssl", "socket_keepalive", "socket_keepalive_options")
+                          "credential_provider", "ssl", "socket_keepalive", "socket_keepalive_options",
+                          "partition_timeout")
 # A command's client waits less than a worker's for a server that does not answer.
 CLI_TIMEOUTS = {"socket_connect_timeout": 5, "socket_timeout": 30}
 

@@ -1,0 +1,49 @@
+"""Giving up a connection whose peer stopped answering: a network partition, a host gone.
+
+With no socket timeout (redis-py's default, and kombu's), a call whose request or reply is
+lost in a partition waits for TCP's next retransmission after the heal, and TCP backs its
+retransmissions off exponentially: a worker's first consume came 5-10 s after a 20-30 s cut
+healed (docs/faults.md). A socket timeout gives such a call up, but it gives up just as well
+on a call a slow server is still working on (an fsync, a fork, a long sweep), and a long
+blocking wait needs one of its own. TCP keepalive with ``TCP_USER_TIMEOUT`` tells the two
+apart: the server's kernel acknowledges a probe, and a request, while the server is busy or
+even stopped, and nothing acknowledges across a partition. So the kernel closes a connection
+that has had nothing acknowledged for ``partition_timeout`` seconds (the call raises a
+connection error: kombu reconnects, as after any lost connection), and a connection to a
+live server costs one probe and its acknowledgement, in the kernels only, every
+``partition_timeout / 2`` seconds while idle.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+# Linux's names; a platform without TCP_USER_TIMEOUT (macOS) keeps TCP's own timeouts.
+_NAMES = ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT")
+
+
+def keepalive_options(partition_timeout: float) -> dict[int, int] | None:
+    """redis-py's ``socket_keepalive_options`` (IPPROTO_TCP options) that close a connection
+    after ``partition_timeout`` seconds with nothing acknowledged; None where the platform
+    lacks them. Probes start after half of it idle, one a second: at least one is out when it
+    ends, which Linux requires before it closes an idle connection for its user timeout."""
+    if not all(hasattr(socket, name) for name in _NAMES):
+        return None
+    seconds = max(2, round(partition_timeout))
+    idle, interval, count, user_timeout = (getattr(socket, name) for name in _NAMES)
+    return {idle: seconds // 2, interval: 1, count: seconds,
+            user_timeout: max(1000, round(partition_timeout * 1000))}
+
+
+def socket_params(keepalive: bool | None, options: dict[int, int | bytes] | None,
+                  partition_timeout: float | None) -> dict[str, Any]:
+    """The keepalive settings redis-py connects with: the user's own ``socket_keepalive`` and
+    ``socket_keepalive_options`` when set (``socket_keepalive=False`` turns the detection
+    off), else the partition detector."""
+    if keepalive is False or options is not None or partition_timeout is None:
+        return {"socket_keepalive": keepalive, "socket_keepalive_options": options}
+    detector = keepalive_options(partition_timeout)
+    if detector is None:
+        return {"socket_keepalive": keepalive, "socket_keepalive_options": None}
+    return {"socket_keepalive": True, "socket_keepalive_options": detector}
