@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-from kombu import Connection, Consumer
+from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 
 from celery_redis_lua import Keyspace, ScriptLibrary
@@ -162,12 +163,13 @@ def test_with_fence_timeout_0_a_refused_publish_raises_at_once(fenced: Server) -
     assert refused_scripts(fenced.client(socket_timeout=10)) == 1, "refused once, not tried again"
 
 
-def test_a_fenced_shard_does_not_stop_the_other_shards_queues() -> None:
-    """On a cluster a consume asks each slot's primary in turn. One primary fenced (NOREPLICAS)
-    used to raise out of the whole consume: the messages already taken from the other
-    primaries were left in flight with nobody holding them (back only after the visibility
-    timeout), and every queue stopped until the shard took writes again. Now the other
-    shards' messages are returned; the refusal is raised only when nothing else was taken."""
+@contextlib.contextmanager
+def fenced_shard(messages: bool = True) -> Iterator[tuple[Cluster, ScriptLibrary, str, str, Any]]:
+    """A three-primary Valkey cluster, a queue on one primary ("healthy"), one on another
+    whose primary is about to be fenced (min-replicas-to-write 1 with no replica: every
+    write refused, NOREPLICAS); each declared, with 3 messages unless ``messages`` is False.
+    Yields the cluster, a library, both names and the fenced primary's client; the fence is
+    lifted on the way out."""
     require_kind("valkey")
     keys = Keyspace()
     with Cluster("valkey") as cluster:
@@ -182,21 +184,72 @@ def test_a_fenced_shard_does_not_stop_the_other_shards_queues() -> None:
                             if primary_port(q) != primary_port(healthy))
         for queue in (healthy, fenced_queue):
             lib.declare(queue)
-            for i in range(3):
+            for i in range(3 if messages else 0):
                 lib.publish(queue, b"{}", task_id=f"{queue}-{i}")
         fenced = next(node for node in cluster.nodes if node.port == primary_port(fenced_queue)).client()
-        fenced.config_set("min-replicas-to-write", 1)
         try:
-            for n, order in enumerate(([fenced_queue, healthy], [healthy, fenced_queue])):
-                if n:
-                    for i in range(3):
-                        lib.publish(healthy, b"{}", task_id=f"{healthy}-again-{i}")
-                taken = lib.consume(order, 10)  # the fenced slot asked first, then last
-                assert [d.queue for d in taken.deliveries] == [healthy] * 3
-            stats = lib.stats([healthy])[0]
-            assert (stats.in_flight, stats.ready) == (6, 0)  # every one taken was handed out
-            with pytest.raises(NoReplicasError):  # nothing else to take: the refusal is raised
-                lib.consume([healthy, fenced_queue], 10)
+            yield cluster, lib, healthy, fenced_queue, fenced
         finally:
             fenced.config_set("min-replicas-to-write", 0)
+
+
+def test_a_fenced_shard_does_not_stop_the_other_shards_queues() -> None:
+    """On a cluster a consume asks each slot's primary in turn. One primary fenced (NOREPLICAS)
+    used to raise out of the whole consume: the messages already taken from the other
+    primaries were left in flight with nobody holding them (back only after the visibility
+    timeout), and every queue stopped until the shard took writes again. Now the other
+    shards' messages are returned; the refusal is raised only when nothing else was taken."""
+    with fenced_shard() as (_, lib, healthy, fenced_queue, fenced):
+        fenced.config_set("min-replicas-to-write", 1)
+        for n, order in enumerate(([fenced_queue, healthy], [healthy, fenced_queue])):
+            if n:
+                for i in range(3):
+                    lib.publish(healthy, b"{}", task_id=f"{healthy}-again-{i}")
+            taken = lib.consume(order, 10)  # the fenced slot asked first, then last
+            assert [d.queue for d in taken.deliveries] == [healthy] * 3
+        stats = lib.stats([healthy])[0]
+        assert (stats.in_flight, stats.ready) == (6, 0)  # every one taken was handed out
+        with pytest.raises(NoReplicasError):  # nothing else to take: the refusal is raised
+            lib.consume([healthy, fenced_queue], 10)
+        fenced.config_set("min-replicas-to-write", 0)
         assert len(lib.consume([fenced_queue], 10).deliveries) == 3  # the fence lifted: all there
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_s_other_primaries_go_on_while_one_is_fenced() -> None:
+    """The channel's half: a kombu consumer of two queues on two primaries, one fenced. Its
+    consume and its BLPOP on the fenced slot are refused; that slot is left alone a moment and
+    asked again (protocol/waits.py refuse()), while the other primary's queue is delivered
+    without a reconnect: a refusal raised to kombu reconnected the whole channel, every queue
+    stopping with it. Once the fence lifts, the fenced queue's messages come within seconds."""
+    with fenced_shard(messages=False) as (cluster, _, healthy, fenced_queue, fenced):
+        got: list[tuple[str, float]] = []
+        url = f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+        with Connection(url, transport_options={"blocking_timeout": 1}) as conn:
+            producer = conn.Producer()
+            for queue in (healthy, fenced_queue):
+                for i in range(3):
+                    producer.publish({"i": i}, routing_key=queue, declare=[Queue(queue)])
+            consumer = Consumer(conn, [Queue(healthy), Queue(fenced_queue)],
+                                callbacks=[lambda _, m: (got.append((m.delivery_info["routing_key"],
+                                                                     time.monotonic())), m.ack())])
+            with consumer:  # declared (a write): the fence comes after
+                fenced.config_set("min-replicas-to-write", 1)
+
+                def drain_until(done: Callable[[], bool], seconds: float) -> None:
+                    deadline = time.monotonic() + seconds
+                    while not done():
+                        assert time.monotonic() < deadline, f"timed out; got {got}"
+                        with contextlib.suppress(TimeoutError):
+                            conn.drain_events(timeout=0.2)  # a refusal raised here fails the test
+
+                drain_until(lambda: len(got) >= 3, 15)
+                for i in range(3):  # published while the fence holds: a woken wait, not a poll
+                    producer.publish({"i": i}, routing_key=healthy)
+                drain_until(lambda: len(got) >= 6, 15)
+                assert {queue for queue, _ in got} == {healthy}
+                fenced.config_set("min-replicas-to-write", 0)
+                lifted = time.monotonic()
+                drain_until(lambda: len(got) >= 9, 15)
+                assert [queue for queue, _ in got[6:]] == [fenced_queue] * 3
+                assert got[6][1] - lifted <= 3, "the fenced slot was asked again within its pause"

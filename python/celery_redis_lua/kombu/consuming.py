@@ -21,12 +21,14 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope
+from ..protocol.fence import RETRY_SECONDS, NoReplicasError
 from ..protocol.ops import Consumed, Delivery
 from ..protocol.outbox import Batch
 from ..protocol.runner import Call
 from ..protocol.settle import hand_back, reject
 from ..protocol.waits import BlockingRead
 from .keeper import KEEPER
+from .reports import log_expired, log_sweep
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,8 @@ class ConsumingMixin:
             return self._deliver_undelivered()
         if not self.queues_polled or not self.qos.can_consume():
             return 0
-        waits = [(group, self._wait(self.queue_waits, self.keys.queue(group[0])))
-                 for group in self.lib.slot_groups(self.queues_polled)]
+        waits = [(group, wait) for group in self.lib.slot_groups(self.queues_polled)
+                 if not (wait := self._wait(self.queue_waits, self.keys.queue(group[0]))).refused]
         idle = [group for group, wait in waits if wait.pending is None]
         # A rate's next token is due (start_queue_wait): consume now, alongside the block.
         now = time.monotonic()
@@ -150,10 +152,11 @@ class ConsumingMixin:
             room = self.headroom()
             if not group or room <= 0:
                 continue
-            consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks)
+            consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks,
+                                        refused=self._refused if self.is_cluster else None)
             calls, short = calls + 1, short or len(consumed.deliveries) < room
             self.note_drained(group, consumed.deliveries)
-            _log_expired(consumed.expired, group)
+            log_expired(consumed.expired, group)
             delivered += self._deliver_all(consumed.deliveries, no_ack)
             if consumed.wake_in_ms is not None:
                 wake = consumed.wake_in_ms if wake is None else min(wake, consumed.wake_in_ms)
@@ -271,7 +274,7 @@ class ConsumingMixin:
         consumed = results[-1]
         if isinstance(consumed, Exception):
             raise consumed
-        _log_expired(consumed.expired, sent.group)
+        log_expired(consumed.expired, sent.group)
         polled = [] if closing else self.queues_polled
         unwanted = [d for d in consumed.deliveries if d.queue not in polled]
         for queue in dict.fromkeys(d.queue for d in unwanted):
@@ -302,6 +305,8 @@ class ConsumingMixin:
         if not queues or self.headroom() <= 0:
             return False
         wait = self._wait(self.queue_waits, self.keys.queue(queues[0]))
+        if wait.refused:
+            return False
         if wait.pending is None:
             timeout = self.options.blocking_timeout
             if wake_in_ms is not None and (rate_in_ms is None or wake_in_ms < rate_in_ms):  # an ETA first
@@ -318,8 +323,23 @@ class ConsumingMixin:
             return self.on_stream_wait_readable(wait)
         if wait.batch is not None:
             return self._consume_arrived(wait)
-        wait.read()  # the token (or None: the block timed out); consume decides what is there
+        blocked_on = [self.keys.queue_of(key) for key in (wait.pending or ())[1:-1]]  # BLPOP's keys
+        try:
+            wait.read()  # the token (or None: the block timed out); consume decides what is there
+        except NoReplicasError as error:
+            if not self.is_cluster:
+                raise  # the one primary: kombu reconnects (through Sentinel, to the new one)
+            self._refused(blocked_on, error, wait)
         return self.poll_queues()
+
+    def _refused(self, queues: list[str], error: NoReplicasError, wait: BlockingRead | None = None) -> None:
+        """A fenced primary refused a slot on a cluster: its queues wait a moment (fence.py's
+        pause), the other primaries' go on; kombu reconnecting would stop them all."""
+        wait = wait or self._wait(self.queue_waits, self.keys.queue(queues[0]))
+        if wait.refuse():
+            logger.warning("celery-redis-lua: the primary of %s refuses writes (%s); its queues are "
+                           "asked again every %.0f s, the other primaries' go on", ", ".join(queues),
+                           error, RETRY_SECONDS)
 
     def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
         """The wait for ``key``'s slot (on a cluster, to the node that owns it); else the one."""
@@ -367,33 +387,15 @@ class ConsumingMixin:
             wait.cancel()
 
     def sweep(self) -> None:
-        queues = self.queues_polled
-        if not queues:
-            return
-        report = self.lib.sweep(queues)
-        where = "dead-lettered" if self.lib.policy.dead_letter_maxlen else "deleted"
-        for dropped in report.dropped_messages:
-            if dropped.reason == "expired":
-                logger.warning("celery-redis-lua: message %s of queue %r expired (message TTL) "
-                               "while it waited and was %s", dropped.id, dropped.queue, where)
-            elif dropped.reason == "revoked":
-                logger.info("celery-redis-lua: message %s of queue %r came back after Celery revoked "
-                            "its task and was %s, not run again", dropped.id, dropped.queue, where)
-            else:
-                logger.error("celery-redis-lua: message %s of queue %r reached delivery_limit=%s "
-                             "(x-delivery-count %s) and was %s", dropped.id, dropped.queue,
-                             self.lib.policy.delivery_limit, dropped.delivery_count, where)
-        unreported = report.limit_reached + report.expired + report.revoked - len(report.dropped_messages)
-        if unreported > 0:
-            logger.warning("celery-redis-lua: the sweep also %s %d more message(s) (TTL or "
-                           "delivery limit) of queues %s", where, unreported, ", ".join(queues))
-        if report.requeued or report.unclaimed:
-            logger.info("celery-redis-lua: sweep restored %d timed-out and %d unclaimed messages",
-                        report.requeued, report.unclaimed)
-
-
-def _log_expired(expired: int, queues: list[str]) -> None:
-    if expired:
-        logger.warning("celery-redis-lua: %d message(s) of queue(s) %s had expired (message TTL) "
-                       "while they waited and were dead-lettered instead of delivered",
-                       expired, ", ".join(queues))
+        """The sweep of the consumed queues; on a cluster a slot a fenced primary refuses is
+        swept at the next one, the others now."""
+        for group in self.lib.slot_groups(self.queues_polled) if self.is_cluster else [self.queues_polled]:
+            try:
+                report = self.lib.sweep(group) if group else None
+            except NoReplicasError as error:
+                if not self.is_cluster:
+                    raise
+                self._refused(group, error)
+                continue
+            if report is not None:
+                log_sweep(report, self.lib.policy, group)

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from . import ops
 from .call import Call
+from .fence import NoReplicasError
 from .keys import Binding, Keyspace
 from .ops import (
     EMPTY_SWEEP,
@@ -181,14 +182,17 @@ class ScriptLibrary:
         return list(groups.values())
 
     def consume(self, queues: Sequence[str], count: int = 1, *, no_ack: bool = False,
-                run: Callable[[Call[Consumed]], Consumed] | None = None) -> Consumed:
+                run: Callable[[Call[Consumed]], Consumed] | None = None,
+                refused: Callable[[list[str], NoReplicasError], None] | None = None) -> Consumed:
         """Up to ``count`` messages across ``queues``. Priority order holds across the
         queues of one cluster slot; on a cluster, slot groups are asked in turn. ``run``
         runs each consume call (default :meth:`run`; a kombu channel's also carries the acks
         gathered meanwhile). A slot group whose call fails (a fenced or lost primary) does not
         stop the others: what they took is returned, and the failure is raised only when
         nothing was taken (else what the earlier groups took would be in flight with nobody
-        holding it until the visibility timeout, and a shard's outage would stop every queue)."""
+        holding it until the visibility timeout, and a shard's outage would stop every queue).
+        ``refused``, when given, is told of each group a fenced primary refused instead (a
+        kombu channel on a cluster leaves that slot alone a moment), which is then no failure."""
         deliveries: list[ops.Delivery] = []
         wake: list[int] = []
         rate: list[int] = []
@@ -200,6 +204,9 @@ class ScriptLibrary:
                 consumed = run(ops.consume(self.keys, self.policy, group, count - len(deliveries),
                                            no_ack=no_ack))
             except (RedisError, OSError) as error:
+                if refused is not None and isinstance(error, NoReplicasError):
+                    refused(group, error)
+                    continue
                 failed = failed or error
                 logger.warning("celery-redis-lua: consume of %s failed (%s); the other slots go on",
                                ", ".join(group), error)

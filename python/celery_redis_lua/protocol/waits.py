@@ -13,6 +13,7 @@ loses a wake token, never a message (the other consumers then wait out one
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import redis
 
 from .connections import bound_connection, bounded_client, dedicated_connection, read_replies
-from .fence import refusal
+from .fence import RETRY_SECONDS, refusal
 from .runner import REDIRECTED
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
@@ -55,6 +56,7 @@ class BlockingRead:
         self._client_id: int | None = None
         self.can_unblock = True  # until the server refuses CLIENT ID or CLIENT UNBLOCK
         self._deadline: float | None = None  # a close's (monotonic): see bound()
+        self.refused_until = -math.inf  # a fenced primary refused this slot: left alone until then
 
     def _connect(self) -> Any:
         if self.connection is None or self.connection._sock is None:
@@ -62,6 +64,19 @@ class BlockingRead:
             self.connection.connect()
             self._client_id = None
         return self.connection
+
+    def refuse(self) -> bool:
+        """A fenced primary refused this wait's slot (its consume or its BLPOP): leave the slot
+        alone for RETRY_SECONDS, the fence's longest pause. Returns whether this starts a
+        refusal (none in the RETRY_SECONDS before the last one ended): the one to log."""
+        now = time.monotonic()
+        starts = now > self.refused_until + RETRY_SECONDS
+        self.refused_until = now + RETRY_SECONDS
+        return starts
+
+    @property
+    def refused(self) -> bool:
+        return time.monotonic() < self.refused_until
 
     def fileno(self) -> int | None:
         sock = getattr(self.connection, "_sock", None)
