@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import redis
 
+from conftest import require_kind
 from scripts.chaos import split_brain, switch
-from scripts.servers import Cluster, Server, ServerUnavailable, server_binary
+from scripts.servers import Cluster, Server
 from tests.test_chaos_smoke import chaos_harness
 from tests.test_chaos_split_brain import T0, judged, publish, records
 
@@ -88,10 +89,7 @@ def test_a_cluster_primary_cut_from_its_peers_answers_its_client_and_is_replaced
     why = switch.switch_unavailable()
     if why:
         pytest.skip(f"a switched topology is unavailable: {why}")
-    try:
-        server_binary("valkey")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
+    require_kind("valkey")
     net = switch.Switch(6).create()
     cluster = Cluster("valkey", replicas=1, node_timeout_ms=1000, placement=net.place)
     try:

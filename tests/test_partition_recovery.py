@@ -18,27 +18,39 @@ import pytest
 from kombu import Connection, Queue
 from kombu.exceptions import OperationalError
 
+from conftest import require_kind
 from scripts.chaos import netns
-from scripts.servers import Server, ServerUnavailable, server_binary
+from scripts.servers import Server
 
 CUT_SECONDS = 14.0  # the server's retransmissions of a reply sent into the cut: at +12.6 s, +25.4 s
 RECOVERY_LIMIT = 5.0  # issue 40 §1
 
 
-@pytest.fixture
-def network() -> Iterator[netns.Topology]:
+@contextlib.contextmanager
+def cut_off(label: str) -> Iterator[netns.Topology]:
+    """The broker's namespace with a pair for the harness and one for ``label``, the client
+    the test cuts off; skipped, with the reason, where namespaces are unavailable."""
     why = netns.unavailable()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
-    try:
-        server_binary("valkey")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
-    topology = netns.Topology(("harness", "consumer")).create()
+    require_kind("valkey")
+    topology = netns.Topology(("harness", label)).create()
     try:
         yield topology
     finally:
         topology.destroy()
+
+
+@pytest.fixture
+def network() -> Iterator[netns.Topology]:
+    with cut_off("consumer") as topology:
+        yield topology
+
+
+@pytest.fixture
+def producer_network() -> Iterator[netns.Topology]:
+    with cut_off("producer") as topology:
+        yield topology
 
 
 @pytest.mark.timeout(120)
@@ -163,32 +175,13 @@ def test_a_call_whose_reply_is_lost_in_a_partition_is_given_up_within_partition_
         server.stop()
 
 
-@pytest.fixture
-def producer_network() -> Iterator[netns.Topology]:
-    why = netns.unavailable()
-    if why:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    try:
-        server_binary("valkey")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
-    topology = netns.Topology(("harness", "producer")).create()
-    try:
-        yield topology
-    finally:
-        topology.destroy()
-
-
 @pytest.mark.timeout(60)
 def test_a_stopped_server_is_waited_for_past_partition_timeout() -> None:
     """The other half of the detector's promise: a server that is stopped (SIGSTOP: a VM
     pause, a long fork or fsync, a slow script) keeps its kernel acknowledging, so a call
     pending on it for longer than partition_timeout is answered when it resumes, on the same
     connection; a socket timeout of that length would have given it up and reconnected."""
-    try:
-        server_binary("valkey")
-    except ServerUnavailable as error:
-        pytest.skip(str(error))
+    require_kind("valkey")
     with Server("valkey") as server, Connection(
             f"redislua://127.0.0.1:{server.port}/0", transport_options={"partition_timeout": 2}) as conn:
         queue = Queue("stopped")
