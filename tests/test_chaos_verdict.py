@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 
 from helpers import wait_until
-from scripts.chaos import jepsen, ledger, verdict
+from scripts.chaos import explain, jepsen, ledger, verdict
 from scripts.chaos.profiles import PROFILES
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
@@ -470,5 +470,5 @@ def test_a_failover_explains_the_losses_of_the_queues_its_primary_held() -> None
     failover = {"kind": "broker_pause", "t": T0, "writes_until": T0 + 3, "queues": ["expiring", "flow.retry"]}
     retry = {"id": "r", "t": T0 + 1, "sent": T0 + 2.9, "kind": "retry", "queue": "flow.retry"}
     fast = {"id": "f", "t": T0 + 1, "sent": T0 + 2.9, "kind": "fast", "queue": "celery"}
-    assert verdict.lost_to_failover(retry, [failover]) is failover
-    assert verdict.lost_to_failover(fast, [failover]) is None
+    assert explain.lost_to_failover(retry, [failover]) is failover
+    assert explain.lost_to_failover(fast, [failover]) is None

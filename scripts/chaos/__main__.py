@@ -15,13 +15,12 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_redis_lua.protocol.shards import MAX_SHARDS
 from scripts.chaos import faults, flow, ledger, netns, partitions, report, switch, verdict
 from scripts.chaos.broker import BROKERS, EVENTS, HARNESS, PRODUCER, SENTINEL_REPLICAS, Broker
+from scripts.chaos.cli import parse
 from scripts.chaos.events import EventListener
 from scripts.chaos.producer import Producer
 from scripts.chaos.profiles import (
-    ALL_FAULT_KINDS,
     FLOW_FAULT_KINDS,
     PARTITION_FAULT_KINDS,
     POWER_LOSS_KINDS,
@@ -31,90 +30,6 @@ from scripts.chaos.profiles import (
 )
 from scripts.chaos.workers import ChaosWorker
 from scripts.servers import Server
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__)
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--broker", choices=sorted(BROKERS), default="valkey")
-    parser.add_argument("--transport", choices=("ours", "stock"), default="ours")
-    parser.add_argument("--load-seconds", type=float, help="override the profile's load phase")
-    parser.add_argument("--visibility-timeout", type=float, metavar="SECONDS",
-                        help="override the profile's visibility timeout (6 s): e.g. above the time a "
-                             "fenced group refuses writes after a failover")
-    parser.add_argument("--no-acks-late", action="store_true")
-    parser.add_argument("--durability", metavar="SETTING",
-                        help="ours only: the 'durability' transport option ('replicas:1', 'aof', "
-                             "'aof+replicas:1'): a publish waits until the write is confirmed")
-    parser.add_argument("--durability-timeout", type=float, metavar="SECONDS",
-                        help="ours only: the 'durability_timeout' transport option (default 1.0)")
-    parser.add_argument("--faults", metavar="KIND,...",
-                        help="the fault kinds of the schedule, comma-separated (default: every kind "
-                             "the broker allows, power loss excepted); e.g. power_loss,worker_kill. "
-                             f"Kinds: {', '.join(ALL_FAULT_KINDS)}")
-    parser.add_argument("--flow", action="store_true",
-                        help="ours only: flow control under faults (scripts/chaos/flow.py): a queue "
-                             f"under 'limit --in-flight {flow.CAP}', a queue with x-delayed-retry-*, "
-                             "queue_pause in the schedule, and the verdict's flow checks")
-    parser.add_argument("--shards", type=int, metavar="N",
-                        help="ours only: the default queue declared with x-shards N "
-                             f"(2..{MAX_SHARDS}; docs/sharding.md); the order check is per shard")
-    parser.add_argument("--together", type=int, metavar="N",
-                        help="ours only: the producer sends its tasks in confirm_together() blocks of N "
-                             "(2..1000), each task confirmed when its block ends (a Celery group's way)")
-    parser.add_argument("--partitions", action="store_true",
-                        help="one server: the broker in its own network namespace, a veth pair per "
-                             "client (scripts/chaos/netns.py), and partition_worker, partition_producer, "
-                             "partition_oneway and latency in the schedule; a Sentinel group or a "
-                             "cluster: each node, the producer and each worker in its own namespace on "
-                             "a bridge (switch.py; cluster nodes announce their bridge address), and "
-                             "partition_worker, partition_producer, partition_oneway and "
-                             "partition_primary, the split brain, in the schedule (latency not yet); "
-                             "kinds this host cannot make are skipped, and said so")
-    parser.add_argument("--partition-seconds", metavar="MIN,MAX",
-                        help="how long a partition lasts, drawn uniformly (default: the profile's, 2,30)")
-    parser.add_argument("--socket-timeout", type=float, metavar="SECONDS",
-                        help="the socket_timeout and socket_connect_timeout transport options of every "
-                             "client (default: none, redis-py's: a read waits for TCP itself)")
-    parser.add_argument("--fence-timeout", type=float, metavar="SECONDS",
-                        help="ours only: the fence_timeout transport option of every client (default: "
-                             "the transport's, 10 s)")
-    parser.add_argument("--no-doc", action="store_true", help="do not append to docs/RELIABILITY.md")
-    parser.add_argument("--verdict-of", metavar="SCORECARD",
-                        help="no run: recompute the verdict of a run from its ledger (kept in the "
-                             "scorecard's log_dir) under the current rules, as a new scorecard")
-    parser.add_argument("--jepsen-table", nargs="+", metavar="SCORECARD",
-                        help="no run: print the Jepsen-format table of docs/faults.md, a column "
-                             "per scorecard")
-    args = parser.parse_args(argv)
-    if args.transport == "stock" and (args.durability or args.durability_timeout):
-        parser.error("--durability is an option of our transport only")
-    if args.transport == "stock" and args.broker.endswith("-cluster"):
-        parser.error("kombu's stock Redis transport does not run on a cluster")
-    if args.shards is not None and (args.transport == "stock" or not 2 <= args.shards <= MAX_SHARDS):
-        parser.error(f"--shards: ours only, 2..{MAX_SHARDS}, got {args.shards}")
-    if args.together is not None and (args.transport == "stock" or not 2 <= args.together <= 1000):
-        parser.error(f"--together: ours only, 2..1000, got {args.together}")
-    if args.flow and args.transport == "stock":
-        parser.error("--flow: pause, limit and delayed retry are our transport's")
-    if args.durability_timeout and not args.durability:
-        parser.error("--durability-timeout needs --durability")
-    if args.faults:
-        kinds = tuple(dict.fromkeys(k.strip() for k in args.faults.split(",") if k.strip()))
-        unknown = [k for k in kinds if k not in ALL_FAULT_KINDS]
-        if unknown or not kinds:
-            parser.error(f"--faults: unknown kind(s) {unknown}; kinds: {', '.join(ALL_FAULT_KINDS)}")
-        if set(kinds) & set(FLOW_FAULT_KINDS) and not args.flow:
-            parser.error(f"--faults: {', '.join(FLOW_FAULT_KINDS)} needs --flow")
-        if set(kinds) & set(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS) and not args.partitions:
-            parser.error(f"--faults: {', '.join(PARTITION_FAULT_KINDS + SPLIT_BRAIN_KINDS)} "
-                         "need --partitions")
-        args.faults = kinds
-    if args.partition_seconds:
-        low, _, high = args.partition_seconds.partition(",")
-        args.partition_seconds = (float(low), float(high or low))
-    return args
 
 
 def log(message: str) -> None:
@@ -192,7 +107,8 @@ def partition_network(profile: Profile, card: dict[str, Any],
     return netns.Topology((HARNESS, EVENTS, PRODUCER, *workers)).create()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run_profile(args: argparse.Namespace) -> Profile:
+    """The profile named, with the command line's overrides."""
     profile = PROFILES[args.profile]
     if args.load_seconds:
         profile = replace(profile, load_seconds=args.load_seconds)
@@ -200,18 +116,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profile = replace(profile, visibility_timeout=args.visibility_timeout)
     if args.partition_seconds:
         profile = replace(profile, partition_seconds=args.partition_seconds)
-    log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
-    kinds = args.faults or None
-    card: dict[str, Any] = {"run": {}}
-    network = partition_network(profile, card, args.broker) if args.partitions else None
-    try:
-        broker = Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)),
-                               network=network if isinstance(network, netns.Topology) else None,
-                               switch=network if isinstance(network, switch.Switch) else None)
-    except BaseException:
-        if network is not None:
-            network.destroy()
-        raise
+    return profile
+
+
+def transport_options(args: argparse.Namespace, profile: Profile, broker: Broker) -> dict[str, Any]:
+    """Every client's broker_transport_options (the workers', the producer's, the listener's)."""
     options: dict[str, Any] = {"visibility_timeout": profile.visibility_timeout,
                                **broker.transport_options()}
     if args.socket_timeout:
@@ -226,27 +135,159 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             options["durability_timeout"] = args.durability_timeout
         if args.fence_timeout is not None:
             options["fence_timeout"] = args.fence_timeout
-    card["run"].update({
-        "transport": args.transport, "broker": args.broker, "profile": args.profile,
-        "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
-        "durability": args.durability, "fault_kinds": list(kinds) if kinds else None,
-        "shards": args.shards,
-        "together": args.together, "fence_timeout": args.fence_timeout,
-        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
-        "transport_options": options, "profile_settings": profile.as_dict()})
-    broker.shards = args.shards
-    # every queue that holds the chaos queues' messages: the shards too (--shards)
-    queues = tuple(member for queue in verdict.chaos_queues(args.flow) for member in broker.members(queue))
-    flow_app: Celery | None = None
+    return options
+
+
+def start_workers(args: argparse.Namespace, profile: Profile, broker: Broker, env: dict[str, str],
+                  log_dir: Path) -> list[ChaosWorker]:
+    """The profile's workers, started; with --partitions each reaches the broker by its own
+    pair (one server) or from its own namespace (a switch)."""
+    workers = []
+    for i, (pool, concurrency) in enumerate(profile.workers, 1):
+        name = f"w{i}-{pool}"
+        worker_env = {**env, "CHAOS_BROKER_URL": broker.url(args.transport, name)}
+        prefix = tuple(broker.switch.exec_prefix(name)) if broker.switch and broker.switch.clients else ()
+        workers.append(ChaosWorker(name, pool, concurrency, worker_env, log_dir, prefix=prefix))
+        workers[-1].start()
+    return workers
+
+
+def apply_schedule(plan: list[tuple[float, str]], injector: faults.FaultInjector, began: float,
+                   ledger_url: str) -> tuple[float, float]:
+    """Inject the planned faults at their times; returns (lag, calm_until). After a partition
+    the next fault waits (partitions.CALM_SECONDS) and the rest of the schedule, with the end
+    of the load, moves back by as much (the lag): the gaps are kept."""
+    lag = calm_until = 0.0
+    for at, fault in plan:
+        due = max(began + at + lag, calm_until)
+        lag = due - began - at
+        time.sleep(max(0.0, due - time.monotonic()))  # the schedule, not a sync
+        try:
+            entry = injector.inject(fault)
+        except Exception as error:  # recorded; the run goes on to its verdict
+            entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
+            ledger.record("fault", ledger_url, **entry)
+        quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal",  # in the scorecard
+                 "acked", "resumed", "resume_acked")
+        log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
+            f"{ {k: v for k, v in entry.items() if k not in quiet} }")
+        if "healed" in entry:  # the calm counts from the heal (a split brain's fault returns later)
+            calm = entry["healed"] + partitions.CALM_SECONDS - time.time()
+            calm_until = time.monotonic() + max(0.0, calm)
+    return lag, calm_until
+
+
+def make_broker(args: argparse.Namespace, profile: Profile, card: dict[str, Any],
+                kinds: tuple[str, ...] | None) -> Broker:
+    """The broker, not started; with --partitions in its network (what it could not make is
+    recorded in the card), which goes if the broker cannot be made."""
+    network = partition_network(profile, card, args.broker) if args.partitions else None
     try:
-        # on a switch, also on the bridge's address: the workers' and the producer's
-        # namespaces reach it there (never cut: a cut drops only the nodes' addresses)
+        return Broker.create(args.broker, fsync_recorder=bool(kinds and set(kinds) & set(POWER_LOSS_KINDS)),
+                             network=network if isinstance(network, netns.Topology) else None,
+                             switch=network if isinstance(network, switch.Switch) else None)
+    except BaseException:
+        if network is not None:
+            network.destroy()
+        raise
+
+
+def worker_env(args: argparse.Namespace, ledger_url: str, options: dict[str, Any]) -> dict[str, str]:
+    """What the workers read (scripts/chaos/app.py), but for their broker URL."""
+    env = {"CHAOS_LEDGER_URL": ledger_url, "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
+           "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
+    if args.flow:
+        env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join(verdict.chaos_queues(True)))
+    if args.shards:
+        env["CHAOS_SHARDS"] = str(args.shards)
+    return env
+
+
+def fault_plan(args: argparse.Namespace, profile: Profile, broker: Broker,
+               kinds: tuple[str, ...] | None) -> list[tuple[float, str]]:
+    """The seeded schedule: the kinds asked for, else every kind the broker and flags allow."""
+    return faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
+                           + (FLOW_FAULT_KINDS if args.flow else ())
+                           + (PARTITION_FAULT_KINDS if args.partitions else ())
+                           + (SPLIT_BRAIN_KINDS if args.partitions and broker.replicated else ()))
+
+
+def conclude(args: argparse.Namespace, profile: Profile, broker: Broker, card: dict[str, Any],
+             workers: list[ChaosWorker], listener: EventListener, ledger_url: str,
+             queues: tuple[str, ...], log_dir: Path) -> None:
+    """After the load: dead workers back, the drain, the broker's state and the verdict, into
+    the card (the ledger kept in ``log_dir`` for a post-mortem)."""
+    for worker in workers:
+        if not worker.alive:
+            worker.reap(5)
+            worker.start()
+    settle(broker, card)  # a failover the last fault set off ends before the drain
+    card["run"]["drain_seconds_used"] = drain(profile, ledger_url, broker, args.transport, queues)
+    listener.stop()
+    settle(broker, card)
+    if broker.replicated:
+        card["run"]["primary_at_end"] = broker.current().port
+    state = verdict.broker_state(broker.client(socket_timeout=10), args.transport, queues)
+    records = ledger.read(ledger_url)
+    (log_dir / "ledger.json").write_text(json.dumps(records))
+    card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability,
+                                      card["run"].get("flow_settings"))
+    card["faults"] = records["fault"]
+    if broker.replicated:  # what the servers refused over the run (NOREPLICAS: the fence)
+        card["run"]["server_errors"] = broker.refusals()
+
+
+def run_settings(args: argparse.Namespace, profile: Profile, options: dict[str, Any],
+                 log_dir: Path) -> dict[str, Any]:
+    """The scorecard's record of how the run was made."""
+    return {"transport": args.transport, "broker": args.broker, "profile": args.profile,
+            "seed": args.seed, "acks_late": not args.no_acks_late, "log_dir": str(log_dir),
+            "durability": args.durability, "fault_kinds": list(args.faults) if args.faults else None,
+            "shards": args.shards, "together": args.together, "fence_timeout": args.fence_timeout,
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "make chaos ARGS=" + shlex.quote(" ".join(sys.argv[1:])),
+            "transport_options": options, "profile_settings": profile.as_dict()}
+
+
+def start_flow(args: argparse.Namespace, broker_url: str, options: dict[str, Any],
+               card: dict[str, Any]) -> Celery | None:
+    """With --flow, the app that sets the cap (before any load: the workers declared the
+    flow queues) and pauses and resumes a queue in the schedule."""
+    if not args.flow:
+        return None
+    flow_app = Celery("chaos-flow", broker=broker_url, set_as_current=False)
+    flow_app.conf.broker_transport_options = options
+    card["run"]["flow_settings"] = {**flow.settings(), "limits": flow.apply_limit(flow_app)}
+    log(f"flow: {card['run']['flow_settings']}")
+    return flow_app
+
+
+def start_servers(broker: Broker) -> Server:
+    """The ledger's server and the broker, started; returns the ledger's. On a switch the
+    ledger listens on the bridge's address too: the workers' and the producer's namespaces
+    reach it there (never cut: a cut drops only the nodes' addresses)."""
+    try:
         ledger_server = Server("valkey", address=broker.switch.gateway if broker.switch else None).start()
         broker.start()
     except BaseException:
         broker.stop()  # with --partitions, its namespace and pairs too
         raise
+    return ledger_server
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = run_profile(args)
+    log_dir = Path(tempfile.mkdtemp(prefix="crl-chaos-"))
+    kinds = args.faults or None
+    card: dict[str, Any] = {"run": {}}
+    broker = make_broker(args, profile, card, kinds)
+    options = transport_options(args, profile, broker)
+    card["run"].update(run_settings(args, profile, options, log_dir))
+    broker.shards = args.shards
+    # every queue that holds the chaos queues' messages: the shards too (--shards)
+    queues = tuple(member for queue in verdict.chaos_queues(args.flow) for member in broker.members(queue))
+    ledger_server = start_servers(broker)
+    flow_app: Celery | None = None
     workers: list[ChaosWorker] = []
     producer: Producer | None = None
     listener: EventListener | None = None
@@ -254,25 +295,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         broker_url = broker.url(args.transport)
         card["run"]["server"] = broker.describe()
         card["run"]["topology"] = broker.topology()
-        env = {"CHAOS_LEDGER_URL": ledger_server.url,
-               "CHAOS_TRANSPORT_OPTIONS": json.dumps(options),
-               "CHAOS_ACKS_LATE": "0" if args.no_acks_late else "1"}
-        if args.flow:
-            env.update(CHAOS_FLOW="1", CHAOS_QUEUES=",".join(verdict.chaos_queues(True)))
-        if args.shards:
-            env["CHAOS_SHARDS"] = str(args.shards)
-        for i, (pool, concurrency) in enumerate(profile.workers, 1):
-            name = f"w{i}-{pool}"  # with --partitions, each worker reaches the broker by its own pair
-            worker_env = {**env, "CHAOS_BROKER_URL": broker.url(args.transport, name)}
-            prefix = tuple(broker.switch.exec_prefix(name)) if broker.switch and broker.switch.clients else ()
-            workers.append(ChaosWorker(name, pool, concurrency, worker_env, log_dir, prefix=prefix))
-            workers[-1].start()
+        workers += start_workers(args, profile, broker, worker_env(args, ledger_server.url, options), log_dir)
         log(f"{len(workers)} workers up; {args.transport} on {card['run']['server']}; logs {log_dir}")
-        if args.flow:  # the workers declared the flow queues; the cap is set before any load
-            flow_app = Celery("chaos-flow", broker=broker_url, set_as_current=False)
-            flow_app.conf.broker_transport_options = options
-            card["run"]["flow_settings"] = {**flow.settings(), "limits": flow.apply_limit(flow_app)}
-            log(f"flow: {card['run']['flow_settings']}")
+        flow_app = start_flow(args, broker_url, options, card)
         listener = EventListener(broker.url(args.transport, EVENTS), options, ledger_server.url)
         listener.start()
         injector = faults.FaultInjector(broker, workers, args.transport, profile,
@@ -281,59 +306,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if broker.recorder_error:
             log(f"power loss will be skipped: {broker.recorder_error}")
             card["run"]["recorder_error"] = broker.recorder_error
-        plan = faults.schedule(profile, args.seed, kinds or faults.fault_kinds(broker)
-                               + (FLOW_FAULT_KINDS if args.flow else ())
-                               + (PARTITION_FAULT_KINDS if args.partitions else ())
-                               + (SPLIT_BRAIN_KINDS if args.partitions and broker.replicated else ()))
-        card["run"]["fault_plan"] = plan
+        card["run"]["fault_plan"] = plan = fault_plan(args, profile, broker, kinds)
         producer = Producer(broker.url(args.transport, PRODUCER), options, ledger_server.url, profile,
                             args.seed, args.flow, args.shards, args.together or 0,
                             broker.switch.client_namespace(PRODUCER) if broker.switch else None)
         began = time.monotonic()
         producer.start()
-        # After a partition the next fault waits (partitions.CALM_SECONDS) and the rest of the
-        # schedule, with the end of the load, moves back by as much: the gaps are kept.
-        lag = calm_until = 0.0
-        for at, fault in plan:
-            due = max(began + at + lag, calm_until)
-            lag = due - began - at
-            time.sleep(max(0.0, due - time.monotonic()))  # the schedule, not a sync
-            try:
-                entry = injector.inject(fault)
-            except Exception as error:  # recorded; the run goes on to its verdict
-                entry = {"kind": fault, "t": time.time(), "error": repr(error)[:300]}
-                ledger.record("fault", ledger_server.url, **entry)
-            quiet = ("kind", "t", "server_said", "lost_task_ids", "refusal",  # in the scorecard
-                     "acked", "resumed", "resume_acked")
-            log(f"t+{time.monotonic() - began:6.1f}s {fault}: "
-                f"{ {k: v for k, v in entry.items() if k not in quiet} }")
-            if "healed" in entry:  # the calm counts from the heal (a split brain's fault returns later)
-                calm = entry["healed"] + partitions.CALM_SECONDS - time.time()
-                calm_until = time.monotonic() + max(0.0, calm)
+        lag, calm_until = apply_schedule(plan, injector, began, ledger_server.url)
         load_until = max(began + profile.load_seconds + lag, calm_until)
         time.sleep(max(0.0, load_until - time.monotonic()))
         if lag:
             card["run"]["schedule_lag_seconds"] = round(lag, 1)
         producer.stop()
         log(f"load over: sent {producer.sent}, submit errors {producer.errors}; draining")
-        for worker in workers:
-            if not worker.alive:
-                worker.reap(5)
-                worker.start()
-        settle(broker, card)  # a failover the last fault set off ends before the drain
-        card["run"]["drain_seconds_used"] = drain(profile, ledger_server.url, broker, args.transport, queues)
-        listener.stop()
-        settle(broker, card)
-        if broker.replicated:
-            card["run"]["primary_at_end"] = broker.current().port
-        state = verdict.broker_state(broker.client(socket_timeout=10), args.transport, queues)
-        records = ledger.read(ledger_server.url)
-        (log_dir / "ledger.json").write_text(json.dumps(records))  # for a post-mortem
-        card["verdict"] = verdict.compute(records, state, profile, args.transport, args.durability,
-                                          card["run"].get("flow_settings"))
-        card["faults"] = records["fault"]
-        if broker.replicated:  # what the servers refused over the run (NOREPLICAS: the fence)
-            card["run"]["server_errors"] = broker.refusals()
+        conclude(args, profile, broker, card, workers, listener, ledger_server.url, queues, log_dir)
     finally:
         if producer is not None and producer.is_alive():
             producer.stop()

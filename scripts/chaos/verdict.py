@@ -13,6 +13,7 @@ import redis
 
 from celery_redis_lua import ScriptLibrary
 from scripts.chaos import flow, jepsen, ledger, partitions
+from scripts.chaos.explain import events_lost, lost_to_failover, lost_to_power_loss, lost_to_repair
 from scripts.chaos.profiles import (
     PARTITION_FAULT_KINDS,
     POWER_LOSS_KINDS,
@@ -28,27 +29,6 @@ QUEUES = ("celery", "expiring")
 def chaos_queues(with_flow: bool) -> tuple[str, ...]:
     """The run's queues by name (the flow queues too with --flow), as the workers consume them."""
     return QUEUES + (flow.QUEUES if with_flow else ())
-# A task's events are lost when a connection fault hits while its worker holds the task:
-# Celery disables the event dispatcher of a connection that dropped, and a request that
-# runs across the reconnect still sends through the old one (its events go nowhere); a
-# broker restart also loses the last second of writes (AOF everysec). So a lost event is
-# explained by a fault between the task's eligibility and EVENT_AFTER seconds after its
-# finish (the events are flushed about then).
-EVENT_AFTER = 2.0
-# Replication is asynchronous: a write the primary confirmed can be missing on the replica
-# the sentinels promote. A lost task is explained by such a failover when durability is off
-# and its publish ran between REPLICATION_LAG seconds before the fault and the moment the
-# old primary stopped taking writes (``writes_until``: its SIGKILL, or its demotion when it
-# was still up and its clients kept writing to it; for a split brain, partition_primary, the
-# demotion after the heal or, on a fenced group, the fence's closing if earlier: after it the
-# isolated primary refused every write, and a write confirmed then was the new primary's),
-# plus ms-rounding slack.
-REPLICATION_LAG = 1.0
-# When the event receiver itself failed (an exception ended it; it is started again after
-# 1 s and reconnects), the events of tasks finished meanwhile had no listener: a loss
-# explained by the receiver's restart, from EVENT_AFTER before it to this long after.
-LISTENER_DOWN = 5.0
-WRITES_UNTIL_SLACK = 0.5
 
 
 def broker_state(client: redis.Redis, transport: str, queues: tuple[str, ...] = QUEUES) -> dict[str, Any]:
@@ -181,66 +161,6 @@ def failover_duplicates(attributed: list[dict[str, Any]], applied: Counter[str])
                    "phases": dict(k["phases"].most_common())} for kind, k in sorted(kinds.items())}
 
 
-def events_lost(records: dict[str, list[dict[str, Any]]], finishes: dict[str, list[dict[str, Any]]],
-                faults: list[dict[str, Any]], submits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Tasks that finished but whose ``task-succeeded`` event never reached the receiver;
-    explained when a fault (broker-wide, or on the worker that ran it) hit while the worker
-    held the task: from its eligibility to EVENT_AFTER seconds after its finish."""
-    received = {entry["id"] for entry in records.get("event", [])}
-    lost = [tid for tid in finishes if tid not in received]
-    restarts = [entry["t"] for entry in records.get("listener_error", [])]
-    unexplained, while_restarting = [], 0
-    for tid in lost:
-        finish = finishes[tid][-1]
-        if any(t - EVENT_AFTER <= finish["t"] <= t + LISTENER_DOWN for t in restarts):
-            while_restarting += 1  # the receiver itself was down: nothing listened
-            continue
-        held_from = submits[tid]["eligible"] - 1.0 if tid in submits else finish["t"] - 1.0
-        # a failover lasts until the old primary stops serving (served_until): an event
-        # published to it meanwhile is gone with its demotion
-        if not any(held_from <= jepsen.served_until(f) and f["t"] <= finish["t"] + EVENT_AFTER and (
-                f["kind"] not in TARGETED_FAULTS | PRODUCER_FAULTS or f.get("target") == finish["worker"])
-                for f in faults if not f.get("skipped")):
-            unexplained.append(tid)
-    return {"events_received": len(received), "events_lost": len(lost),
-            "listener_restarts": len(restarts), "events_lost_listener_down": while_restarting,
-            "listener_errors": [e["error"] for e in records.get("listener_error", [])][:10],
-            "events_lost_unexplained": len(unexplained), "events_lost_examples": unexplained[:20]}
-
-
-def lost_to_failover(submit: dict[str, Any], failovers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The failover whose unreplicated writes explain a lost task (see REPLICATION_LAG). On a
-    cluster only a failover of the primary holding the task's queue does."""
-    queue = jepsen.queue_of(submit)  # the queue its publish went to (a flow queue with --flow)
-    for fault in failovers:
-        if "queues" in fault and queue not in fault["queues"]:
-            continue
-        if fault["t"] - REPLICATION_LAG <= submit.get("sent", submit["t"]) \
-                and submit["t"] <= fault.get("writes_until", fault["t"]) + WRITES_UNTIL_SLACK:
-            return fault
-    return None
-
-
-def lost_to_power_loss(submit: dict[str, Any], power_losses: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The power loss whose fsync window holds a lost task's publish (scripts/chaos/aof.py):
-    confirmed (its publish returned) at or after ``durable_until``, the start of the last
-    fsync whose bytes the server kept, and begun before the kill. A publish confirmed
-    before that fsync began had been written before it, so it was on disk: its loss is no
-    power loss's doing."""
-    for fault in power_losses:
-        until = fault.get("durable_until")
-        if until is not None and until <= submit.get("sent", submit["t"]) \
-                and submit["t"] <= fault.get("killed_at", fault["t"]):
-            return fault
-    return None
-
-
-def lost_to_repair(tid: str, power_losses: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The corrupt AOF whose repair (redis-check-aof --fix, an operator's action) cut the
-    bytes holding the task's publish (its id among the ids in the bytes cut)."""
-    return next((f for f in power_losses if f.get("repair") and tid in f.get("lost_task_ids", ())), None)
-
-
 def order_holds(verdict: dict[str, Any]) -> bool:
     """Nothing delivered that nobody published (Jepsen's ``unexpected``), no priority inversion
     beyond one consume batch and no FIFO violation that a fault does not explain (when the
@@ -258,6 +178,128 @@ def brief(fault: dict[str, Any]) -> dict[str, Any]:
 def error_type(error: str) -> str:
     """'NotDurable' from "NotDurable('publish: ...')"."""
     return error.split("(", 1)[0] or error
+
+
+def losses(submits: dict[str, dict[str, Any]], starts: dict[str, list[dict[str, Any]]],
+           finishes: dict[str, list[dict[str, Any]]], failovers: list[dict[str, Any]],
+           power_losses: list[dict[str, Any]], durability: str | None) -> dict[str, Any]:
+    """The confirmed tasks that never finished, each explained (explain.py) or not."""
+    lost = [tid for tid in submits if tid not in finishes]
+    found: dict[str, list[dict[str, Any]]] = {"explained": [], "power": [], "repaired": [],
+                                              "despite_durability": []}
+    for tid in lost:
+        example = {"id": tid, "kind": submits[tid]["kind"], "submit": submits[tid], "started": tid in starts}
+        fault = lost_to_failover(submits[tid], failovers) if durability is None else None
+        if fault is not None:
+            found["explained"].append({**example, "fault": fault})
+            continue
+        fault = lost_to_repair(tid, power_losses)
+        if fault is not None:
+            found["repaired"].append({**example, "fault": brief(fault), "explained_by": "aof_repair"})
+            continue
+        fault = lost_to_power_loss(submits[tid], power_losses)
+        if fault is None:
+            continue
+        seen = {"fault": brief(fault), "in_cut_bytes": tid in fault.get("lost_task_ids", ())}
+        if durability and "aof" in durability:  # confirmed fsynced, yet published after the last fsync kept
+            found["despite_durability"].append({**example, **seen})
+        else:
+            found["power"].append({**example, **seen, "explained_by": "power_loss"})
+    explained_ids = {e["id"] for e in found["explained"] + found["power"] + found["repaired"]}
+    return {**found, "lost": lost, "never_started": [tid for tid in lost if tid not in starts],
+            "unexplained": [tid for tid in lost if tid not in explained_ids]}
+
+
+def timing(submits: dict[str, dict[str, Any]],
+           starts: dict[str, list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[float]]:
+    """(runs started before their ETA, eligibility -> first start of every task that ran)."""
+    early, latencies = [], []
+    for tid, submit in submits.items():
+        runs = starts.get(tid, [])
+        if runs:
+            latencies.append(runs[0]["t"] - submit["eligible"])
+        early += [{"id": tid, "by": round(submit["eligible"] - run["t"], 4)} for run in runs
+                  if run["t"] < submit["eligible"] - EARLY_TOLERANCE]
+    return early, latencies
+
+
+def duplicates_explained(submits: dict[str, dict[str, Any]], refused: dict[str, dict[str, Any]],
+                         starts: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]],
+                         power_losses: list[dict[str, Any]], deliberate: set[tuple[str, float]],
+                         window: float, queue_wait: Any) -> dict[str, Any]:
+    """Every run after a task's first, attributed to a fault or not: a confirmed task's, and
+    one whose publish raised but ran anyway (maybe twice). A duplicate no fault explains
+    within the window is tried again with the window grown by its queue's wait."""
+    by_fault: Counter[str] = Counter()
+    unattributable: list[dict[str, Any]] = []
+    attributed: list[dict[str, Any]] = []
+    publish_retries = 0
+    for tid, entry, submit_error in [*((tid, e, False) for tid, e in submits.items()),
+                                     *((tid, e, True) for tid, e in refused.items())]:
+        for prev, dup in itertools.pairwise(starts.get(tid, [])):
+            if (tid, prev["t"]) in deliberate:
+                continue  # the retry of a run that failed on purpose (flow.py)
+            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
+                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
+            seen = {"id": tid, "kind": entry["kind"], "prev": prev, "dup": dup}
+            if submit_error:
+                seen["submit_error"] = True
+            elif fault is None and (retried := publish_retried(entry, faults)):
+                fault, seen["publish_retried"] = retried, True
+                publish_retries += 1
+            if fault is None:
+                unattributable.append(seen)
+            else:
+                by_fault[fault["kind"]] += 1
+                attributed.append({**seen, "fault": fault})
+    return {"by_fault": by_fault, "unattributable": unattributable, "attributed": attributed,
+            "publish_retries": publish_retries}
+
+
+def loss_fields(loss: dict[str, Any], failovers: list[dict[str, Any]],
+                power_losses: list[dict[str, Any]]) -> dict[str, Any]:
+    """The verdict's fields of :func:`losses`."""
+    explained, power, repaired = loss["explained"], loss["power"], loss["repaired"]
+    return {
+        "lost": len(loss["lost"]), "lost_never_started": len(loss["never_started"]),
+        "lost_explained_by_failover": len(explained),
+        "lost_by_failover": dict(Counter(e["fault"]["kind"] for e in explained)),
+        "lost_unexplained": len(loss["unexplained"]), "lost_explained_examples": explained[:20],
+        "failovers": len(failovers), "power_losses": len(power_losses),
+        "lost_explained_by_power_loss": len(power),
+        "lost_by_power_loss": dict(Counter(e["fault"]["kind"] for e in power)),
+        "lost_explained_by_power_loss_in_cut_bytes": sum(1 for e in power if e["in_cut_bytes"]),
+        "lost_to_aof_repair": len(repaired),
+        "lost_in_fsync_window_despite_durability": len(loss["despite_durability"]),
+        "lost_in_fsync_window_despite_durability_examples": loss["despite_durability"][:20],
+        "lost_power_examples": (power + repaired)[:20], "lost_ids": loss["lost"][:50]}
+
+
+def duplicate_fields(dups: dict[str, Any], applied: Counter[str]) -> dict[str, Any]:
+    """The verdict's fields of :func:`duplicates_explained` (``applied``: faults per kind)."""
+    by_fault, unattributable, attributed = dups["by_fault"], dups["unattributable"], dups["attributed"]
+    return {
+        "duplicates": sum(by_fault.values()) + len(unattributable),
+        "duplicates_by_fault": dict(by_fault), "unattributable": len(unattributable),
+        "duplicates_of_retried_publishes": dups["publish_retries"],
+        "unattributable_examples": unattributable[:20], "attributed_examples": attributed[:30],
+        "duplicates_per_fault": {k: round(n / applied[k], 2) for k, n in sorted(by_fault.items())
+                                 if applied.get(k)},
+        "failover_duplicates": failover_duplicates(attributed, applied)}
+
+
+def fault_sets(records: dict[str, list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], ...]:
+    """(every fault in time order, the faults that explain anything (a queue pause of --flow
+    does not), the failovers applied, the power losses applied). A power loss is dated by its
+    kill (entries recorded before 2026-12-06 11:10 had the moment the fault began, up to a
+    second before it, as their ``t``)."""
+    every_fault = sorted(({**f, "t": f["killed_at"]} if "killed_at" in f else f for f in records["fault"]),
+                         key=lambda f: f["t"])
+    faults = [f for f in every_fault if f["kind"] not in flow.FLOW_FAULT_KINDS]
+    failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
+    power_losses = [f for f in faults if f["kind"] in POWER_LOSS_KINDS and not f.get("skipped")
+                    and not f.get("error")]
+    return every_fault, faults, failovers, power_losses
 
 
 def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
@@ -280,124 +322,28 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
     submits = {entry["id"]: entry for entry in records["submit"]}
     refused = {entry["id"]: entry for entry in records["submit_error"]}
     starts, finishes = ledger.by_id(records["start"]), ledger.by_id(records["finish"])
-    # a power loss is dated by its kill (entries recorded before 2026-12-06 11:10 had the
-    # moment the fault began, up to a second before it, as their ``t``)
-    every_fault = sorted(({**f, "t": f["killed_at"]} if "killed_at" in f else f for f in records["fault"]),
-                         key=lambda f: f["t"])
-    faults = [f for f in every_fault if f["kind"] not in flow.FLOW_FAULT_KINDS]
+    every_fault, faults, failovers, power_losses = fault_sets(records)
     deliberate = {(e["id"], e["started"]) for e in records.get("flow_end", []) if e.get("outcome") == "retry"}
-    failovers = [f for f in faults if f.get("failover") and not f.get("skipped")]
-    power_losses = [f for f in faults if f["kind"] in POWER_LOSS_KINDS and not f.get("skipped")
-                    and not f.get("error")]
-    aof_durable = bool(durability and "aof" in durability)
     window = 3 * profile.visibility_timeout + profile.slow_seconds[1] + 15
-    lost = [tid for tid in submits if tid not in finishes]
-    never_started = [tid for tid in lost if tid not in starts]
-    lost_explained: list[dict[str, Any]] = []
-    lost_power: list[dict[str, Any]] = []
-    lost_repaired: list[dict[str, Any]] = []
-    in_window_despite_durability: list[dict[str, Any]] = []
-    for tid in lost:
-        example = {"id": tid, "kind": submits[tid]["kind"], "submit": submits[tid], "started": tid in starts}
-        fault = lost_to_failover(submits[tid], failovers) if durability is None else None
-        if fault is not None:
-            lost_explained.append({**example, "fault": fault})
-            continue
-        fault = lost_to_repair(tid, power_losses)
-        if fault is not None:
-            lost_repaired.append({**example, "fault": brief(fault), "explained_by": "aof_repair"})
-            continue
-        fault = lost_to_power_loss(submits[tid], power_losses)
-        if fault is None:
-            continue
-        seen = {"fault": brief(fault), "in_cut_bytes": tid in fault.get("lost_task_ids", ())}
-        if aof_durable:  # confirmed as fsynced, yet published after the last fsync kept
-            in_window_despite_durability.append({**example, **seen})
-        else:
-            lost_power.append({**example, **seen, "explained_by": "power_loss"})
-    explained_ids = {e["id"] for e in lost_explained + lost_power + lost_repaired}
-    lost_unexplained = [tid for tid in lost if tid not in explained_ids]
-    early, latencies = [], []
-    duplicates: Counter[str] = Counter()
-    unattributable: list[dict[str, Any]] = []
-    publish_retries = 0
-    attributed: list[dict[str, Any]] = []
-    # a duplicate no fault explains within the window: the window grown by its queue's wait
-    queue_wait = jepsen.backlog(submits, records["start"])
-    for tid, submit in submits.items():
-        runs = starts.get(tid, [])
-        if runs:
-            latencies.append(runs[0]["t"] - submit["eligible"])
-        early += [{"id": tid, "by": round(submit["eligible"] - run["t"], 4)} for run in runs
-                  if run["t"] < submit["eligible"] - EARLY_TOLERANCE]
-        for prev, dup in itertools.pairwise(runs):
-            if (tid, prev["t"]) in deliberate:
-                continue  # the retry of a run that failed on purpose (flow.py)
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
-                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
-            retried = fault is None and publish_retried(submit, faults)
-            if retried:
-                fault = retried
-                attributed.append({"id": tid, "kind": submit["kind"], "fault": fault, "prev": prev,
-                                   "dup": dup, "publish_retried": True})
-                duplicates[fault["kind"]] += 1
-                publish_retries += 1
-                continue
-            if fault is None:
-                unattributable.append({"id": tid, "kind": submit["kind"], "prev": prev, "dup": dup})
-            else:
-                duplicates[fault["kind"]] += 1
-                attributed.append({"id": tid, "kind": submit["kind"], "fault": fault,
-                                   "prev": prev, "dup": dup})
-    for tid, refusal in refused.items():  # publish raised, the message ran anyway (maybe twice)
-        for prev, dup in itertools.pairwise(starts.get(tid, [])):
-            if (tid, prev["t"]) in deliberate:
-                continue
-            fault = attribute(prev, dup, faults, window) or consume_rolled_back(prev, dup, power_losses) \
-                or attribute(prev, dup, faults, window + queue_wait(dup["t"]))
-            if fault is None:
-                unattributable.append({"id": tid, "kind": refusal["kind"], "prev": prev, "dup": dup,
-                                       "submit_error": True})
-            else:
-                duplicates[fault["kind"]] += 1
-                attributed.append({"id": tid, "kind": refusal["kind"], "fault": fault,
-                                   "prev": prev, "dup": dup, "submit_error": True})
+    loss = losses(submits, starts, finishes, failovers, power_losses, durability)
+    early, latencies = timing(submits, starts)
+    dups = duplicates_explained(submits, refused, starts, faults, power_losses, deliberate, window,
+                                jepsen.backlog(submits, records["start"]))
     unknown = [tid for tid in starts if tid not in submits and tid not in refused]
-    lost_by_fault = Counter(e["fault"]["kind"] for e in lost_explained)
     # a task whose publish raised was held from that publish (it has no eligibility time)
     held = {**{tid: {"eligible": e["t"]} for tid, e in refused.items()}, **submits}
     events = events_lost(records, finishes, faults, held)
     applied = Counter(f["kind"] for f in every_fault if not f.get("skipped"))
     verdict = {
-        "submitted": len(submits), "submit_errors": len(records["submit_error"]),
-        "submit_errors_by_type": dict(Counter(error_type(e.get("error", ""))
-                                              for e in records["submit_error"])),
+        "submitted": len(submits), "submit_errors": len(errors := records["submit_error"]),
+        "submit_errors_by_type": dict(Counter(error_type(e.get("error", "")) for e in errors)),
         "submit_errors_executed": sum(1 for tid in refused if tid in starts),
-        "submit_errors_finished": sum(1 for tid in refused if tid in finishes),
-        "durability": durability,
+        "submit_errors_finished": sum(1 for tid in refused if tid in finishes), "durability": durability,
         "executions": len(records["start"]), "finished_ids": len(finishes),
-        "lost": len(lost), "lost_never_started": len(never_started),
-        "lost_explained_by_failover": len(lost_explained), "lost_by_failover": dict(lost_by_fault),
-        "lost_unexplained": len(lost_unexplained), "lost_explained_examples": lost_explained[:20],
-        "failovers": len(failovers),
-        "power_losses": len(power_losses),
-        "lost_explained_by_power_loss": len(lost_power),
-        "lost_by_power_loss": dict(Counter(e["fault"]["kind"] for e in lost_power)),
-        "lost_explained_by_power_loss_in_cut_bytes": sum(1 for e in lost_power if e["in_cut_bytes"]),
-        "lost_to_aof_repair": len(lost_repaired),
-        "lost_in_fsync_window_despite_durability": len(in_window_despite_durability),
-        "lost_in_fsync_window_despite_durability_examples": in_window_despite_durability[:20],
-        "lost_power_examples": (lost_power + lost_repaired)[:20],
-        "lost_ids": lost[:50], "pending": state["pending"], "broker_clean": state["clean"],
+        **loss_fields(loss, failovers, power_losses),
+        "pending": state["pending"], "broker_clean": state["clean"],
         "broker": state, "early": len(early), "early_examples": early[:20],
-        "duplicates": sum(duplicates.values()) + len(unattributable),
-        "duplicates_by_fault": dict(duplicates), "unattributable": len(unattributable),
-        "duplicates_of_retried_publishes": publish_retries,
-        "unattributable_examples": unattributable[:20],
-        "attributed_examples": attributed[:30],
-        "duplicates_per_fault": {k: round(n / applied[k], 2) for k, n in sorted(duplicates.items())
-                                 if applied.get(k)},
-        "failover_duplicates": failover_duplicates(attributed, applied),
+        **duplicate_fields(dups, applied),
         "executions_not_submitted": len(unknown),
         "faults_applied": dict(applied),
         "faults_skipped": sorted({f["kind"] for f in every_fault if f.get("skipped")}),
@@ -408,7 +354,7 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         "jepsen": jepsen.total_queue(records),
         "order": jepsen.order(records, faults, etas_in_broker=transport == "ours"),
     }
-    ok = (not lost_unexplained and not state["pending"] and not early and not unattributable
+    ok = (not loss["unexplained"] and not state["pending"] and not early and not dups["unattributable"]
           and state["clean"] and not events["events_lost_unexplained"] and order_holds(verdict))
     if any(f["kind"] in partitions.MEASURED for f in every_fault):
         verdict["partitions"] = partitions.recovery(records, every_fault)
