@@ -268,6 +268,43 @@ def check_aof(server: Server, files: AofFiles) -> dict[str, Any]:
     return repair
 
 
+def cut_point(kind: str, parsed: list[tuple[int, int, str, Any]], fsynced: int, rng: random.Random,
+              entry: dict[str, Any]) -> tuple[int, int | None]:
+    """(where the file is cut, where a byte is overwritten or None): at the fsynced size; for
+    a torn write inside the first command past it; for a corrupt file, an fsynced command
+    CORRUPT_FROM_END from the end is broken too. Why neither could be done goes in ``entry``."""
+    cut, corrupt_at = fsynced, None
+    if kind == "power_loss_torn":
+        tail = next(((b, e) for b, e, _, _ in parsed if e > fsynced), None)
+        if tail is not None and tail[1] - 1 > max(tail[0], fsynced) + 1:
+            cut = rng.randint(max(tail[0], fsynced) + 1, tail[1] - 1)
+        else:
+            entry["torn"] = "no unfsynced command to tear: cut at the fsynced size"
+    elif kind == "aof_corrupt":
+        within = [c for c in parsed if c[1] <= fsynced]
+        if within:
+            corrupt_at = within[max(0, len(within) - CORRUPT_FROM_END)][0]
+        else:
+            entry["corrupt"] = "no fsynced command in the incr file to corrupt"
+    return cut, corrupt_at
+
+
+def restart(server: Server, files: AofFiles, entry: dict[str, Any], kept: int) -> int:
+    """Start the server on the cut file; one that refuses to load it is repaired as an
+    operator would (redis-check-aof --fix) and started again. Returns the bytes kept."""
+    try:
+        server.start(timeout=60)
+        entry["server"] = "loaded"
+    except (RuntimeError, TimeoutError) as error:
+        entry["server"] = "refused to load"
+        entry["refusal"] = str(error)[-300:]
+        entry["repair"] = check_aof(server, files)
+        kept = entry["repair"]["file_bytes_after"] = files.incr.stat().st_size
+        server.start(timeout=60)
+        entry["server"] = "refused to load; loaded after check-aof --fix"
+    return kept
+
+
 def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int = 0, *,
                probe: bool = True, phase_seconds: float = KILL_PHASE_SECONDS) -> dict[str, Any]:
     """The fault (see the module's docstring); ``n`` numbers the markers of one run. A test
@@ -289,19 +326,7 @@ def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int 
     records = fsyncs(log, files.incr)
     fsynced = min(records[-1].size, len(data)) if records else 0
     parsed = commands(data)
-    cut, corrupt_at = fsynced, None
-    if kind == "power_loss_torn":
-        tail = next(((b, e) for b, e, _, _ in parsed if e > fsynced), None)
-        if tail is not None and tail[1] - 1 > max(tail[0], fsynced) + 1:
-            cut = rng.randint(max(tail[0], fsynced) + 1, tail[1] - 1)
-        else:
-            entry["torn"] = "no unfsynced command to tear: cut at the fsynced size"
-    elif kind == "aof_corrupt":
-        within = [c for c in parsed if c[1] <= fsynced]
-        if within:
-            corrupt_at = within[max(0, len(within) - CORRUPT_FROM_END)][0]
-        else:
-            entry["corrupt"] = "no fsynced command in the incr file to corrupt"
+    cut, corrupt_at = cut_point(kind, parsed, fsynced, rng, entry)
     with files.incr.open("r+b") as f:
         f.truncate(cut)
         if corrupt_at is not None:
@@ -316,16 +341,7 @@ def power_loss(server: Server, log: Path, kind: str, rng: random.Random, n: int 
         entry["corrupted_at"] = corrupt_at
     logged_from = log_size(server)
     began = time.time()
-    try:
-        server.start(timeout=60)
-        entry["server"] = "loaded"
-    except (RuntimeError, TimeoutError) as error:
-        entry["server"] = "refused to load"
-        entry["refusal"] = str(error)[-300:]
-        entry["repair"] = check_aof(server, files)
-        kept = entry["repair"]["file_bytes_after"] = files.incr.stat().st_size
-        server.start(timeout=60)
-        entry["server"] = "refused to load; loaded after check-aof --fix"
+    kept = restart(server, files, entry, kept)
     entry["down_seconds"] = round(time.time() - killed, 3)
     entry["restart_seconds"] = round(time.time() - began, 3)
     entry["server_said"] = server_log_since(server, logged_from)
