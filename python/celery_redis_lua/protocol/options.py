@@ -70,14 +70,15 @@ class TransportOptions:
         -1, "seconds a message may wait in its queue (-1: forever); counted while it waits, from its "
         "ETA when delayed; an expired message is dead-lettered with reason `expired`")
     socket_timeout: float | None = option(None, _REDIS_PY)
-    socket_connect_timeout: float | None = option(None, _REDIS_PY)
+    socket_connect_timeout: float | None = option(
+        None, "passed to redis-py; `None`: kombu's `connect_timeout` (Celery's `broker_connection_timeout`)")
     socket_keepalive: bool | None = option(None, _REDIS_PY)
     socket_keepalive_options: dict[int, int | bytes] | None = option(None, _REDIS_PY)
     partition_timeout: float | None = option(
-        5, "seconds after which a connection whose peer's host acknowledged nothing (a network "
-        "partition, a host gone) is closed and kombu reconnects; a busy or stopped server is still "
-        "waited for (TCP keepalive with `TCP_USER_TIMEOUT`, Linux; see [Networks that partition]"
-        "(deployment.md#networks-that-partition)); `None`: off, or set `socket_keepalive*` yourself")
+        5, "seconds after which a connection whose peer's host acknowledged nothing (a partition, a dead "
+        "host) is closed and kombu reconnects; a busy or stopped server is still waited for (TCP keepalive, "
+        "`TCP_USER_TIMEOUT`, Linux; [Networks that partition](deployment.md#networks-that-partition)); "
+        "`None`: off, or set `socket_keepalive*` yourself")
     max_connections: int = option(
         10, "connections commands share per connection object; a command waits (up to 20 s) for a "
         "free one. Outside it, per channel: the blocking waits (2), one held for the channel's single "
@@ -106,8 +107,7 @@ class TransportOptions:
         60, "seconds between sweeps (timed-out deliveries back, due ETAs in, orphans out)")
     # Most messages one consume call may deliver (on top of the QoS headroom).
     consume_batch: int = option(100, "most messages one consume call delivers (1..10000)")
-    # Bindings of a queue with x-expires go stale max(x-expires, this) seconds after their
-    # last refresh (three times per x-expires while consumed); tests lower it.
+    # Bindings of a queue with x-expires go stale max(x-expires, this) s after their last refresh.
     binding_lifetime_floor: float = option(
         300, "seconds; a binding of a queue with `x-expires` goes stale `max(x-expires, this)` after "
         "its last refresh (a consumer refreshes it three times per `x-expires`); lower it only to see "
