@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 from kombu import Connection, Queue
 from kombu.exceptions import OperationalError
 
@@ -205,3 +206,44 @@ def test_a_stopped_server_is_waited_for_past_partition_timeout() -> None:
         assert int(watcher.info("stats")["total_connections_received"]) == connections, \
             "the call was given up and reconnected"
         assert server.client().zcard("queue:{stopped}") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_reconnect_rides_out_a_broker_reached_before() -> None:
+    """Celery's worker retries a lost connection 2, 4, 6 ... s apart (kombu's ensure_connection
+    defaults; Celery has no setting for them), so a broker back during one of those sleeps was
+    noticed only at its end (9.2 s after a partition healed, chaos seed 1004). The transport's
+    connect rides out a broker this process reached before, trying again every
+    RETRY_SECONDS for up to RIDE_OUT_SECONDS (protocol/liveness.py): the worker is back within
+    a moment of the broker. A broker never reached still fails at once."""
+    from celery_redis_lua.protocol.liveness import RETRY_SECONDS
+
+    require_kind("valkey")
+    with Server("valkey") as server:
+        url = f"redislua://127.0.0.1:{server.port}/0"
+        with Connection(url) as conn:
+            conn.ensure_connection()  # reached once
+        server.stop(signal.SIGKILL)
+        connected: list[float] = []
+
+        def reconnect() -> None:
+            with Connection(url) as conn:
+                conn.ensure_connection(max_retries=10)  # Celery's way: kombu's default intervals
+                connected.append(time.monotonic())
+
+        # The reconnect in a thread, the server started again from this one (a server dies
+        # with the thread that started it: scripts/servers.py).
+        worker = threading.Thread(target=reconnect, daemon=True)
+        worker.start()
+        time.sleep(3.0)  # the outage: 3 s
+        server.start()
+        back = time.monotonic()
+        worker.join(30)
+        assert connected, "no reconnect within 30 s of the broker's return"
+        assert connected[0] - back <= RETRY_SECONDS + 0.5, \
+            f"connected {connected[0] - back:.2f} s after the broker answered again"
+    never = f"redislua://127.0.0.1:{server.port + 1}/0"  # nothing listens there, nor ever did
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError), Connection(never) as conn:
+        conn.transport.establish_connection()  # what kombu's connect tries (and retries after 2 s)
+    assert time.monotonic() - started < 2, "a broker never reached is not waited for"

@@ -33,7 +33,7 @@ from ..protocol.cluster import (
 from ..protocol.durability import EARLY_CONFIRMATION
 from ..protocol.eviction import Eviction, read_eviction
 from ..protocol.fence import NoReplicasError
-from ..protocol.liveness import socket_params
+from ..protocol.liveness import ride_out, socket_params
 from ..protocol.ops import Declared
 from ..protocol.options import OptionError, TransportOptions, parse_options
 from ..protocol.sentinel import (
@@ -324,6 +324,11 @@ class Transport(virtual.Transport):
     # -- which loop consumes ----------------------------------------------------------------
 
     # kombu's base Transport takes **kwargs; its virtual Transport, which we extend, takes timeout.
+    def establish_connection(self) -> Any:
+        """kombu's, riding out a broker this process reached before for a few seconds
+        (protocol/liveness.py): Celery's own retries come 2, 4, 6 ... s apart."""
+        return ride_out(super().establish_connection, self.client.as_uri())
+
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
         """Without an event loop (plain kombu, gevent, eventlet)."""
         self.poller.drain_events(timeout)

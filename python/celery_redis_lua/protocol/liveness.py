@@ -12,12 +12,33 @@ that has had nothing acknowledged for ``partition_timeout`` seconds (the call ra
 connection error: kombu reconnects, as after any lost connection), and a connection to a
 live server costs one probe and its acknowledgement, in the kernels only, every
 ``partition_timeout / 2`` seconds while idle.
+
+Once the connection is given up, how soon the worker is back after the heal is its
+reconnect's business: Celery's worker retries a lost connection after 2, 4, 6, 8 ... seconds
+(kombu's ``ensure_connection`` defaults, which Celery has no setting for), so a partition
+that healed during one of those sleeps was noticed only at its end (9.2 s after the heal in
+chaos seed 1004). :func:`ride_out` tries the connect again every RETRY_SECONDS for up to
+RIDE_OUT_SECONDS itself, for a broker this process has reached before (a first connect, a
+CLI's, still fails at once), before the error goes to kombu's backoff.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+# How long a reconnect to a broker reached before is tried again before its error is raised
+# (a warm shutdown asked meanwhile waits up to this long), and how often.
+RIDE_OUT_SECONDS, RETRY_SECONDS = 10.0, 0.25
+# Errors of a broker that cannot be reached now; a refused login is not one of them.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, OSError)
+REFUSED = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+T = TypeVar("T")
+_reached: set[str] = set()  # the brokers (URLs) this process has connected to
 
 # Linux's names; a platform without TCP_USER_TIMEOUT (macOS) keeps TCP's own timeouts.
 _NAMES = ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT")
@@ -47,3 +68,20 @@ def socket_params(keepalive: bool | None, options: dict[int, int | bytes] | None
     if detector is None:
         return {"socket_keepalive": keepalive, "socket_keepalive_options": None}
     return {"socket_keepalive": True, "socket_keepalive_options": detector}
+
+
+def ride_out(connect: Callable[[], T], broker: str, window: float = RIDE_OUT_SECONDS) -> T:
+    """``connect()``; where it cannot reach ``broker`` and this process has reached it before
+    (a partition, a restart, a failover under way), it is tried again every RETRY_SECONDS for
+    up to ``window`` seconds before the error is raised."""
+    deadline = time.monotonic() + window if broker in _reached else 0.0
+    while True:
+        try:
+            connected = connect()
+        except UNREACHABLE as error:
+            if isinstance(error, REFUSED) or time.monotonic() + RETRY_SECONDS > deadline:
+                raise
+            time.sleep(RETRY_SECONDS)  # the broker's return is not an event anything sends
+            continue
+        _reached.add(broker)
+        return connected
