@@ -21,14 +21,14 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from ..protocol.envelope import BadEnvelope, delivered_envelope
-from ..protocol.fence import RETRY_SECONDS, NoReplicasError
+from ..protocol.fence import NoReplicasError
 from ..protocol.ops import Consumed, Delivery
 from ..protocol.outbox import Batch
+from ..protocol.reports import log_expired, log_sweep
 from ..protocol.runner import Call
 from ..protocol.settle import hand_back, reject
 from ..protocol.waits import BlockingRead
 from .keeper import KEEPER
-from .reports import log_expired, log_sweep
 
 logger = logging.getLogger(__name__)
 
@@ -317,8 +317,7 @@ class ConsumingMixin:
         return True
 
     def on_wait_readable(self, wait: BlockingRead) -> int:
-        """An in-flight consume's replies, or a woken (or timed-out) wait: consume now, wait
-        again; returns how many were delivered."""
+        """An in-flight consume's replies, or a woken (or timed-out) wait: consume now, wait again."""
         if not any(wait is w for w in self.queue_waits.values()):
             return self.on_stream_wait_readable(wait)
         if wait.batch is not None:
@@ -329,17 +328,12 @@ class ConsumingMixin:
         except NoReplicasError as error:
             if not self.is_cluster:
                 raise  # the one primary: kombu reconnects (through Sentinel, to the new one)
-            self._refused(blocked_on, error, wait)
+            self._refused(blocked_on, error)
         return self.poll_queues()
 
-    def _refused(self, queues: list[str], error: NoReplicasError, wait: BlockingRead | None = None) -> None:
-        """A fenced primary refused a slot on a cluster: its queues wait a moment (fence.py's
-        pause), the other primaries' go on; kombu reconnecting would stop them all."""
-        wait = wait or self._wait(self.queue_waits, self.keys.queue(queues[0]))
-        if wait.refuse():
-            logger.warning("celery-redis-lua: the primary of %s refuses writes (%s); its queues are "
-                           "asked again every %.0f s, the other primaries' go on", ", ".join(queues),
-                           error, RETRY_SECONDS)
+    def _refused(self, queues: list[str], error: NoReplicasError) -> None:
+        """A fenced primary refused a cluster slot: it waits a moment, the other primaries' go on."""
+        self._wait(self.queue_waits, self.keys.queue(queues[0])).refuse(queues, error)
 
     def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
         """The wait for ``key``'s slot (on a cluster, to the node that owns it); else the one."""
@@ -387,8 +381,7 @@ class ConsumingMixin:
             wait.cancel()
 
     def sweep(self) -> None:
-        """The sweep of the consumed queues; on a cluster a slot a fenced primary refuses is
-        swept at the next one, the others now."""
+        """The consumed queues' sweep; a slot a fenced primary refuses (cluster) goes next time."""
         for group in self.lib.slot_groups(self.queues_polled) if self.is_cluster else [self.queues_polled]:
             try:
                 report = self.lib.sweep(group) if group else None

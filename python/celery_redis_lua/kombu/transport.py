@@ -208,11 +208,9 @@ class Transport(virtual.Transport):
             "db": self.db,
             "max_connections": options.max_connections,
             "socket_timeout": options.socket_timeout,
-            # None: kombu's connect_timeout (Celery's broker_connection_timeout): a connect sent
-            # into a partition is tried afresh after it, not at SYN's backed-off retransmission
+            # None: kombu's connect_timeout, so a connect sent into a partition is tried afresh
             "socket_connect_timeout": options.socket_connect_timeout or conninfo.connect_timeout,
-            **socket_params(options.socket_keepalive, options.socket_keepalive_options,
-                            options.partition_timeout),
+            **socket_params(options),  # the partition detector (keepalive), or the user's own
             "health_check_interval": options.health_check_interval,
             # No retry_on_timeout: redis-py would resend a script whose reply timed out, and a
             # resent publish stores a message twice, a resent consume strands a batch in flight.
@@ -323,12 +321,11 @@ class Transport(virtual.Transport):
 
     # -- which loop consumes ----------------------------------------------------------------
 
-    # kombu's base Transport takes **kwargs; its virtual Transport, which we extend, takes timeout.
     def establish_connection(self) -> Any:
-        """kombu's, riding out a broker this process reached before for a few seconds
-        (protocol/liveness.py): Celery's own retries come 2, 4, 6 ... s apart."""
+        """kombu's, riding out a broker reached before (Celery retries 2, 4, 6 ... s apart)."""
         return ride_out(super().establish_connection, self.client.as_uri())
 
+    # kombu's base Transport takes **kwargs; its virtual Transport, which we extend, takes timeout.
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
         """Without an event loop (plain kombu, gevent, eventlet)."""
         self.poller.drain_events(timeout)

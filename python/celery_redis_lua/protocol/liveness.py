@@ -27,9 +27,12 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
+
+if TYPE_CHECKING:
+    from .options import TransportOptions
 
 # How long a reconnect to a broker reached before is tried again before its error is raised
 # (a warm shutdown asked meanwhile waits up to this long), and how often.
@@ -57,11 +60,12 @@ def keepalive_options(partition_timeout: float) -> dict[int, int] | None:
             user_timeout: max(1000, round(partition_timeout * 1000))}
 
 
-def socket_params(keepalive: bool | None, options: dict[int, int | bytes] | None,
-                  partition_timeout: float | None) -> dict[str, Any]:
+def socket_params(settings: TransportOptions) -> dict[str, Any]:
     """The keepalive settings redis-py connects with: the user's own ``socket_keepalive`` and
     ``socket_keepalive_options`` when set (``socket_keepalive=False`` turns the detection
-    off), else the partition detector."""
+    off), else the partition detector of ``partition_timeout``."""
+    keepalive, options = settings.socket_keepalive, settings.socket_keepalive_options
+    partition_timeout = settings.partition_timeout
     if keepalive is False or options is not None or partition_timeout is None:
         return {"socket_keepalive": keepalive, "socket_keepalive_options": options}
     detector = keepalive_options(partition_timeout)

@@ -13,6 +13,7 @@ loses a wake token, never a message (the other consumers then wait out one
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ import redis
 from .connections import bound_connection, bounded_client, dedicated_connection, read_replies
 from .fence import RETRY_SECONDS, refusal
 from .runner import REDIRECTED
+
+logger = logging.getLogger(__name__)
 
 # How long a wait CLIENT UNBLOCK did not find (it answered 0) may take to reply before it is closed.
 UNBLOCK_GRACE_SECONDS = 0.5
@@ -65,14 +68,16 @@ class BlockingRead:
             self._client_id = None
         return self.connection
 
-    def refuse(self) -> bool:
-        """A fenced primary refused this wait's slot (its consume or its BLPOP): leave the slot
-        alone for RETRY_SECONDS, the fence's longest pause. Returns whether this starts a
-        refusal (none in the RETRY_SECONDS before the last one ended): the one to log."""
+    def refuse(self, queues: list[str], error: Exception) -> None:
+        """A fenced primary refused this wait's slot (its consume, its BLPOP, its sweep): the
+        slot is left alone for RETRY_SECONDS, the fence's longest pause; logged when this
+        starts a refusal (none in the RETRY_SECONDS before the last one ended)."""
         now = time.monotonic()
-        starts = now > self.refused_until + RETRY_SECONDS
+        if now > self.refused_until + RETRY_SECONDS:
+            logger.warning("celery-redis-lua: the primary of %s refuses writes (%s); its queues are asked "
+                           "again every %.0f s, the other primaries' go on", ", ".join(queues), error,
+                           RETRY_SECONDS)
         self.refused_until = now + RETRY_SECONDS
-        return starts
 
     @property
     def refused(self) -> bool:

@@ -1,12 +1,12 @@
-"""What a consuming channel logs of the scripts' reports: messages that expired while they
-waited, and what a sweep dropped or restored (consuming.py)."""
+"""What a consumer logs of the scripts' reports: messages that expired while they waited,
+and what a sweep dropped or restored (the kombu channel's consuming round)."""
 
 from __future__ import annotations
 
 import logging
 
-from ..protocol.ops import SweepReport
-from ..protocol.policy import Policy
+from .ops import SweepReport
+from .policy import Policy
 
 logger = logging.getLogger("celery_redis_lua.kombu.consuming")  # the name operators filter on
 
