@@ -253,3 +253,31 @@ def test_a_worker_s_other_primaries_go_on_while_one_is_fenced() -> None:
                 drain_until(lambda: len(got) >= 9, 15)
                 assert [queue for queue, _ in got[6:]] == [fenced_queue] * 3
                 assert got[6][1] - lifted <= 3, "the fenced slot was asked again within its pause"
+
+
+@pytest.mark.timeout(90)
+def test_a_reconnecting_worker_declares_its_queues_again_past_a_fenced_shard() -> None:
+    """Celery declares its queues at every reconnect, and a declare writes: a fenced shard
+    refused it, the channel waited fence_timeout (10 s), raised, and the worker reconnected
+    to do the same again, consuming none of its queues while one shard was fenced (chaos seed
+    1005). A declare this process made before with the same arguments now goes on at once
+    past the refusal (protocol/fence.py redeclare), and the other primary's queue is served."""
+    with fenced_shard(messages=False) as (cluster, _, healthy, fenced_queue, fenced):
+        url = f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+        queues = [Queue(healthy), Queue(fenced_queue)]
+        with Connection(url) as conn:  # the worker before the fence: declares, publishes
+            for queue in queues:
+                conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
+        fenced.config_set("min-replicas-to-write", 1)
+        got: list[str] = []
+        with Connection(url, transport_options={"blocking_timeout": 1}) as conn:  # reconnected
+            started = time.monotonic()
+            with Consumer(conn, queues, callbacks=[lambda _, m: (got.append(m.delivery_info["routing_key"]),
+                                                                  m.ack())]):
+                assert time.monotonic() - started < 3, "the declares waited out the fence"
+                deadline = time.monotonic() + 10
+                while not got:
+                    assert time.monotonic() < deadline, "the healthy queue was not served"
+                    with contextlib.suppress(TimeoutError):
+                        conn.drain_events(timeout=0.2)
+        assert got == [healthy]

@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 
 from ..protocol import together
 from ..protocol.envelope import dumps, publish_arguments
-from ..protocol.fence import wait_out
+from ..protocol.fence import redeclare, wait_out
 from ..protocol.group import publish_confirmed
 from ..protocol.library import ScriptLibrary
 from ..protocol.ops import Delivery, StaleRoute
@@ -59,14 +59,14 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
 
     def __init__(self, connection: Any, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
-        self.options = connection.options
+        self.options = options = connection.options
         self.keys = self.options.keyspace(connection.db)
         self.client = connection.new_client()
         self.lib = ScriptLibrary(self.client, self.keys, self.options.policy, hold_connection=True)
         # What has not landed: acks, failed rejects, unconfirmed publishes (outbox.py).
-        unconfirmed = None if self.options.confirm_publish else (self.options.publish_pipeline,
-                                                                 self.options.publish_flush_delay)
-        self.outbox = KEEPER.outbox(self.lib, self.options.ack_flush_delay, unconfirmed)
+        unconfirmed = None if options.confirm_publish else (options.publish_pipeline,
+                                                            options.publish_flush_delay)
+        self.outbox = KEEPER.outbox(self.lib, options.ack_flush_delay, unconfirmed)
         self.unconfirmed = self.outbox.publishes  # None with confirm_publish (the default)
         self.routes = RouteCache(self.lib, connection.shards.members)
         self.init_sharding()
@@ -203,7 +203,8 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
     def _declare(self, queue: str, **kwargs: Any) -> None:
         """Declare ``queue``; stored arguments out of range (an older version's, or set by
         hand) do not stop it: the scripts apply them as their bound, and the log names them."""
-        declared = wait_out(lambda: self.lib.declare(queue, **kwargs), self.options.fence_timeout)
+        declared = redeclare(self.lib, queue, kwargs, self.options.fence_timeout,
+                             self.connection.client.as_uri() if self.is_cluster else None)
         self.connection.declared[queue] = declared
         if declared.consumer_timeout_ms:  # stored by whoever declared it first
             self.connection.consumer_timeouts[queue] = declared.consumer_timeout_ms
@@ -220,8 +221,7 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         return declared.expires_ms if declared else None
 
     def binding_lifetime_ms(self, queue: str) -> int | None:
-        """Bindings of an expiring queue go stale max(x-expires, binding_lifetime_floor) after
-        their last refresh; the others never."""
+        """An expiring queue's bindings go stale max(x-expires, the floor) after their refresh."""
         expires = self._expires_ms(queue)
         return None if expires is None else max(expires, self.options.binding_lifetime_floor_ms)
 

@@ -9,9 +9,10 @@ running it again stores nothing twice. redis-py has no class of its own for the 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -21,6 +22,10 @@ NOREPLICAS = "NOREPLICAS"
 # nothing tells when it is over (a replica catching up sends no event to wait on).
 FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+# What each queue's declare answered in this process, by broker (URL), queue and arguments:
+# given back when a fenced cluster primary refuses the same declare again (redeclare).
+_declared: dict[tuple[str, str, str], Any] = {}
 
 
 class NoReplicasError(ResponseError):
@@ -58,3 +63,23 @@ def wait_out(run: Callable[[], T], timeout: float) -> T:
             if left <= 0:
                 raise
             time.sleep(min(next(waits), left))
+
+
+def redeclare(lib: Any, queue: str, arguments: dict[str, Any], timeout: float, broker: str | None) -> Any:
+    """``lib.declare(queue, **arguments)``, waited out as :func:`wait_out` does. On a cluster
+    (``broker``: its URL; None elsewhere), a declare this process made before with the same
+    arguments that a fenced primary now refuses gives back what it answered then, at once:
+    Celery declares its queues at every reconnect, and waiting each out (then raising, and
+    reconnecting) stopped every queue of the worker while one shard was fenced (chaos seed
+    1005). Declaring an existing queue again with the same arguments changes nothing."""
+    key = (broker or "", queue, repr(sorted(arguments.items())))
+    if broker is None or key not in _declared:
+        declared = _declared[key] = wait_out(lambda: lib.declare(queue, **arguments), timeout)
+        return declared
+    try:
+        declared = _declared[key] = lib.declare(queue, **arguments)
+    except NoReplicasError as error:
+        logger.warning("celery-redis-lua: declaring %r again was refused (%s); it was declared with the "
+                       "same arguments before, going on", queue, error)
+        return _declared[key]
+    return declared
