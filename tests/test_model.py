@@ -1224,16 +1224,26 @@ def test_model_on_standalone_valkey(valkey_server: Server) -> None:
     FAIR_STORIES.clear()
     BATCHES.clear()
     with closing(valkey_server.client(socket_timeout=10)) as client:
-        run(client, Keyspace(), ["a", "b"], examples=150)
+        # A rare story the random examples missed (once in a CI run: "debounce replaced a
+        # retry holder") gets more examples, up to three rounds, instead of failing by chance.
+        for _ in range(3):
+            run(client, Keyspace(), ["a", "b"], examples=150)
+            if not untold_stories():
+                break
     assert set(CALLED) >= DRIVEN, f"never run: {sorted(DRIVEN - set(CALLED))}"
-    told = {story for story, n in DEDUP_STORIES.items() if n}
-    assert told >= {"simple dropped over a hold", "throttle dropped over a hold", "released",
-                    "debounce replaced over a hold", "simple stored over a hold", "window ended",
-                    "throttle stored over a hold", "debounce stored over a hold",
-                    "debounce replaced a retry holder"}, DEDUP_STORIES
-    assert {story for story, n in FAIR_STORIES.items() if n} >= {
-        "interleaved", "drained", "ready again at V"}, FAIR_STORIES
-    assert sum(n for size, n in BATCHES.items() if size >= 3) > 0, BATCHES
+    assert not untold_stories(), (DEDUP_STORIES, FAIR_STORIES, BATCHES)
+
+
+def untold_stories() -> set[str]:
+    """The interactions the Valkey model run must have exercised and has not (yet)."""
+    told = {story for story, n in {**DEDUP_STORIES, **FAIR_STORIES}.items() if n}
+    if sum(n for size, n in BATCHES.items() if size >= 3):
+        told.add("a batch of 3 or more")
+    return {"simple dropped over a hold", "throttle dropped over a hold", "released",
+            "debounce replaced over a hold", "simple stored over a hold", "window ended",
+            "throttle stored over a hold", "debounce stored over a hold",
+            "debounce replaced a retry holder", "interleaved", "drained", "ready again at V",
+            "a batch of 3 or more"} - told
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:
