@@ -214,7 +214,7 @@ def test_a_reconnect_rides_out_a_broker_reached_before() -> None:
     defaults; Celery has no setting for them), so a broker back during one of those sleeps was
     noticed only at its end (9.2 s after a partition healed, chaos seed 1004). The transport's
     connect rides out a broker this process reached before, trying again every
-    RETRY_SECONDS for up to RIDE_OUT_SECONDS (protocol/liveness.py): the worker is back within
+    RETRY_SECONDS for up to reconnect_window (protocol/liveness.py): the worker is back within
     a moment of the broker. A broker never reached still fails at once."""
     from celery_redis_lua.protocol.liveness import RETRY_SECONDS
 
@@ -242,6 +242,12 @@ def test_a_reconnect_rides_out_a_broker_reached_before() -> None:
         assert connected, "no reconnect within 30 s of the broker's return"
         assert connected[0] - back <= RETRY_SECONDS + 0.5, \
             f"connected {connected[0] - back:.2f} s after the broker answered again"
+        server.stop(signal.SIGKILL)  # reconnect_window 0: a producer that must fail fast
+        started = time.monotonic()
+        with pytest.raises(redis.ConnectionError), \
+                Connection(url, transport_options={"reconnect_window": 0}) as conn:
+            conn.transport.establish_connection()
+        assert time.monotonic() - started < 1, "reconnect_window 0 still rode the outage out"
     never = f"redislua://127.0.0.1:{server.port + 1}/0"  # nothing listens there, nor ever did
     started = time.monotonic()
     with pytest.raises(redis.ConnectionError), Connection(never) as conn:

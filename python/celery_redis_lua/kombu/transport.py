@@ -323,7 +323,7 @@ class Transport(virtual.Transport):
 
     def establish_connection(self) -> Any:
         """kombu's, riding out a broker reached before (Celery retries 2, 4, 6 ... s apart)."""
-        return ride_out(super().establish_connection, self.client.as_uri())
+        return ride_out(super().establish_connection, self.client.as_uri(), self.options.reconnect_window)
 
     # kombu's base Transport takes **kwargs; its virtual Transport, which we extend, takes timeout.
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]

@@ -18,8 +18,11 @@ reconnect's business: Celery's worker retries a lost connection after 2, 4, 6, 8
 (kombu's ``ensure_connection`` defaults, which Celery has no setting for), so a partition
 that healed during one of those sleeps was noticed only at its end (9.2 s after the heal in
 chaos seed 1004). :func:`ride_out` tries the connect again every RETRY_SECONDS for up to
-RIDE_OUT_SECONDS itself, for a broker this process has reached before (a first connect, a
-CLI's, still fails at once), before the error goes to kombu's backoff.
+``reconnect_window`` seconds (an option, 10 by default; a warm shutdown asked meanwhile
+waits that long) itself, for a broker this process has reached before (a first connect, a
+CLI's, still fails at once), before the error goes to kombu's backoff. A producer's retries
+ride it too (Celery's default publish retry policy waits about 40 s for a broker that is
+down instead of under one): 0 turns it off.
 """
 
 from __future__ import annotations
@@ -34,9 +37,8 @@ import redis
 if TYPE_CHECKING:
     from .options import TransportOptions
 
-# How long a reconnect to a broker reached before is tried again before its error is raised
-# (a warm shutdown asked meanwhile waits up to this long), and how often.
-RIDE_OUT_SECONDS, RETRY_SECONDS = 10.0, 0.25
+# How often a reconnect to a broker reached before is tried again (for reconnect_window seconds).
+RETRY_SECONDS = 0.25
 # Errors of a broker that cannot be reached now; a refused login is not one of them.
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, OSError)
 REFUSED = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
@@ -74,7 +76,7 @@ def socket_params(settings: TransportOptions) -> dict[str, Any]:
     return {"socket_keepalive": True, "socket_keepalive_options": detector}
 
 
-def ride_out(connect: Callable[[], T], broker: str, window: float = RIDE_OUT_SECONDS) -> T:
+def ride_out(connect: Callable[[], T], broker: str, window: float) -> T:
     """``connect()``; where it cannot reach ``broker`` and this process has reached it before
     (a partition, a restart, a failover under way), it is tried again every RETRY_SECONDS for
     up to ``window`` seconds before the error is raised."""

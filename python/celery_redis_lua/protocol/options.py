@@ -79,6 +79,9 @@ class TransportOptions:
         "host) is closed and kombu reconnects; a busy or stopped server is still waited for (TCP keepalive, "
         "`TCP_USER_TIMEOUT`, Linux; [Networks that partition](deployment.md#networks-that-partition)); "
         "`None`: off, or set `socket_keepalive*` yourself")
+    reconnect_window: float = option(
+        10, "seconds a connect to a broker this process reached before is tried again (every 0.25 s) "
+        "before its error goes to kombu's retries; 0: at once (a producer that must fail fast)")
     max_connections: int = option(
         10, "connections commands share per connection object; a command waits (up to 20 s) for a "
         "free one. Outside it, per channel: the blocking waits (2), one held for the channel's single "
@@ -98,21 +101,17 @@ class TransportOptions:
         True, "a fanout binding whose key is a pattern (`*`, `#`) receives only matching routing keys; "
         "other fanout bindings receive everything, as in AMQP")
     sep: str = option(DEFAULT_SEPARATOR, "separator inside binding members")
-    # Dead letters (docs/design.md): kept by default, bounded; 0 deletes dropped messages outright.
     dead_letter_maxlen: int = option(
         10_000, "approximate cap of each queue's dead-letter stream (at most 10^9); 0 deletes dropped "
         "messages outright")
-    # How often a consuming channel runs the sweep script (seconds); small in tests.
     sweep_interval: float = option(
         60, "seconds between sweeps (timed-out deliveries back, due ETAs in, orphans out)")
-    # Most messages one consume call may deliver (on top of the QoS headroom).
     consume_batch: int = option(100, "most messages one consume call delivers (1..10000)")
     # Bindings of a queue with x-expires go stale max(x-expires, this) s after their last refresh.
     binding_lifetime_floor: float = option(
         300, "seconds; a binding of a queue with `x-expires` goes stale `max(x-expires, this)` after "
         "its last refresh (a consumer refreshes it three times per `x-expires`); lower it only to see "
         "stale routes go sooner")
-    # Sentinel (sentinel:// or redislua+sentinel:// URLs), as kombu's stock Sentinel channel.
     master_name: str | None = option(None, _SENTINEL)
     sentinel_kwargs: dict[str, Any] | None = option(None, _SENTINEL)
     min_other_sentinels: int = option(0, _SENTINEL)
@@ -281,6 +280,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "socket_keepalive": _typed(bool),
     "socket_keepalive_options": _typed(dict),
     "partition_timeout": _number(1, high=3600, allow_none=True),
+    "reconnect_window": _number(0, high=3600),
     "max_connections": _number(1, integer=True),
     "health_check_interval": _number(0),
     "retry_on_timeout": _typed(bool),
