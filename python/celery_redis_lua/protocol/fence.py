@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -23,9 +24,11 @@ NOREPLICAS = "NOREPLICAS"
 FIRST_RETRY_SECONDS, RETRY_SECONDS = 0.05, 1.0
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-# What each queue's declare answered in this process, by broker (URL), queue and arguments:
-# given back when a fenced cluster primary refuses the same declare again (redeclare).
-_declared: dict[tuple[str, str, str], Any] = {}
+# What each queue's declare answered in this process on a cluster, by broker (URL), queue and
+# arguments: given back when a fenced primary refuses the same declare again (redeclare). The
+# newest DECLARED_KEPT only: reply queues named by uuid come and go.
+_declared: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+DECLARED_KEPT = 4096
 
 
 class NoReplicasError(ResponseError):
@@ -72,14 +75,20 @@ def redeclare(lib: Any, queue: str, arguments: dict[str, Any], timeout: float, b
     Celery declares its queues at every reconnect, and waiting each out (then raising, and
     reconnecting) stopped every queue of the worker while one shard was fenced (chaos seed
     1005). Declaring an existing queue again with the same arguments changes nothing."""
-    key = (broker or "", queue, repr(sorted(arguments.items())))
-    if broker is None or key not in _declared:
-        declared = _declared[key] = wait_out(lambda: lib.declare(queue, **arguments), timeout)
-        return declared
-    try:
-        declared = _declared[key] = lib.declare(queue, **arguments)
-    except NoReplicasError as error:
-        logger.warning("celery-redis-lua: declaring %r again was refused (%s); it was declared with the "
-                       "same arguments before, going on", queue, error)
-        return _declared[key]
+    if broker is None:
+        return wait_out(lambda: lib.declare(queue, **arguments), timeout)
+    key = (broker, queue, repr(sorted(arguments.items())))
+    if key not in _declared:
+        declared = wait_out(lambda: lib.declare(queue, **arguments), timeout)
+    else:
+        try:
+            declared = lib.declare(queue, **arguments)
+        except NoReplicasError as error:
+            logger.warning("celery-redis-lua: declaring %r again was refused (%s); it was declared with "
+                           "the same arguments before, going on", queue, error)
+            return _declared[key]
+    _declared[key] = declared
+    _declared.move_to_end(key)
+    while len(_declared) > DECLARED_KEPT:
+        _declared.popitem(last=False)
     return declared
