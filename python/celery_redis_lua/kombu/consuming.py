@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +154,7 @@ class ConsumingMixin:
             if not group or room <= 0:
                 continue
             consumed = self.lib.consume(group, room, no_ack=no_ack, run=self._run_with_acks,
-                                        refused=self._refused if self.is_cluster else None)
+                                        refused=self._refusal)
             calls, short = calls + 1, short or len(consumed.deliveries) < room
             self.note_drained(group, consumed.deliveries)
             log_expired(consumed.expired, group)
@@ -326,13 +327,19 @@ class ConsumingMixin:
         try:
             wait.read()  # the token (or None: the block timed out); consume decides what is there
         except NoReplicasError as error:
-            if not self.is_cluster:
+            if self._refusal is None:
                 raise  # the one primary: kombu reconnects (through Sentinel, to the new one)
-            self._refused(blocked_on, error)
+            self._refusal(blocked_on, error)
         return self.poll_queues()
 
+    @property
+    def _refusal(self) -> Callable[[list[str], NoReplicasError], None] | None:
+        """On a cluster, what a fenced primary's refusal of a slot does: the slot waits a moment
+        (its wait's ``refuse``), the other primaries' go on; on one primary, None: it is raised,
+        and kombu reconnects (through Sentinel, to the new primary)."""
+        return self._refused if self.is_cluster else None
+
     def _refused(self, queues: list[str], error: NoReplicasError) -> None:
-        """A fenced primary refused a cluster slot: it waits a moment, the other primaries' go on."""
         self._wait(self.queue_waits, self.keys.queue(queues[0])).refuse(queues, error)
 
     def _wait(self, waits: dict[int | None, BlockingRead], key: str) -> BlockingRead:
@@ -382,13 +389,6 @@ class ConsumingMixin:
 
     def sweep(self) -> None:
         """The consumed queues' sweep; a slot a fenced primary refuses (cluster) goes next time."""
-        for group in self.lib.slot_groups(self.queues_polled) if self.is_cluster else [self.queues_polled]:
-            try:
-                report = self.lib.sweep(group) if group else None
-            except NoReplicasError as error:
-                if not self.is_cluster:
-                    raise
-                self._refused(group, error)
-                continue
-            if report is not None:
-                log_sweep(report, self.lib.policy, group)
+        queues = self.queues_polled
+        if queues:
+            log_sweep(self.lib.sweep(queues, refused=self._refusal), self.lib.policy, queues)

@@ -224,13 +224,22 @@ class ScriptLibrary:
         return Consumed(deliveries, min(wake) if wake else None, expired, min(rate) if rate else None)
 
     def sweep(self, queues: Sequence[str], *, batch: int = ops.SWEEP_BATCH, report_limit: int = 10,
-              max_rounds: int = SWEEP_ROUNDS) -> SweepReport:
-        """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up."""
+              max_rounds: int = SWEEP_ROUNDS,
+              refused: Callable[[list[str], NoReplicasError], None] | None = None) -> SweepReport:
+        """Sweep until no batch is full (at most ``max_rounds`` calls); reports add up.
+        ``refused``, as for :meth:`consume`: told of a slot group a fenced primary refused,
+        which the next sweep takes up, instead of the refusal being raised."""
         total = EMPTY_SWEEP
         for group in self.slot_groups(queues):
             for _ in range(max_rounds):
-                report = self.run(ops.sweep(self.keys, self.policy, group, batch=batch,
-                                            report_limit=report_limit))
+                try:
+                    report = self.run(ops.sweep(self.keys, self.policy, group, batch=batch,
+                                                report_limit=report_limit))
+                except NoReplicasError as error:
+                    if refused is None:
+                        raise
+                    refused(group, error)
+                    break
                 total += report
                 if not report.more:
                     break
