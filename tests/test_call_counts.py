@@ -30,7 +30,7 @@ from scripts.servers import Server
 #                        LLEN wake, HSET payload, HSET state + task index, ZADD, HSET last_id
 #   publish  8           the same for a batch of ten in one call (publish_many, a producer's
 #    (batch)             group commit): the calls are the call's, not the messages'
-#   consume  7 + 3/msg   per message: HGET state, HGET task index, HSET state
+#   consume  7 + 3/msg   per message: HGET payload, HGET state, HSET state
 #   ack      6 + 2/msg   per message: HGET state (its task index entry), HDEL
 #   extend   4           TIME, ZMSCORE and one ZADD XX for up to 2,000 ids, HGET expires
 #   reject   6 + 6/msg   requeued: HGET, ZREM, ZADD, HSET state, (HGET), HEXISTS (is it revoked:
