@@ -9,6 +9,7 @@ noticed."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Exchange, Queue
+from kombu.exceptions import OperationalError
 from kombu.mixins import ConsumerMixin
 
 from celery_redis_lua import Keyspace, Policy, ScriptLibrary
@@ -239,3 +241,49 @@ def test_the_durability_probe_meets_a_demoted_primary_as_a_lost_connection(repli
         durability.check_server(client)
     assert demoted.port not in {int(node.port) for node in client.get_primaries()}
     assert durability.check_server(client) == 1  # what kombu's retry meets
+
+
+# Celery's default task_publish_retry_policy (celery/app/defaults.py): what apply_async retries with.
+CELERY_PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0, "interval_max": 1, "interval_step": 0.2}
+
+
+@pytest.mark.parametrize("window", [None, 0])
+def test_a_publish_into_a_slot_whose_primary_died_waits_for_its_replica(replicated: Cluster,
+                                                                        window: int | None) -> None:
+    """A primary SIGKILLed: until its replica is promoted (node timeout 1 s, then the
+    election) its slots have no owner, while the rest of the cluster answers. kombu's retry
+    reconnects at once (other nodes answer) and sends again at once, so Celery's default
+    policy (3 retries) was spent in a few ms and apply_async raised OperationalError (chaos
+    seed 1013). The channel now waits the slot's failover out, up to reconnect_window (10 s;
+    0: as before), and the publish returns once the promoted replica stored it."""
+    name = "orphaned"
+    owner = replicated.owner(Keyspace().queue(name))
+    replica = replicated.replica_of(owner)
+    queue = Queue(name, Exchange(name, "direct"), routing_key=name)
+    options = {} if window is None else {"reconnect_window": window}
+    with Connection(url(replicated), transport_options=options) as conn:
+        producer = conn.Producer()
+        producer.publish({"i": 0}, exchange=queue.exchange, routing_key=name, declare=[queue])
+        owner.kill()
+        killed = time.monotonic()
+        if window == 0:
+            with pytest.raises(OperationalError, match="Connection refused"):
+                producer.publish({"i": 1}, exchange=queue.exchange, routing_key=name, retry=True,
+                                 retry_policy=CELERY_PUBLISH_RETRY)
+            return
+        producer.publish({"i": 1}, exchange=queue.exchange, routing_key=name, retry=True,
+                         retry_policy=CELERY_PUBLISH_RETRY)
+        waited = time.monotonic() - killed
+        # The promoted replica stored it; a node that answers CLUSTER SLOTS may learn of it later.
+        wait_until(lambda: replicated.owner(Keyspace().queue(name)).port == replica.port, timeout=10)
+        simple = conn.SimpleQueue(queue)
+        got = []
+        with contextlib.suppress(simple.Empty):
+            while True:
+                message = simple.get(timeout=2)
+                got.append(message.payload["i"])
+                message.ack()
+        simple.close()
+    assert 1 in got, f"the publish returned but its message is not there: {got}"
+    assert got.count(1) == 1
+    assert waited < 15, waited  # the failover's time (node timeout 1 s and the election), not the window's

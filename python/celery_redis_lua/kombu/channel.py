@@ -174,9 +174,9 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         outgoing = args.outgoing(dumps(message), route)
         if put_later(self, queue, outgoing):  # unconfirmed, or in a confirm_together() block
             return
-        # Waits out a fenced primary (fence.py), with the process's publishes in flight (group.py).
+        # Waits out a fenced primary or a cluster slot's failover (fence.py); group.py: publishes in flight.
         wait_out(lambda: publish_confirmed(self.lib, queue, outgoing, grouped=self.options.group_commit),
-                 self.options.fence_timeout)
+                 self.options.fence_timeout, failover=self.options.reconnect_window if self.is_cluster else 0)
         if publishing is not None:
             publishing.stored.add(logical)
 

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
+from .liveness import ride_out_failover
+
 NOREPLICAS = "NOREPLICAS"
 # A refused or failed call goes again after FIRST_RETRY_SECONDS, then doubling up to
 # RETRY_SECONDS: a fence, a failover's CLUSTERDOWN or READONLY lasts a second or a few, and
@@ -53,14 +55,16 @@ def pauses() -> Iterator[float]:
         pause = min(pause * 2, RETRY_SECONDS)
 
 
-def wait_out(run: Callable[[], T], timeout: float) -> T:
+def wait_out(run: Callable[[], T], timeout: float, *, failover: float = 0.0) -> T:
     """``run()``, run again while a fenced primary refuses it, backing off (:func:`pauses`),
-    for up to ``timeout`` seconds; then its refusal is raised (0: at once)."""
+    for up to ``timeout`` seconds; then its refusal is raised (0: at once). ``failover`` (a
+    cluster's): each run also rides out its slot's failover for up to that many seconds
+    (liveness.ride_out_failover)."""
     deadline = time.monotonic() + timeout
     waits = pauses()
     while True:
         try:
-            return run()
+            return ride_out_failover(run, failover) if failover else run()
         except NoReplicasError:
             left = deadline - time.monotonic()
             if left <= 0:

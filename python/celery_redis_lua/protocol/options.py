@@ -80,8 +80,8 @@ class TransportOptions:
         "`TCP_USER_TIMEOUT`, Linux; [Networks that partition](deployment.md#networks-that-partition)); "
         "`None`: off, or set `socket_keepalive*` yourself")
     reconnect_window: float = option(
-        10, "seconds a connect to a broker this process reached before is tried again (every 0.25 s) "
-        "before its error goes to kombu's retries; 0: at once (a producer that must fail fast)")
+        10, "seconds a connect to a broker this process reached before (on a cluster, also a publish to "
+        "a slot with no primary yet) is tried again, every 0.25 s, before kombu's retries see it; 0: at once")
     max_connections: int = option(
         10, "connections commands share per connection object; a command waits (up to 20 s) for a "
         "free one. Outside it, per channel: the blocking waits (2), one held for the channel's single "
