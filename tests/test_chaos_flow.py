@@ -214,6 +214,22 @@ def test_a_capped_queue_that_did_not_drain_fails(mutant: str) -> None:
     assert not found["flow"]["drain"]["ok"] and found["verdict"] == "FAIL"
 
 
+def test_a_capped_task_lost_to_a_failover_is_no_leak() -> None:
+    """A capped task that a primary confirmed just before a failover replaced it never ran
+    (its write was not replicated: the loss is explained) and the queue drained: no slot
+    leaked, so the drain holds (seed 1010 failed on one such task)."""
+    records = good()
+    records["submit"].append(submit("c7", 5.0, "capped"))
+    records["fault"].append({"kind": "broker_pause", "t": T0 + 5.0, "writes_until": T0 + 5.5,
+                             "failover": True, "queues": [flow.CAPPED]})
+    found = judged(records)
+    drain = found["flow"]["drain"]
+    assert (drain["ok"], drain["capped_unfinished"], drain["capped_lost_explained"]) == (True, 0, 1)
+    assert (found["lost_explained_by_failover"], found["verdict"]) == (1, "PASS")
+    records["fault"][-1]["queues"] = ["celery"]  # a failover of another primary explains nothing
+    assert not judged(records)["flow"]["drain"]["ok"]
+
+
 def test_a_queue_pause_explains_no_duplicate() -> None:
     records = good()
     run(records, "c6", "capped", 14.0, 14.2, count=1)  # run again after the pause, no other fault

@@ -181,13 +181,16 @@ def flow_line(f: dict[str, Any]) -> str:
     cap, retry, pause, drain = f["cap"], f["retry"], f["pause"], f["drain"]
     ok = {True: "holds", False: "FAILS"}
     explained = f", {retry['early_explained']} explained by a fault" if retry["early_explained"] else ""
+    lost_explained = (f", {drain['capped_lost_explained']} lost to a failover (explained)"
+                      if drain.get("capped_lost_explained") else "")
     return (f"- flow control: cap {ok[cap['ok']]} ({cap['executions']} capped runs, peak running "
             f"{cap['peak_running']} of {cap['cap']}{released(cap)}); "
             f"retry {ok[retry['ok']]} ({retry['retries']} retries, "
             f"early {retry['early']}{explained}, least margin over the backoff {retry['min_margin_ms']} ms); "
             f"pause {ok[pause['ok']]} (pauses {pause['pauses']}, consumes of a paused queue "
             f"{pause['violations']}); drain {ok[drain['ok']]} ({drain['capped_submitted']} capped "
-            f"submissions, unfinished {drain['capped_unfinished']}, runs cut by a worker_kill "
+            f"submissions, unfinished {drain['capped_unfinished']}"
+            f"{lost_explained}, runs cut by a worker_kill "
             f"{drain['runs_cut_by_worker_kill']})")
 
 

@@ -360,7 +360,8 @@ def compute(records: dict[str, list[dict[str, Any]]], state: dict[str, Any],
         verdict["partitions"] = partitions.recovery(records, every_fault)
         ok = ok and verdict["partitions"]["ok"]
     if flow_settings is not None:
-        verdict["flow"] = flow.check(records, every_fault, flow_settings, state.get("capped"))
+        explained = set(loss["lost"]) - set(loss["unexplained"])
+        verdict["flow"] = flow.check(records, every_fault, flow_settings, state.get("capped"), explained)
         ok = ok and verdict["flow"]["ok"]
     verdict["verdict"] = ("PASS" if ok else "FAIL") if transport == "ours" else "REPORT"
     verdict["would_pass"] = ok
