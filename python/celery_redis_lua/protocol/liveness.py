@@ -90,17 +90,9 @@ def ride_out(connect: Callable[[], T], broker: str, window: float) -> T:
     """``connect()``; where it cannot reach ``broker`` and this process has reached it before
     (a partition, a restart, a failover under way), it is tried again every RETRY_SECONDS for
     up to ``window`` seconds before the error is raised."""
-    deadline = time.monotonic() + window if broker in _reached else 0.0
-    while True:
-        try:
-            connected = connect()
-        except UNREACHABLE as error:
-            if isinstance(error, REFUSED) or time.monotonic() + RETRY_SECONDS > deadline:
-                raise
-            time.sleep(RETRY_SECONDS)  # the broker's return is not an event anything sends
-            continue
-        _reached.add(broker)
-        return connected
+    connected = _again_while(connect, UNREACHABLE, window if broker in _reached else 0.0)
+    _reached.add(broker)
+    return connected
 
 
 def ride_out_failover(run: Callable[[], T], window: float) -> T:
@@ -108,11 +100,17 @@ def ride_out_failover(run: Callable[[], T], window: float) -> T:
     cluster says it is down, sent again every RETRY_SECONDS for up to ``window`` seconds
     (0: raised at once). The cluster client finds the promoted replica by itself (it reads
     the slot map again after such an error)."""
+    return _again_while(run, UNOWNED, window)
+
+
+def _again_while(run: Callable[[], T], errors: tuple[type[BaseException], ...], window: float) -> T:
+    """``run()``, run again every RETRY_SECONDS while it raises one of ``errors`` (a refused
+    login excepted), for up to ``window`` seconds; then the error is raised."""
     deadline = time.monotonic() + window
     while True:
         try:
             return run()
-        except UNOWNED as error:
+        except errors as error:
             if isinstance(error, REFUSED) or time.monotonic() + RETRY_SECONDS > deadline:
                 raise
-            time.sleep(RETRY_SECONDS)  # a promotion is not an event anything sends
+            time.sleep(RETRY_SECONDS)  # a broker's return, a promotion: no event tells of it
