@@ -136,9 +136,8 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
             self._publishing = None
 
     def settle_unconfirmed(self, *, flush: bool = True, timeout: float | None = None) -> None:
-        """Unconfirmed publishes: send what is pending (``flush``; its socket operations give
-        up after ``timeout``), publish again those a stale route refused (synchronously,
-        skipping queues that stored them), raise what the server refused (protocol/unconfirmed.py)."""
+        """Unconfirmed publishes: send what is pending (``flush``; its sockets give up after ``timeout``),
+        publish again what a stale route refused (not where stored), raise the refused (unconfirmed.py)."""
         if self.unconfirmed is None:
             return
         if flush:
@@ -174,9 +173,10 @@ class Channel(ShardingMixin, ConsumingMixin, FanoutMixin, virtual.Channel):
         outgoing = args.outgoing(dumps(message), route)
         if put_later(self, queue, outgoing):  # unconfirmed, or in a confirm_together() block
             return
-        # Waits out a fenced primary or a cluster slot's failover (fence.py); group.py: publishes in flight.
+        # Waits out a fence and, for a task (sent again, stored once), a cluster slot's failover (fence.py).
+        failover = self.options.reconnect_window if self.is_cluster and outgoing.task_id else 0
         wait_out(lambda: publish_confirmed(self.lib, queue, outgoing, grouped=self.options.group_commit),
-                 self.options.fence_timeout, failover=self.options.reconnect_window if self.is_cluster else 0)
+                 self.options.fence_timeout, failover=failover)
         if publishing is not None:
             publishing.stored.add(logical)
 

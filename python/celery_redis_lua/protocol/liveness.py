@@ -99,7 +99,9 @@ def ride_out_failover(run: Callable[[], T], window: float) -> T:
     """``run()``, a call on a cluster; while its slot's primary cannot be reached or the
     cluster says it is down, sent again every RETRY_SECONDS for up to ``window`` seconds
     (0: raised at once). The cluster client finds the promoted replica by itself (it reads
-    the slot map again after such an error)."""
+    the slot map again after such an error). A lost connection may have lost only the reply:
+    the caller passes a window only for a call that is safe to run twice (a publish with a
+    task id, which the task index stores once, as confirm_together's resend requires)."""
     return _again_while(run, UNOWNED, window)
 
 
