@@ -1,6 +1,6 @@
 #!lua
 -- name: consume
--- version: 16
+-- version: 17
 -- summary: Deliver up to N ready messages across several queues, highest priority first, and index them as in flight.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages, score (255 - priority) * 10^13 + ready_at_ms
@@ -55,7 +55,8 @@
 --   every 1/hz (100 ms by default), which would hold 10/s to about 6/s. Several consumers
 --   waiting on one rate each wake at that time and all but one are refused again: C
 --   consumers cost about C consume calls per token, N * C per unit.
---   Writes are variadic where they can be, which keeps the server's cost per message low.
+--   Writes are variadic where they can be, and a batch's payloads and states are read in one
+--   HMGET each per queue, which keeps the server's cost per message low.
 --   visibility_ms is at most 10 years (315360000000 ms), so that now plus it stays an exact
 --   double and string.format('%d') cannot overflow (protocol/bounds.py).
 --   A stored 'expires' past 10 years (an older version's, or set by hand) counts as 10
@@ -312,6 +313,36 @@ local function take(need)
   return taken, false
 end
 
+-- The payloads and state strings of what `take` took (false where gone), in its order, and
+-- a table for the state strings to write: one HMGET of each per queue (in chunks that Lua's
+-- unpack() can take), not an HGET of each per message (a call costs more than a field).
+local function read_taken(taken)
+  if #queues == 1 and #taken <= 4000 then -- most calls: the replies are in `taken`'s order
+    local ids, q = {}, queues[1]
+    for i, item in ipairs(taken) do ids[i] = item[2] end
+    return rcall('HMGET', q.message, unpack(ids)), rcall('HMGET', q.state, unpack(ids)), {}
+  end
+  local ids, places, payloads, raws = {}, {}, {}, {} -- queue position -> its ids, their places in `taken`
+  for i, item in ipairs(taken) do
+    local mine = ids[item[1]]
+    if not mine then
+      ids[item[1]], places[item[1]] = {item[2]}, {i}
+    else
+      mine[#mine + 1], places[item[1]][#mine + 1] = item[2], i
+    end
+  end
+  for pos, mine in pairs(ids) do
+    local q, place = queues[pos], places[pos]
+    for first = 1, #mine, 4000 do
+      local last = math.min(first + 3999, #mine)
+      local found, states = rcall('HMGET', q.message, unpack(mine, first, last)),
+                            rcall('HMGET', q.state, unpack(mine, first, last))
+      for k = first, last do payloads[place[k]], raws[place[k]] = found[k - first + 1], states[k - first + 1] end
+    end
+  end
+  return payloads, raws, {}
+end
+
 local function dead_letter_expired(q, id, s, payload)
   if dead_maxlen > 0 then
     rcall('XADD', q.dead, 'MAXLEN', '~', dead_maxlen, '*', 'id', id, 'reason', 'expired',
@@ -329,11 +360,18 @@ local deadline_text = string.format('%d', deadline) -- each delivery's index sco
 while skips_left > 0 do
   local taken, exhausted = take(count - delivered)
   if #taken == 0 then drained = exhausted break end -- every queue is empty, or at its limit
-  local deadlines, gone = {}, {}
-  for _, item in ipairs(taken) do
+  -- A batch's payloads and states are read at once and its state strings written at once; a
+  -- single message's by HGET and HSET, as many calls and no tables (each costs the server).
+  local deadlines, gone, payloads, raws, lines = {}, {}, nil, nil, nil
+  if #taken > 1 then payloads, raws, lines = read_taken(taken) end
+  for i, item in ipairs(taken) do
     local q, id = queues[item[1]], item[2]
-    local found = rcall('HGET', q.message, id)
-    local raw = rcall('HGET', q.state, id)
+    local found, raw
+    if payloads then
+      found, raw = payloads[i], raws[i]
+    else
+      found, raw = rcall('HGET', q.message, id), rcall('HGET', q.state, id)
+    end
     local s = raw and parse_state(raw)
     local at = s and tonumber(s.expires_at)
     if not found or not s or (at and at <= now) then
@@ -356,12 +394,17 @@ while skips_left > 0 do
         gone[q] = gone[q] or {}
         table.insert(gone[q], id)
       else
-        rcall('HSET', q.state, id, state_line('unacked', s.count, s))
-        local entries = deadlines[q]
-        if entries then
-          entries[#entries + 1], entries[#entries + 2] = deadline_text, id
+        local entries, unacked = deadlines[q], state_line('unacked', s.count, s)
+        if not lines then
+          rcall('HSET', q.state, id, unacked)
+          deadlines[q] = {deadline_text, id}
+        elseif entries then
+          local k = #entries
+          entries[k + 1], entries[k + 2] = deadline_text, id
+          entries = lines[q]
+          entries[k + 1], entries[k + 2] = id, unacked -- as long as deadlines[q]
         else
-          deadlines[q] = {deadline_text, id} -- sized at once: a table filled from empty grows twice
+          deadlines[q], lines[q] = {deadline_text, id}, {id, unacked} -- sized at once (filling grows twice)
         end
       end
       local r = #reply
@@ -372,6 +415,9 @@ while skips_left > 0 do
   end
   for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
   for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
+  if lines then
+    for q, entries in pairs(lines) do variadic('HSET', q.state, entries) end
+  end
   if exhausted then drained = true break end -- every queue of the call is empty
   if delivered >= count then break end
 end

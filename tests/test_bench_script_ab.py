@@ -11,7 +11,7 @@ from scripts.bench import script_ab
 
 @pytest.mark.parametrize(("script", "variant"),
                          [("publish", "plain"), ("publish", "dedup"), ("publish", "fair"),
-                                            ("consume", "plain"), ("consume", "fair")])
+                                            ("consume", "plain"), ("consume", "fair"), ("ack", "plain")])
 def test_an_ab_run_measures_both_versions(script: str, variant: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     require_kind("valkey")

@@ -30,16 +30,20 @@ from scripts.servers import Server
 #                        LLEN wake, HSET payload, HSET state + task index, ZADD, HSET last_id
 #   publish  8           the same for a batch of ten in one call (publish_many, a producer's
 #    (batch)             group commit): the calls are the call's, not the messages'
-#   consume  7 + 3/msg   per message: HGET payload, HGET state, HSET state
-#   ack      6 + 2/msg   per message: HGET state (its task index entry), HDEL
+#   consume  10          HMGET meta, TIME, ZRANGE delayed, ZPOPMIN, HMGET payloads, HMGET states,
+#                        ZADD index, HSET states, ZCARD, LLEN wake: the same for a batch of ten
+#   ack      8           HMGET state, HGET + HDEL task index entry, ZREM index, ZREM ready (a copy the
+#                        sweep put back), HDEL state, HDEL payload, HGET limits
+#   ack      7           a batch: HMGET states, HMGET task index entries, ZREM, ZREM, HDEL states
+#    (batch)             with the index entries, HDEL payloads, HGET limits, for 2 to 4,000 ids
 #   extend   4           TIME, ZMSCORE and one ZADD XX for up to 2,000 ids, HGET expires
 #   reject   6 + 6/msg   requeued: HGET, ZREM, ZADD, HSET state, (HGET), HEXISTS (is it revoked:
 #                        a delivery Celery revoked that comes back is dead-lettered) per message
 EXPECTED = {
     "publish": (8, 8 * 10),
     "publish_many": (8, 8),
-    "consume": (10, 37),
-    "ack": (8, 26),
+    "consume": (10, 10),
+    "ack": (8, 7),
     "extend": (4, 4),
     "reject": (12, 66),
 }

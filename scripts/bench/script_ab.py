@@ -13,6 +13,7 @@ tells a 1% change apart where commandstats' microseconds wander by ±20% on a sh
     python -m scripts.bench.script_ab --script publish --base HEAD~1
     python -m scripts.bench.script_ab --script publish --base main --variant dedup --kind redis
     python -m scripts.bench.script_ab --script consume --base main --batch 10
+    python -m scripts.bench.script_ab --script ack --base main --batch 1
     python -m scripts.bench.script_ab --script publish --base HEAD~1 --instructions --rounds 1
 
 Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
@@ -23,6 +24,9 @@ Workloads (the common path: no TTL, no ETA, a task id, a ~350-byte payload):
   consume  N messages published with the working tree's publish, then consumed ``--batch`` at
            a time by the version under test (no ack); ``--variant fair``: published with a
            fairness key (one of ten), so the new version consumes a fair queue.
+  ack      N messages published and consumed ``--batch`` at a time with the working tree's
+           scripts, then acked ``--batch`` ids (id:delivery_count) a call by the version under
+           test: a Celery worker's acks, which ride together.
 """
 
 from __future__ import annotations
@@ -115,6 +119,27 @@ def consume_round(client: Any, sha: str, publish_sha: str, n: int, batch: int, t
     return measured(client, pipe.execute) / batch  # per message
 
 
+def ack_round(client: Any, sha: str, publish_sha: str, consume_sha: str, n: int, batch: int,
+              tag: str) -> float:
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.evalsha(publish_sha, 8, *queue_keys("q"), PAYLOAD, 0, "", "", 60_000, f"task-{tag}-{i}")
+    pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for _ in range(n // batch):
+        pipe.evalsha(consume_sha, 8, *queue_keys("q"), batch, 60_000, 0, 10_000)
+    deliveries = [reply[2:] for reply in pipe.execute()]  # 4 items per message after wake_in_ms, expired
+    pipe = client.pipeline(transaction=False)
+    for items in deliveries:
+        tags = [f"{items[i + 1].decode()}:{int(items[i + 2])}" for i in range(0, len(items), 4)]
+        pipe.evalsha(sha, 8, *queue_keys("q"), *tags)
+    replies: list[Any] = []
+    cost = measured(client, lambda: replies.extend(pipe.execute()))
+    if sum(int(reply[0]) for reply in replies) != n - n % batch:  # each ack acked what it named
+        raise RuntimeError(f"ack: {replies[:3]}... acked fewer than the {n - n % batch} consumed")
+    return cost / batch  # per message
+
+
 def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, variant: str,
         instructions: bool = False) -> dict[str, float]:
     old_source = subprocess.run(["git", "show", f"{base}:lua/{script}.lua"], cwd=ROOT, check=True,
@@ -129,6 +154,7 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
         client = server.client(socket_timeout=60)
         old, new = client.script_load(old_source), client.script_load(new_source)
         publish_sha = client.script_load((ROOT / "lua" / "publish.lua").read_text())
+        consume_sha = client.script_load((ROOT / "lua" / "consume.lua").read_text())
         for r in range(rounds):
             for name, sha in (("old", old), ("new", new)):
                 client.flushall()
@@ -138,8 +164,10 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
                                          fair=name == "new" and variant == "fair")
                 elif script == "consume":
                     cost = consume_round(client, sha, publish_sha, n, batch, tag, fair=variant == "fair")
+                elif script == "ack":
+                    cost = ack_round(client, sha, publish_sha, consume_sha, n, batch, tag)
                 else:
-                    raise SystemExit(f"no workload for script {script!r} (publish, consume)")
+                    raise SystemExit(f"no workload for script {script!r} (publish, consume, ack)")
                 results[name].append(cost)
         client.close()
         COUNTER.pop("callgrind", None)
@@ -149,12 +177,12 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    parser.add_argument("--script", choices=["publish", "consume"], required=True)
+    parser.add_argument("--script", choices=["publish", "consume", "ack"], required=True)
     parser.add_argument("--base", default="HEAD", help="the git revision whose script is A (default HEAD)")
     parser.add_argument("--kind", choices=["valkey", "redis"], default="valkey")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("-n", type=int, default=4000, help="calls per round (publish) or messages (consume)")
-    parser.add_argument("--batch", type=int, default=10, help="consume: messages per call")
+    parser.add_argument("--batch", type=int, default=10, help="consume and ack: messages per call")
     parser.add_argument("--variant", choices=["plain", "dedup", "fair"], default="plain")
     parser.add_argument("--instructions", action="store_true",
                         help="count the server's instructions inside EVALSHA under callgrind, not its µs")
@@ -164,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args.script, args.base, args.kind, args.rounds, args.n, args.batch, args.variant,
                  args.instructions)
     unit = "instructions" if args.instructions else "µs"
-    unit += " per message" if args.script == "consume" else " per call"
+    unit += " per call" if args.script == "publish" else " per message"
     print(f"{args.script} on {args.kind} ({args.rounds} rounds of {args.n}, variant {args.variant}): "
           f"{args.base} {result['old']:,.2f}, working tree {result['new']:,.2f} {unit}; "
           f"new/old {result['ratio']:.3f}")
