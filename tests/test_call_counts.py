@@ -26,7 +26,7 @@ from scripts.servers import Server
 
 # Script -> (calls with one message, calls with ten). Fixed + per-message, as measured on
 # Valkey 9 and Redis 7.0 alike (2026-12-05):
-#   publish  8           TIME, HMGET meta, HMGET task index (a retried publish is found),
+#   publish  8           TIME, HMGET meta, HGET task index (a retried publish is found),
 #                        LLEN wake, HSET payload, HSET state + task index, ZADD, HSET last_id
 #   publish  8           the same for a batch of ten in one call (publish_many, a producer's
 #    (batch)             group commit): the calls are the call's, not the messages'
