@@ -86,6 +86,12 @@ def socket_params(settings: TransportOptions) -> dict[str, Any]:
     return {"socket_keepalive": True, "socket_keepalive_options": detector}
 
 
+def refused(error: BaseException) -> bool:
+    """A refused login: no wait makes it succeed. A cluster client reports one found while it
+    reads the slot map as a RedisClusterException caused by it."""
+    return isinstance(error, REFUSED) or isinstance(error.__cause__, REFUSED)
+
+
 def ride_out(connect: Callable[[], T], broker: str, window: float) -> T:
     """``connect()``; where it cannot reach ``broker`` and this process has reached it before
     (a partition, a restart, a failover under way), it is tried again every RETRY_SECONDS for
@@ -113,6 +119,6 @@ def _again_while(run: Callable[[], T], errors: tuple[type[BaseException], ...], 
         try:
             return run()
         except errors as error:
-            if isinstance(error, REFUSED) or time.monotonic() + RETRY_SECONDS > deadline:
+            if refused(error) or time.monotonic() + RETRY_SECONDS > deadline:
                 raise
             time.sleep(RETRY_SECONDS)  # a broker's return, a promotion: no event tells of it
