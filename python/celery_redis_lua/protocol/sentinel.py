@@ -31,6 +31,11 @@ class SentinelConfigError(ValueError):
     """Sentinel URLs or options that can never work (a bad URL, an unknown master name)."""
 
 
+class SentinelsRefusedLogin(MasterNotFoundError, redis.AuthenticationError):
+    """Every sentinel refused our login (a wrong or missing sentinel password): no wait makes
+    it succeed, so it is an AuthenticationError too, which a reconnect does not ride out."""
+
+
 @dataclass(frozen=True)
 class SentinelUrls:
     """What a list of sentinel URLs says: where the sentinels are, and the primary's db and
@@ -126,16 +131,19 @@ def explain_master_not_found(pool: BlockingSentinelPool, error: MasterNotFoundEr
     name = pool.service_name
     known: set[str] = set()
     refusals: list[str] = []
+    logins_refused = 0
     for sentinel in pool.sentinel_manager.sentinels:
         where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
         try:
             known.update(sentinel.sentinel_masters())
         except (redis.RedisError, OSError) as refused:
             refusals.append(f"{where} ({type(refused).__name__}: {refused})")
+            logins_refused += isinstance(refused, (redis.AuthenticationError, redis.exceptions.AuthorizationError))
     if len(refusals) < len(pool.sentinel_manager.sentinels) and name not in known:
         monitored = ", ".join(sorted(known)) or "none"
         return SentinelConfigError(f"transport option 'master_name': no sentinel monitors a master "
                                    f"named {name!r} (monitored: {monitored})")
     if refusals and not known:
-        return MasterNotFoundError(f"no sentinel answered for master {name!r}: {'; '.join(refusals)}")
+        kind = SentinelsRefusedLogin if logins_refused == len(refusals) else MasterNotFoundError
+        return kind(f"no sentinel answered for master {name!r}: {'; '.join(refusals)}")
     return error
