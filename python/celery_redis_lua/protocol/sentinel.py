@@ -20,6 +20,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
+from .liveness import REFUSED
+
 DEFAULT_SENTINEL_PORT = 26379
 # A sentinel that does not answer within this long is skipped for the next one (redis-py
 # would wait forever without a socket timeout, and discovery would stall a failover).
@@ -138,7 +140,7 @@ def explain_master_not_found(pool: BlockingSentinelPool, error: MasterNotFoundEr
             known.update(sentinel.sentinel_masters())
         except (redis.RedisError, OSError) as refused:
             refusals.append(f"{where} ({type(refused).__name__}: {refused})")
-            logins_refused += isinstance(refused, (redis.AuthenticationError, redis.exceptions.AuthorizationError))
+            logins_refused += isinstance(refused, REFUSED)
     if len(refusals) < len(pool.sentinel_manager.sentinels) and name not in known:
         monitored = ", ".join(sorted(known)) or "none"
         return SentinelConfigError(f"transport option 'master_name': no sentinel monitors a master "
