@@ -328,7 +328,8 @@ local function read_taken(taken)
     if not mine then
       ids[item[1]], places[item[1]] = {item[2]}, {i}
     else
-      mine[#mine + 1], places[item[1]][#mine + 1] = item[2], i
+      local k = #mine + 1
+      mine[k], places[item[1]][k] = item[2], i
     end
   end
   for pos, mine in pairs(ids) do
