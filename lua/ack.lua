@@ -87,23 +87,35 @@ end
 -- forget_task's rule for many messages at once: the entries of messages `ids` (parsed states
 -- `states`, nil for none) read in one HMGET, and the fields to delete appended to `fields`,
 -- so that they go in the HDEL that deletes the messages' states (no call per message).
+-- `fields` may be `ids` itself: every id is read before anything is appended.
 local function forgotten_fields(state_key, ids, states, fields)
-  local probes, owners, n = {}, {}, 0
-  for i, id in ipairs(ids) do
+  local count, probes, n = #ids, {}, 0 -- count: before anything is appended
+  for i = 1, count do
     local s = states[i]
-    if s and s.task ~= '' then n = n + 1 probes[n], owners[n] = 'task:' .. s.task, id end
-    if s and s.dedup ~= '' then n = n + 1 probes[n], owners[n] = 'dedup:' .. s.dedup, id end
+    if s and s.task ~= '' then n = n + 1 probes[n] = 'task:' .. s.task end
+    if s and s.dedup ~= '' then n = n + 1 probes[n] = 'dedup:' .. s.dedup end
   end
-  for first = 1, n, 4000 do
-    local values = redis.call('HMGET', state_key, unpack(probes, first, math.min(first + 3999, n)))
-    for i, value in ipairs(values) do -- a missing entry is false, not nil: ipairs goes on
-      local field, id = probes[first + i - 1], owners[first + i - 1]
-      if string.sub(field, 1, 5) == 'task:' then
-        local k = #fields
-        if value == id then fields[k + 1], fields[k + 2] = field, 'revoked:' .. string.sub(field, 6) end
-      elseif value and string.sub(value, 1, #id + 1) == id .. ' ' then
-        fields[#fields + 1] = field
-      end
+  if n == 0 then return fields end
+  local values
+  if n <= 4000 then
+    values = redis.call('HMGET', state_key, unpack(probes))
+  else -- in chunks that Lua's unpack() can take
+    values = {}
+    for first = 1, n, 4000 do
+      local some = redis.call('HMGET', state_key, unpack(probes, first, math.min(first + 3999, n)))
+      for j = 1, #some do values[first + j - 1] = some[j] end
+    end
+  end
+  local k = 0 -- the probes again, in the order they were made
+  for i = 1, count do
+    local s, id = states[i], ids[i]
+    if s and s.task ~= '' then
+      k = k + 1
+      if values[k] == id then fields[#fields + 1] = probes[k] fields[#fields + 1] = 'revoked:' .. s.task end
+    end
+    if s and s.dedup ~= '' then
+      k = k + 1
+      if values[k] and string.sub(values[k], 1, #id + 1) == id .. ' ' then fields[#fields + 1] = probes[k] end
     end
   end
   return fields
@@ -207,18 +219,17 @@ local unqueued = variadic('ZREM', KEYS[1], acked) -- a copy the sweep had put ba
 if #waiting > 0 then unqueued = unqueued + variadic('ZREM', KEYS[2], waiting) end
 if retries > 0 then rcall('HINCRBY', KEYS[4], 'retrying', -retries) end
 if unqueued > 0 then drop_idle_wake(KEYS[1], KEYS[2], KEYS[8]) end -- its wake may be idle now
+reply[1] = variadic('HDEL', KEYS[6], acked)
 -- The states and what of the task index and the dedup holds is theirs: for one message (a
 -- lone ack) by forget_task, with no table made (each costs the server more than a call);
--- for more, read in one HMGET and deleted in the states' HDEL.
+-- for more, read in one HMGET and deleted in the states' HDEL, the fields appended to the
+-- acked ids themselves (nothing reads them after this; a copy would be one table more).
 if #ids == 1 then
   forget_task(KEYS[7], ids[1], parsed[1])
   rcall('HDEL', KEYS[7], ids[1])
 else
-  local fields = forgotten_fields(KEYS[7], ids, parsed, {})
-  for _, id in ipairs(acked) do fields[#fields + 1] = id end
-  variadic('HDEL', KEYS[7], fields)
+  variadic('HDEL', KEYS[7], forgotten_fields(KEYS[7], ids, parsed, acked))
 end
-reply[1] = variadic('HDEL', KEYS[6], acked)
 if reply[1] > 0 and wake_freed_slot(KEYS[4], KEYS[1], KEYS[2], KEYS[8]) then
   expire_with_meta(KEYS[4], KEYS[8]) -- an ack is no consumer activity: the queue's expiry stays
 end

@@ -107,3 +107,25 @@ def test_the_hot_path_runs_the_calls_it_is_known_to_run(lib: ScriptLibrary) -> N
         counted = tuple(sum(c.values()) for c in seen[name])
         assert counted == (one, ten), f"{name}: {counted} calls, expected {(one, ten)}: " + \
             " | ".join(", ".join(f"{k} {v}" for k, v in sorted(c.items())) for c in seen[name])
+
+
+def test_a_batch_past_lua_s_unpack_limit_is_consumed_and_acked_whole(lib: ScriptLibrary) -> None:
+    """consume reads a batch's payloads and states in one HMGET per queue and ack its task index
+    entries in one: past 4,000 ids each goes in chunks (Lua's unpack takes about 8,000
+    values), over two queues in one consume call, and nothing of the messages is left."""
+    client, keys = lib.client, Keyspace()
+    sent: dict[str, bytes] = {}
+    for queue in ("big-a", "big-b"):
+        lib.declare(queue)
+        for first in range(0, 4_500, 300):
+            batch = [Outgoing(f"{queue}-{i}".encode(), task_id=f"{queue}-t{i}") for i in range(first, first + 300)]
+            for outgoing, message_id in zip(batch, lib.publish_many(queue, batch), strict=True):
+                sent[str(message_id)] = outgoing.payload
+    consumed = lib.consume(["big-a", "big-b"], 9_000)
+    got = {d.id: d.payload for d in consumed.deliveries}
+    assert got == sent  # every message once, with its own payload
+    for queue in ("big-a", "big-b"):
+        mine = [d for d in consumed.deliveries if d.queue == queue]
+        acked = lib.ack(queue, [d.id for d in mine], counts=[d.delivery_count for d in mine])
+        assert (int(acked), acked.stale) == (4_500, ())
+        assert client.exists(keys.message(queue), keys.state(queue)) == 0  # every payload, state, index entry
