@@ -118,7 +118,8 @@ def test_a_batch_past_lua_s_unpack_limit_is_consumed_and_acked_whole(lib: Script
     for queue in ("big-a", "big-b"):
         lib.declare(queue)
         for first in range(0, 4_500, 300):
-            batch = [Outgoing(f"{queue}-{i}".encode(), task_id=f"{queue}-t{i}") for i in range(first, first + 300)]
+            batch = [Outgoing(f"{queue}-{i}".encode(), task_id=f"{queue}-t{i}")
+                     for i in range(first, first + 300)]
             for outgoing, message_id in zip(batch, lib.publish_many(queue, batch), strict=True):
                 sent[str(message_id)] = outgoing.payload
     consumed = lib.consume(["big-a", "big-b"], 9_000)
