@@ -23,6 +23,7 @@ from celery_redis_lua import Keyspace, ScriptLibrary
 from helpers import PLACEMENT
 from kombu_support import Broker
 from scripts.servers import Cluster, Server, ServerUnavailable, server_binary
+from spares import start_ahead, stop_spares
 
 TARGETS = ("valkey", "redis", "valkey-cluster", "redis-cluster")
 PREFIXES = ("", "app:")
@@ -41,6 +42,17 @@ def _session_servers(make: Callable[[str], Any], kind: str) -> Iterator[Any]:
     require_kind(kind)
     with make(kind) as started:
         yield started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spare_clusters(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Clusters started one test ahead (spares.py): a Valkey one from the start when the run
+    has Celery tests on one (that suite runs first and takes one per test); those no test took
+    stop with the session."""
+    if any("valkey-cluster" in item.nodeid for item in request.session.items):
+        start_ahead("valkey")
+    yield
+    stop_spares()
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from celery_redis_lua.protocol.durability import Durability, NotDurable
 from conftest import require_kind
 from helpers import names_on_each_node, wait_until
 from scripts.servers import Cluster, Server
+from spares import fresh_cluster
 
 VISIBILITY_SECONDS = 5
 MESSAGES = 600
@@ -38,8 +39,11 @@ def replicated(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """A fresh three-primary cluster with a replica each, failing over 1 s after a primary
     stops answering (the topology tests change it, so no other test shares it)."""
     require_kind(request.param)
-    with Cluster(request.param, replicas=1, node_timeout_ms=1000) as cluster:
+    cluster = fresh_cluster(request.param, replicas=1, node_timeout_ms=1000)  # started one test ahead
+    try:
         yield cluster
+    finally:
+        cluster.stop()
 
 
 def url(cluster: Cluster) -> str:

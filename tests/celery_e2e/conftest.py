@@ -15,6 +15,7 @@ import celery_redis_lua  # noqa: F401  (registers redislua://)
 from conftest import require_kind
 from helpers import PLACEMENT
 from scripts.servers import Cluster, Server
+from spares import fresh_cluster
 
 from .harness import Broker
 
@@ -68,14 +69,17 @@ def servers(broker_kind: str) -> Iterator[tuple[Any, Server]]:
     """A broker server (or cluster) of the kind under test, and a Valkey for results and the
     ledger. Both have ``client()``; a cluster's is a RedisCluster."""
     kind = broker_kind.removesuffix("-cluster")
-    broker_server = Cluster(kind) if broker_kind.endswith("-cluster") else Server(kind)
-    with broker_server, Server("valkey") as result_server:
-        try:
-            yield broker_server, result_server
-        finally:
-            retire_producers()
-            if isinstance(broker_server, Cluster):
-                PLACEMENT.record("celery", broker_kind, broker_server)
+    broker_server = fresh_cluster(kind) if broker_kind.endswith("-cluster") else Server(kind).start()
+    try:
+        with Server("valkey") as result_server:
+            try:
+                yield broker_server, result_server
+            finally:
+                retire_producers()
+                if isinstance(broker_server, Cluster):
+                    PLACEMENT.record("celery", broker_kind, broker_server)
+    finally:
+        broker_server.stop()
 
 
 @pytest.fixture
@@ -144,10 +148,14 @@ def log_dir(tmp_path: Path) -> Path:
 def cluster_broker(request: pytest.FixtureRequest) -> Iterator[tuple[Broker, Cluster]]:
     """A fresh three-primary cluster of each kind, with a Valkey for results."""
     require_kind(request.param)
-    with Cluster(request.param) as cluster, Server("valkey") as results:
-        try:
-            yield (Broker(broker_url=f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0",
-                          result_url=f"redis://127.0.0.1:{results.port}/0",
-                          transport_options={"visibility_timeout": 30, "sweep_interval": 1}), cluster)
-        finally:
-            retire_producers()
+    cluster = fresh_cluster(request.param)
+    try:
+        with Server("valkey") as results:
+            try:
+                yield (Broker(broker_url=f"redislua+cluster://127.0.0.1:{cluster.nodes[0].port}/0",
+                              result_url=f"redis://127.0.0.1:{results.port}/0",
+                              transport_options={"visibility_timeout": 30, "sweep_interval": 1}), cluster)
+            finally:
+                retire_producers()
+    finally:
+        cluster.stop()
