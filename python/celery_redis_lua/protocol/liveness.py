@@ -35,6 +35,7 @@ policy: 3) were spent in milliseconds and ``apply_async`` raised (chaos seed 101
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -46,9 +47,11 @@ if TYPE_CHECKING:
 
 # How often a reconnect to a broker reached before is tried again (for reconnect_window seconds).
 RETRY_SECONDS = 0.25
-# Errors of a broker that cannot be reached now; a refused login is not one of them.
+# Errors of a broker that cannot be reached now; a refused login is not one of them, nor a
+# server certificate that fails verification (no wait makes either succeed; redis-py reports
+# the second as a ConnectionError caused by it).
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, OSError)
-REFUSED = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+REFUSED = (redis.AuthenticationError, redis.exceptions.AuthorizationError, ssl.SSLCertVerificationError)
 # Errors of a cluster call whose slot has no primary in reach (a failover under way).
 UNOWNED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
            redis.exceptions.SlotNotCoveredError)
@@ -87,8 +90,9 @@ def socket_params(settings: TransportOptions) -> dict[str, Any]:
 
 
 def refused(error: BaseException) -> bool:
-    """A refused login: no wait makes it succeed. A cluster client reports one found while it
-    reads the slot map as a RedisClusterException caused by it."""
+    """A refused login or a certificate that fails verification: no wait makes it succeed.
+    redis-py reports either as an error caused by it (a cluster client's RedisClusterException
+    while it reads the slot map, a connection's ConnectionError)."""
     return isinstance(error, REFUSED) or isinstance(error.__cause__, REFUSED)
 
 

@@ -34,8 +34,9 @@ class SentinelConfigError(ValueError):
 
 
 class SentinelsRefusedLogin(MasterNotFoundError, redis.AuthenticationError):
-    """Every sentinel refused our login (a wrong or missing sentinel password): no wait makes
-    it succeed, so it is an AuthenticationError too, which a reconnect does not ride out."""
+    """Every sentinel refused us (a wrong or missing sentinel password, or a certificate that
+    fails verification): no wait makes it succeed, so it is an AuthenticationError too, which
+    a reconnect does not ride out."""
 
 
 @dataclass(frozen=True)
