@@ -313,14 +313,14 @@ local function take(need)
   return taken, false
 end
 
--- The payloads and state strings of what `take` took (false where gone), in its order, and
--- a table for the state strings to write: one HMGET of each per queue (in chunks that Lua's
--- unpack() can take), not an HGET of each per message (a call costs more than a field).
+-- The payloads and state strings of what `take` took (false where gone), in its order: one
+-- HMGET of each per queue (in chunks that Lua's unpack() can take), not an HGET of each per
+-- message (a call costs more than a field).
 local function read_taken(taken)
   if #queues == 1 and #taken <= 4000 then -- most calls: the replies are in `taken`'s order
     local ids, q = {}, queues[1]
     for i, item in ipairs(taken) do ids[i] = item[2] end
-    return rcall('HMGET', q.message, unpack(ids)), rcall('HMGET', q.state, unpack(ids)), {}
+    return rcall('HMGET', q.message, unpack(ids)), rcall('HMGET', q.state, unpack(ids))
   end
   local ids, places, payloads, raws = {}, {}, {}, {} -- queue position -> its ids, their places in `taken`
   for i, item in ipairs(taken) do
@@ -341,7 +341,7 @@ local function read_taken(taken)
       for k = first, last do payloads[place[k]], raws[place[k]] = found[k - first + 1], states[k - first + 1] end
     end
   end
-  return payloads, raws, {}
+  return payloads, raws
 end
 
 local function dead_letter_expired(q, id, s, payload)
@@ -364,7 +364,10 @@ while skips_left > 0 do
   -- A batch's payloads and states are read at once and its state strings written at once; a
   -- single message's by HGET and HSET, as many calls and no tables (each costs the server).
   local deadlines, gone, payloads, raws, lines = {}, {}, nil, nil, nil
-  if #taken > 1 then payloads, raws, lines = read_taken(taken) end
+  if #taken > 1 then
+    payloads, raws = read_taken(taken)
+    lines = {} -- queue -> the state strings to write, as deadlines[q] its index entries
+  end
   for i, item in ipairs(taken) do
     local q, id = queues[item[1]], item[2]
     local found, raw
