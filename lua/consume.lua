@@ -264,8 +264,9 @@ end
 -- 3. Take up to `need` ids off the queues, lowest score (highest priority, then oldest)
 --    first across queues, none from a queue beyond its room. One queue: ZPOPMIN. Several:
 --    merge their heads, then ZREM. A queue found empty is marked so (q.empty). Returns
---    the ids and whether every queue is now empty (without limits; with them, the caller
---    asks again until nothing comes).
+--    what it took, flat: each queue's position in KEYS and the id, in turn (no table per
+--    message: each one costs the server), and whether every queue is now empty (without
+--    limits; with them, the caller asks again until nothing comes).
 local function take(need)
   local taken, open = {}, active
   if limited then
@@ -279,7 +280,7 @@ local function take(need)
     local q = open[1]
     local n = q.room and math.min(need, q.room) or need
     local popped = rcall('ZPOPMIN', q.queue, n)
-    for i = 1, #popped, 2 do taken[#taken + 1] = {q.pos, popped[i]} end
+    for i = 1, #popped, 2 do taken[i], taken[i + 1] = q.pos, popped[i] end -- popped: id, score, ...
     if q.fair and #popped > 0 then q.top = tonumber(popped[#popped]) end -- the largest score taken
     if limited then q.empty = #popped < 2 * n return taken, false end
     return taken, #popped < 2 * need
@@ -291,7 +292,7 @@ local function take(need)
     positions[i] = 1
   end
   local removed = {}
-  while #taken < need do
+  while #taken < 2 * need do
     local best, best_score
     for i = 1, #open do
       local score = tonumber(heads[i][positions[i] + 1])
@@ -300,13 +301,14 @@ local function take(need)
     if not best then break end
     local id = heads[best][positions[best]]
     positions[best] = positions[best] + 2
-    taken[#taken + 1] = {open[best].pos, id}
+    local n = #taken
+    taken[n + 1], taken[n + 2] = open[best].pos, id
     if open[best].fair then open[best].top = best_score end -- each queue's heads come in order
     removed[best] = removed[best] or {}
     table.insert(removed[best], id)
   end
   for i, ids in pairs(removed) do variadic('ZREM', open[i].queue, ids) end
-  if not limited then return taken, #taken < need end
+  if not limited then return taken, #taken < 2 * need end
   for i, q in ipairs(open) do -- every head taken, and fewer than asked for: nothing is left
     if #heads[i] < 2 * asked[i] and positions[i] > #heads[i] then q.empty = true end
   end
@@ -317,19 +319,20 @@ end
 -- HMGET of each per queue (in chunks that Lua's unpack() can take), not an HGET of each per
 -- message (a call costs more than a field).
 local function read_taken(taken)
-  if #queues == 1 and #taken <= 4000 then -- most calls: the replies are in `taken`'s order
+  if #queues == 1 and #taken <= 8000 then -- most calls: the replies are in `taken`'s order
     local ids, q = {}, queues[1]
-    for i, item in ipairs(taken) do ids[i] = item[2] end
+    for k = 2, #taken, 2 do ids[k / 2] = taken[k] end
     return rcall('HMGET', q.message, unpack(ids)), rcall('HMGET', q.state, unpack(ids))
   end
   local ids, places, payloads, raws = {}, {}, {}, {} -- queue position -> its ids, their places in `taken`
-  for i, item in ipairs(taken) do
-    local mine = ids[item[1]]
+  for k = 1, #taken, 2 do
+    local pos, id, i = taken[k], taken[k + 1], (k + 1) / 2
+    local mine = ids[pos]
     if not mine then
-      ids[item[1]], places[item[1]] = {item[2]}, {i}
+      ids[pos], places[pos] = {id}, {i}
     else
-      local k = #mine + 1
-      mine[k], places[item[1]][k] = item[2], i
+      local n = #mine + 1
+      mine[n], places[pos][n] = id, i
     end
   end
   for pos, mine in pairs(ids) do
@@ -364,12 +367,13 @@ while skips_left > 0 do
   -- A batch's payloads and states are read at once and its state strings written at once; a
   -- single message's by HGET and HSET, as many calls and no tables (each costs the server).
   local deadlines, gone, payloads, raws, lines = {}, {}, nil, nil, nil
-  if #taken > 1 then
+  if #taken > 2 then
     payloads, raws = read_taken(taken)
     lines = {} -- queue -> the state strings to write, as deadlines[q] its index entries
   end
-  for i, item in ipairs(taken) do
-    local q, id = queues[item[1]], item[2]
+  for t = 1, #taken, 2 do -- taken: position, id, position, id ...
+    local i, pos, id = (t + 1) / 2, taken[t], taken[t + 1]
+    local q = queues[pos]
     local found, raw
     if payloads then
       found, raw = payloads[i], raws[i]
@@ -412,7 +416,7 @@ while skips_left > 0 do
         end
       end
       local r = #reply
-      reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = item[1], id, s.count, found
+      reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = pos, id, s.count, found
       delivered = delivered + 1
       if q.room then q.room, q.delivered = q.room - 1, (q.delivered or 0) + 1 end
     end
