@@ -27,8 +27,7 @@ _SPARES: dict[tuple[Any, ...], Future[Cluster]] = {}
 def fresh_cluster(kind: str, **options: Any) -> Cluster:
     """A started cluster of ``kind`` (``options`` as ``Cluster``'s) that no test used; the
     caller stops it. One like it is started in the background for the next caller."""
-    key = (kind, *sorted(options.items()))
-    spare = _SPARES.pop(key, None)
+    spare = _SPARES.pop(_key(kind, options), None)
     cluster = None
     if spare is not None:
         with contextlib.suppress(Exception):  # it did not start: one is started here, and says why
@@ -41,9 +40,13 @@ def fresh_cluster(kind: str, **options: Any) -> Cluster:
 
 def start_ahead(kind: str, **options: Any) -> None:
     """Start, in the background, the cluster the next ``fresh_cluster`` call like this takes."""
-    key = (kind, *sorted(options.items()))
+    key = _key(kind, options)
     if key not in _SPARES:
         _SPARES[key] = _STARTER.submit(lambda: Cluster(kind, **options).start())
+
+
+def _key(kind: str, options: dict[str, Any]) -> tuple[Any, ...]:
+    return (kind, *sorted(options.items()))
 
 
 def stop_spares() -> None:

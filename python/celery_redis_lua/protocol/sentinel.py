@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
-from .liveness import REFUSED
+from .liveness import refused
 
 DEFAULT_SENTINEL_PORT = 26379
 # A sentinel that does not answer within this long is skipped for the next one (redis-py
@@ -139,9 +139,9 @@ def explain_master_not_found(pool: BlockingSentinelPool, error: MasterNotFoundEr
         where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
         try:
             known.update(sentinel.sentinel_masters())
-        except (redis.RedisError, OSError) as refused:
-            refusals.append(f"{where} ({type(refused).__name__}: {refused})")
-            logins_refused += isinstance(refused, REFUSED)
+        except (redis.RedisError, OSError) as error:
+            refusals.append(f"{where} ({type(error).__name__}: {error})")
+            logins_refused += refused(error)
     if len(refusals) < len(pool.sentinel_manager.sentinels) and name not in known:
         monitored = ", ".join(sorted(known)) or "none"
         return SentinelConfigError(f"transport option 'master_name': no sentinel monitors a master "
