@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: ack
--- version: 11
+-- version: 12
 -- summary: Acknowledge messages of one queue: delete them and every trace of them, fenced by the delivery's count.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages (a restored copy of an acked message is removed too)
@@ -70,21 +70,24 @@ end
 -- message of the same task id (a retry) keeps its own. 'revoked:<task id>' (cancel, for a
 -- delivery Celery's revoke() named) goes with it. So does the hold on a dedup id (publish's
 -- simple and debounce modes: 'dedup:<sha1 of the id>' -> 'HOLDER UNTIL MODE ID', the sha1
--- also in the message's state string), when it is still this message's.
-local function forget_task(state_key, id, s)
-  if not s then return end
-  if s.task ~= '' and redis.call('HGET', state_key, 'task:' .. s.task) == id then
-    redis.call('HDEL', state_key, 'task:' .. s.task, 'revoked:' .. s.task)
+-- also in the message's state string), when it is still this message's. The other scripts'
+-- forget_task deletes them in an HDEL of their own; an ack deletes them with the state, in
+-- one HDEL: for one message (a lone ack) here, with no table made (s: its parsed state).
+local function forget_one(state_key, id, s)
+  local task = s and s.task ~= '' and 'task:' .. s.task
+  if task and redis.call('HGET', state_key, task) ~= id then task = false end
+  local hold = s and s.dedup ~= '' and 'dedup:' .. s.dedup
+  if hold then
+    local value = redis.call('HGET', state_key, hold)
+    if not (value and string.sub(value, 1, #id + 1) == id .. ' ') then hold = false end
   end
-  if s.dedup ~= '' then
-    local hold = redis.call('HGET', state_key, 'dedup:' .. s.dedup)
-    if hold and string.sub(hold, 1, #id + 1) == id .. ' ' then
-      redis.call('HDEL', state_key, 'dedup:' .. s.dedup)
-    end
-  end
+  if task and hold then return redis.call('HDEL', state_key, id, task, 'revoked:' .. s.task, hold) end
+  if task then return redis.call('HDEL', state_key, id, task, 'revoked:' .. s.task) end
+  if hold then return redis.call('HDEL', state_key, id, hold) end
+  return redis.call('HDEL', state_key, id)
 end
 
--- forget_task's rule for many messages at once: the entries of messages `ids` (parsed states
+-- forget_one's rule for many messages at once: the entries of messages `ids` (parsed states
 -- `states`, nil for none) read in one HMGET, and the fields to delete appended to `fields`,
 -- so that they go in the HDEL that deletes the messages' states (no call per message).
 -- `fields` may be `ids` itself: every id is read before anything is appended.
@@ -186,7 +189,10 @@ end
 
 -- Each state tells whether the ack is stale, where a copy waits, and its task id. What is
 -- not stale is acked: the ids themselves, unless some are (the common path copies nothing).
-local stale, waiting, retries, parsed = {}, {}, 0, {}
+-- A ready copy (the sweep put it back) is in the ready set, as is one whose state is gone or
+-- unreadable (read as ready: left in no set that holds it); a message in flight is in none,
+-- so the common ack removes it from no set but the index.
+local stale, waiting, retries, parsed, ready = {}, {}, 0, {}, nil
 for first = 1, #ids, 4000 do
   local states = rcall('HMGET', KEYS[7], unpack(ids, first, math.min(first + 3999, #ids)))
   for i, raw in ipairs(states) do
@@ -194,8 +200,12 @@ for first = 1, #ids, 4000 do
     local s = raw and parse_state(raw)
     if s and expected[n] and s.state == 'unacked' and s.count ~= expected[n] then
       stale[#stale + 1] = n -- delivered again since: that consumer's now
-    elseif s then
+    elseif not s or s.state == 'ready' then
       parsed[n] = s -- acked: its task index entry and dedup hold go with it
+      ready = ready or {}
+      ready[#ready + 1] = ids[n]
+    else
+      parsed[n] = s
       if s.state == 'retry' or s.state == 'delayed' then waiting[#waiting + 1] = ids[n] end
       if s.state == 'retry' then retries = retries + 1 end
     end
@@ -215,18 +225,17 @@ if #stale > 0 then
 end
 if #acked == 0 then return reply end
 variadic('ZREM', KEYS[3], acked)
-local unqueued = variadic('ZREM', KEYS[1], acked) -- a copy the sweep had put back
+local unqueued = ready and variadic('ZREM', KEYS[1], ready) or 0 -- a copy the sweep had put back
 if #waiting > 0 then unqueued = unqueued + variadic('ZREM', KEYS[2], waiting) end
 if retries > 0 then rcall('HINCRBY', KEYS[4], 'retrying', -retries) end
 if unqueued > 0 then drop_idle_wake(KEYS[1], KEYS[2], KEYS[8]) end -- its wake may be idle now
 reply[1] = variadic('HDEL', KEYS[6], acked)
--- The states and what of the task index and the dedup holds is theirs: for one message (a
--- lone ack) by forget_task, with no table made (each costs the server more than a call);
--- for more, read in one HMGET and deleted in the states' HDEL, the fields appended to the
--- acked ids themselves (nothing reads them after this; a copy would be one table more).
+-- The states and what of the task index and the dedup holds is theirs, in one HDEL: for one
+-- message (a lone ack) by forget_one, with no table made (each costs the server more than a
+-- call); for more, read in one HMGET, the fields appended to the acked ids themselves
+-- (nothing reads them after this; a copy would be one table more).
 if #ids == 1 then
-  forget_task(KEYS[7], ids[1], parsed[1])
-  rcall('HDEL', KEYS[7], ids[1])
+  forget_one(KEYS[7], ids[1], parsed[1])
 else
   variadic('HDEL', KEYS[7], forgotten_fields(KEYS[7], ids, parsed, acked))
 end
