@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import require_kind
-from scripts.bench import script_ab
+from scripts.bench import floor, script_ab
 
 
 @pytest.mark.parametrize(("script", "variant"),
@@ -29,3 +29,12 @@ def test_instructions_are_counted_inside_evalsha_only() -> None:
     result = script_ab.run("publish", "HEAD", "valkey", rounds=1, n=30, batch=1, variant="dedup",
                            instructions=True)
     assert 20_000 < result["old"] < result["new"] < 1_000_000, result
+
+
+def test_the_floor_orders_its_probes() -> None:
+    """scripts/bench/floor.py: a call costs more than the bare shell, a publish's commands
+    more than one call, and publish.lua (its checks and formatting too) more than its
+    commands bare; a broken probe (one that errors, or measures nothing) breaks the order."""
+    require_kind("valkey")
+    costs = list(floor.measure("valkey", n=30).values())
+    assert 5_000 < costs[0] < costs[1] < costs[2] < costs[3] < 1_000_000, costs
