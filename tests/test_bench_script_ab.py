@@ -38,3 +38,12 @@ def test_the_floor_orders_its_probes() -> None:
     require_kind("valkey")
     costs = list(floor.measure("valkey", n=30).values())
     assert 5_000 < costs[0] < costs[1] < costs[2] < costs[3] < 1_000_000, costs
+
+
+def test_single_operations_are_priced() -> None:
+    """floor.py --ops: a redis.call costs more than any Lua operation, and tonumber (which
+    converts twice in Lua 5.1) more than `+ 0`; the figures docs/performance.md quotes."""
+    require_kind("valkey")
+    costs = floor.operations("valkey", calls=20, loops=20)
+    assert costs["redis.call('TIME')"] > max(v for k, v in costs.items() if k != "redis.call('TIME')")
+    assert costs["tonumber of a string"] > costs["a string + 0"] > 0, costs

@@ -10,6 +10,7 @@ own Lua; so what merging calls or trimming Lua can and cannot buy (docs/performa
 "The floor under a script call").
 
     python -m scripts.bench.floor --kind valkey -n 1000
+    python -m scripts.bench.floor --kind valkey --ops    # what single Lua operations cost
 """
 
 from __future__ import annotations
@@ -45,6 +46,44 @@ PROBES = {  # name -> the script run with the publish's 8 keys and 6 arguments
 }
 
 
+# What one Lua operation costs inside a script (`--ops`): each run 100 times in a loop, per
+# call, less the empty loop; ARGV[1] is '60000' and ARGV[2] a queue key, as a script gets them.
+OPERATIONS = {
+    "empty loop": "",
+    "string.match of an integer": "local x = string.match(ARGV[1], '^%-?%d+$')",
+    "string.find of an integer": "local x = string.find(ARGV[1], '^%-?%d+$')",
+    "tonumber of a string": "local x = tonumber(ARGV[1])",
+    "a string + 0": "local x = ARGV[1] + 0",
+    "string.format('%d')": "local x = string.format('%d', 1765000000000)",
+    "a 3-part concatenation": "local x = ARGV[1] .. ' ' .. ARGV[2]",
+    "an empty table": "local x = {}",
+    "a table of 6 fields": "local x = {a = 1, b = 2, c = 3, d = 4, e = 5, f = 6}",
+    "a state line parsed (6 captures)":
+        "local a, b, c, d, e, f = string.match('unacked 1 0 -:ab task-1',"
+        " '^(%a+) (%d+) (%d+) ([^%s:]+):?(%x*) ?(.*)$')",
+    "a closure": "local function f(a) return a end",
+    "redis.call('TIME')": "local x = redis.call('TIME')",
+}
+
+
+def operations(kind: str, calls: int = 200, loops: int = 100) -> dict[str, float]:
+    """Instructions per Lua operation of OPERATIONS, on a server of ``kind``."""
+    costs: dict[str, float] = {}
+    with CallgrindServer(kind) as server:
+        client = server.client(socket_timeout=60)
+        for name, body in OPERATIONS.items():
+            sha = client.script_load(f"for i = 1, {loops} do {body} end return 1")
+            pipe = client.pipeline(transaction=False)
+            for _ in range(calls):
+                pipe.evalsha(sha, 0, "60000", "queue:{q}")
+            server.instructions()
+            pipe.execute()
+            costs[name] = server.instructions() / calls
+        client.close()
+    empty = costs.pop("empty loop")
+    return {name: (cost - empty) / loops for name, cost in costs.items()}
+
+
 def measure(kind: str, n: int) -> dict[str, float]:
     """Instructions per EVALSHA of each probe, on a server of ``kind``."""
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
@@ -71,9 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--kind", choices=["valkey", "redis"], default="valkey")
     parser.add_argument("-n", type=int, default=1000, help="calls per probe")
+    parser.add_argument("--ops", action="store_true", help="what single Lua operations cost instead")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("-n must be >= 1")
+    if args.ops:
+        print(f"{args.kind}: instructions per Lua operation inside a script")
+        for name, cost in operations(args.kind).items():
+            print(f"  {name:<34} {cost:>8,.0f}")
+        return
     costs = measure(args.kind, args.n)
     shell = costs["no-op (return 1)"]
     print(f"{args.kind}: instructions per EVALSHA (publish's 8 keys and 6 arguments), {args.n} calls")
