@@ -189,9 +189,10 @@ end
 
 -- Each state tells whether the ack is stale, where a copy waits, and its task id. What is
 -- not stale is acked: the ids themselves, unless some are (the common path copies nothing).
--- A ready copy (the sweep put it back) is in the ready set, as is one whose state is gone or
--- unreadable (read as ready: left in no set that holds it); a message in flight is in none,
--- so the common ack removes it from no set but the index.
+-- A message in flight is in no set but the index, so the common ack removes it from no
+-- other; one waiting (a countdown, a delayed retry) is in the delayed set; anything else
+-- (a ready copy the sweep put back, or a state gone, unreadable or of a word this version
+-- does not know) is taken out of the ready set, so that none is left in it.
 local stale, waiting, retries, parsed, ready = {}, {}, 0, {}, nil
 for first = 1, #ids, 4000 do
   local states = rcall('HMGET', KEYS[7], unpack(ids, first, math.min(first + 3999, #ids)))
@@ -200,14 +201,15 @@ for first = 1, #ids, 4000 do
     local s = raw and parse_state(raw)
     if s and expected[n] and s.state == 'unacked' and s.count ~= expected[n] then
       stale[#stale + 1] = n -- delivered again since: that consumer's now
-    elseif not s or s.state == 'ready' then
-      parsed[n] = s -- acked: its task index entry and dedup hold go with it
-      ready = ready or {}
-      ready[#ready + 1] = ids[n]
     else
-      parsed[n] = s
-      if s.state == 'retry' or s.state == 'delayed' then waiting[#waiting + 1] = ids[n] end
-      if s.state == 'retry' then retries = retries + 1 end
+      parsed[n] = s -- acked: its task index entry and dedup hold go with it
+      if s and (s.state == 'retry' or s.state == 'delayed') then
+        waiting[#waiting + 1] = ids[n]
+        if s.state == 'retry' then retries = retries + 1 end
+      elseif not (s and s.state == 'unacked') then
+        ready = ready or {}
+        ready[#ready + 1] = ids[n]
+      end
     end
   end
 end

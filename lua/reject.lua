@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: reject
--- version: 14
+-- version: 15
 -- summary: Reject delivered messages of one queue: requeue them (counted against the delivery limit, after the queue's retry delay) or drop them.
 -- KEYS: 8
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -10,7 +10,7 @@
 --   dead     STREAM  P dead:{Q}            dead letters: id, reason, delivery_count, priority, payload
 --   message  HASH    P message:{Q}         id -> payload
 --   state    HASH    P state:{Q}           id -> 'STATE DELIVERY_COUNT PRIORITY EXPIRES_AT[:DEDUP][ TASK_ID]'
---   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready (not in a paused queue), or a drop frees a slot of a capped queue
+--   wake     LIST    P wake:{Q}            the wake token: pushed when a requeue makes a message ready (not in a paused queue), or a drop frees a slot of a capped queue; dropped when a waiting message dropped leaves nothing ready or delayed
 -- ARGV:
 --   1   requeue             failed, returned or drop (1 and 0 are failed and drop)   failed: a consumer rejected it with requeue; returned: handed back unstarted; both are counted redeliveries; drop: dead-letter it
 --   2   delivery_limit      integer >= 0     delivery attempts before a message is dead-lettered; 0 means no limit
@@ -46,6 +46,10 @@
 --   until consume or the sweep makes it ready. The token is pushed then too, so a blocked
 --   consumer learns the earlier ETA. A dropped delivery frees a slot: in a queue with an
 --   in-flight cap (the limit script) with messages ready, it pushes the token too.
+--   A message rejected by id alone while it waits in the delayed set (a countdown, or a
+--   delayed retry) waits no more: it leaves that set, ready at once or dead-lettered, or
+--   waits for a retry of its own (version 14 left a requeued countdown in the delayed set
+--   too, so it was delivered again at its ETA); one dropped takes an idle token with it.
 
 local rcall = redis.call
 
@@ -67,6 +71,14 @@ local function wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
   if not limits or not string.match(limits, '^%d') then return false end
   return redis.call('ZCARD', queue_key) + redis.call('ZCARD', delayed_key) > 0
     and redis.call('HEXISTS', meta_key, 'paused') == 0 and arm_wake(wake_key)
+end
+
+-- A token wakes a consumer for something that is there; with nothing ready or delayed it
+-- would wake one in vain, and outlive the queue's messages: it goes.
+local function drop_idle_wake(queue_key, delayed_key, wake_key)
+  if redis.call('ZCARD', queue_key) == 0 and redis.call('ZCARD', delayed_key) == 0 then
+    redis.call('DEL', wake_key)
+  end
 end
 
 -- The task-id index (publish writes it, where/cancel read it): 'task:<task id>' -> message
@@ -202,7 +214,7 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local retry, clock = false, nil -- clock: a fair queue's V, the time part of a requeued message's score
 if requeue then retry, clock = retry_policy(meta_key, cause) end
-local requeued, dead_lettered, deleted, stale, retrying = 0, 0, 0, 0, 0
+local requeued, dead_lettered, deleted, stale, retrying, unwaited = 0, 0, 0, 0, 0, 0
 local dropped = {} -- reason -> dead-lettered or deleted
 for i, id in ipairs(ids) do
   local payload = rcall('HGET', message_key, id)
@@ -214,9 +226,10 @@ for i, id in ipairs(ids) do
     local attempts = s.count + 1
     -- A delivery Celery's revoke() named (cancel marked it) that comes back is dead-lettered.
     local revoked = requeue and s.task ~= '' and rcall('HEXISTS', state_key, 'revoked:' .. s.task) == 1
-    if s.state == 'retry' and not (retry and (limit == 0 or attempts < limit)) then
+    if (s.state == 'retry' or s.state == 'delayed') and not (retry and (limit == 0 or attempts < limit)) then
       rcall('ZREM', delayed_key, id) -- rejected by id alone while it waited: it waits no more
-      retrying = retrying - 1
+      if s.state == 'retry' then retrying = retrying - 1 end
+      unwaited = unwaited + 1
     end
     if retry and not revoked and (limit == 0 or attempts < limit) then
       rcall('HSET', state_key, id, state_line('retry', attempts, s))
@@ -262,6 +275,8 @@ end
 if requeued > 0 then
   if rcall('HEXISTS', meta_key, 'paused') == 0 then arm_wake(wake_key) end -- a paused queue wakes nobody
 elseif dead_lettered + deleted > 0 then
+  -- A waiting message dropped may leave its token idle (a countdown's publish pushed one).
+  if unwaited > 0 then drop_idle_wake(queue_key, delayed_key, wake_key) end
   wake_freed_slot(meta_key, queue_key, delayed_key, wake_key)
 end
 count_in_meta(meta_key, 'redelivered', requeued)

@@ -57,6 +57,20 @@ def test_delayed_higher_priority_waits_behind_a_ready_one(lib: ScriptLibrary, ta
     assert [d.id for d in lib.consume(["mix"], 10).deliveries] == [urgent_later, plain]
 
 
+def test_a_countdown_rejected_by_id_alone_is_delivered_once(lib: ScriptLibrary, target: Target) -> None:
+    """An operator's reject (by id, unfenced, requeue) of a countdown makes it ready at once
+    and takes it out of the delayed set: reject 14 left it in both, so the consume at its
+    ETA delivered it a second time (found in review; the model's reject_countdown too)."""
+    eta = server_now_ms(target.client) + DELAY_MS
+    message_id = lib.publish("countdown", "hello", eta_ms=eta)
+    assert lib.reject("countdown", [message_id], requeue=True).requeued == 1
+    assert target.client.zscore(lib.keys.delayed("countdown"), message_id) is None
+    first = lib.consume(["countdown"], 10)
+    assert [(d.id, d.delivery_count) for d in first.deliveries] == [(message_id, 1)]
+    wait_for_server_time(target.client, eta)
+    assert lib.consume(["countdown"], 10).deliveries == []  # in flight, not due again
+
+
 def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target) -> None:
     now = server_now_ms(target.client)
     eta = now + DELAY_MS

@@ -56,7 +56,7 @@ def test_no_script_writes_a_score_constant_as_a_bare_literal(path: Path) -> None
 # every script that has it (an id scheme or a state format that drifted between scripts
 # would break messages moving between them).
 SHARED_FUNCTIONS = {"parse_state": 8, "next_id": 2, "count_in_meta": 4, "state_line": 4,  # name -> scripts
-                    "forget_task": 6, "arm_wake": 9, "drop_idle_wake": 4, "wake_freed_slot": 3,
+                    "forget_task": 6, "arm_wake": 9, "drop_idle_wake": 5, "wake_freed_slot": 3,
                     "retry_policy": 2, "retry_delay": 2, "stored_ms": 8,
                     "fenced_ids": 2, "expire_with_meta": 3}
 

@@ -772,8 +772,13 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             assert (result, result.stale) == (acked, tuple(stale_ids))
             if acked > 1:
                 PATHS["an ack of several"] += 1
-            if acked == 1 and len(ids) == 1 and self.m.messages[queue, ids[0]].revoked:
-                PATHS["a lone ack, revoked"] += 1
+            if acked == 1 and len(ids) == 1:
+                lone = self.m.messages[queue, ids[0]]
+                if lone.revoked:
+                    PATHS["a lone ack, revoked"] += 1
+                hold = self.m.holds.get((queue, lone.dedup or ""))
+                if hold is not None and hold.holder == lone.id and lone.task:
+                    PATHS["a lone ack released a hold"] += 1  # forget_one's task-and-hold HDEL
             for i in ids:
                 del self.m.held[consumer][queue, i]
                 m = self.m.messages.get((queue, i))
@@ -794,10 +799,11 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             mark with the task index entry (the state hash's invariant checks both). With
             ``held``, the first carries a dedup id of its own ("d3"), whose hold the same batch
             ack releases (the random rules told that story too rarely: CI once missed it). With
-            ``lone``, the revoked one is acked alone first (a lone ack's own way, forget_one)."""
+            ``lone``, the revoked one is acked alone first (a lone ack's own way, forget_one),
+            and the two are published with a TTL (so a lone publish with one is told often)."""
             if held:
                 self.publish([queue], 255, None, None, True, dedup=("d3", "simple", None))
-            self.publish([queue, queue], 255, None, None, True)
+            self.publish([queue, queue], 255, None, 60_000 if lone else None, True)  # lone ones, a TTL too
             taken = self.do_consume(consumer, 3, [queue])
             named = [m for m in taken if m.task]
             if len(taken) < 2 or not named:
@@ -855,6 +861,39 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                                      attempts if requeue else count)
                     dead += 1
             assert result == Rejected(requeued, dead, 0, stale)
+
+        @rule(picks=PICKS, requeue=st.booleans())
+        def reject_countdown(self, picks: list[int], requeue: bool) -> None:
+            """An operator (or a producer in another language) rejects countdowns by id alone,
+            unfenced, while they wait for their ETA: they wait no more. Requeued: ready at once
+            (or a delayed retry, by the queue's retry policy), the count one up; else
+            dead-lettered 'rejected'. (reject 14 left a requeued one in the delayed set too:
+            ready and delayed at once, so delivered again when its ETA came.)"""
+            countdowns = self.m.in_state("delayed")
+            if not countdowns:
+                return
+            queue = countdowns[picks[0] % len(countdowns)].queue
+            ids = pick([m.id for m in countdowns if m.queue == queue], picks)
+            t0 = self.now()
+            result = self.lib.reject(queue, ids, requeue=requeue)
+            t1 = self.now()
+            requeued = dead = 0
+            for i in ids:
+                m = self.m.messages[queue, i]
+                attempts = m.delivery_count + 1
+                if requeue and attempts < LIMIT and self.retry_applies(queue, "failed"):
+                    self.record_retry(m, attempts, t0, t1)
+                    requeued += 1
+                elif requeue and attempts < LIMIT:
+                    m.delivery_count = attempts
+                    self.record_ready(m, t0, t1)
+                    requeued += 1
+                else:
+                    self.dead_letter(m, "delivery-limit" if requeue else "rejected",
+                                     attempts if requeue else m.delivery_count)
+                    dead += 1
+            PATHS["a countdown rejected by id"] += 1
+            assert result == Rejected(requeued, dead, 0, 0)
 
         @rule(consumer=st.integers(0, CONSUMERS - 1), then=st.sampled_from(["ack", "reject", "none"]),
               fenced=st.booleans(), wait=st.booleans())
@@ -1297,7 +1336,7 @@ def untold_stories() -> set[str]:
             "a batch of 3 or more", "a lone publish", "a lone publish with a TTL", "a lone delayed publish",
             "a consume of several", "a consume of several queues", "a consume of several, one expired",
             "an ack of several", "an ack of several, one revoked", "an ack of several released a hold",
-            "a lone ack, revoked"} - told
+            "a lone ack, revoked", "a lone ack released a hold", "a countdown rejected by id"} - told
 
 
 def test_model_on_standalone_redis(redis_server: Server) -> None:
