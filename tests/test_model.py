@@ -845,22 +845,29 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                     stale += 1
                     continue
                 m.holder = None  # settled by its last consumer
-                attempts = count + 1
-                if requeue and m.revoked:  # it comes back after Celery revoked it: never again
-                    self.dead_letter(m, "revoked", count)
-                    dead += 1
-                elif requeue and attempts < LIMIT and self.retry_applies(queue, cause):
-                    self.record_retry(m, attempts, t0, t1)
-                    requeued += 1
-                elif requeue and attempts < LIMIT:
-                    m.delivery_count = attempts
-                    self.record_ready(m, t0, t1)
+                if self.settle_rejected(m, requeue, cause, t0, t1):
                     requeued += 1
                 else:
-                    self.dead_letter(m, "delivery-limit" if requeue else "rejected",
-                                     attempts if requeue else count)
                     dead += 1
             assert result == Rejected(requeued, dead, 0, stale)
+
+        def settle_rejected(self, m: Msg, requeue: bool, cause: str, t0: int, t1: int) -> bool:
+            """What reject (run between t0 and t1) makes of m: requeued (True; ready, or a
+            delayed retry by the queue's policy), or dead-lettered."""
+            count = m.delivery_count
+            attempts = count + 1
+            if requeue and m.revoked:  # it comes back after Celery revoked it: never again
+                self.dead_letter(m, "revoked", count)
+                return False
+            if requeue and attempts < LIMIT and self.retry_applies(m.queue, cause):
+                self.record_retry(m, attempts, t0, t1)
+                return True
+            if requeue and attempts < LIMIT:
+                m.delivery_count = attempts
+                self.record_ready(m, t0, t1)
+                return True
+            self.dead_letter(m, "delivery-limit" if requeue else "rejected", attempts if requeue else count)
+            return False
 
         @rule(picks=PICKS, requeue=st.booleans())
         def reject_countdown(self, picks: list[int], requeue: bool) -> None:
@@ -877,21 +884,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             t0 = self.now()
             result = self.lib.reject(queue, ids, requeue=requeue)
             t1 = self.now()
-            requeued = dead = 0
-            for i in ids:
-                m = self.m.messages[queue, i]
-                attempts = m.delivery_count + 1
-                if requeue and attempts < LIMIT and self.retry_applies(queue, "failed"):
-                    self.record_retry(m, attempts, t0, t1)
-                    requeued += 1
-                elif requeue and attempts < LIMIT:
-                    m.delivery_count = attempts
-                    self.record_ready(m, t0, t1)
-                    requeued += 1
-                else:
-                    self.dead_letter(m, "delivery-limit" if requeue else "rejected",
-                                     attempts if requeue else m.delivery_count)
-                    dead += 1
+            requeued = sum(self.settle_rejected(self.m.messages[queue, i], requeue, "failed", t0, t1)
+                           for i in ids)
+            dead = len(ids) - requeued
             PATHS["a countdown rejected by id"] += 1
             assert result == Rejected(requeued, dead, 0, 0)
 
