@@ -372,7 +372,7 @@ while skips_left > 0 do
   local deadlines, gone, payloads, raws, lines = nil, nil, nil, nil, nil
   if #taken > 2 then
     payloads, raws = read_taken(taken)
-    lines = {} -- queue -> the state strings to write, as deadlines[q] its index entries
+    lines, deadlines = {}, {} -- queue -> the state strings to write, and their index entries
   end
   for t = 1, #taken, 2 do -- taken: position, id, position, id ...
     local i, pos, id = (t + 1) / 2, taken[t], taken[t + 1]
@@ -385,30 +385,26 @@ while skips_left > 0 do
     end
     local s = raw and parse_state(raw)
     local at = s and s.expires_at ~= '-' and tonumber(s.expires_at) -- '-': no TTL, and no conversion
-    if not found or not s or (at and at <= now) then
-      if found and s then
-        dead_letter_expired(q, id, s, found)
-        expired = expired + 1
-        q.expired = (q.expired or 0) + 1
-      end
+    local skipped = not found or not s or (at and at <= now)
+    if skipped and found and s then
+      dead_letter_expired(q, id, s, found)
+      expired = expired + 1
+      q.expired = (q.expired or 0) + 1
+    end
+    if skipped or no_ack then -- it goes: an orphan, expired, or delivered without an ack
       rcall('HDEL', q.message, id)
       forget_task(q.state, id, s)
       rcall('HDEL', q.state, id)
       gone = gone or {}
       gone[q] = gone[q] or {}
       table.insert(gone[q], id)
+    end
+    if skipped then
       skips_left = skips_left - 1
     else
-      if no_ack then
-        rcall('HDEL', q.message, id)
-        forget_task(q.state, id, s)
-        rcall('HDEL', q.state, id)
-        gone = gone or {}
-        gone[q] = gone[q] or {}
-        table.insert(gone[q], id)
-      else
+      if not no_ack then
         local unacked = state_line('unacked', s.count, s)
-        local entries = deadlines and deadlines[q]
+        local entries = lines and deadlines[q]
         if not lines then -- a single message: written at once, with no table
           rcall('HSET', q.state, id, unacked)
           rcall('ZADD', q.index, deadline_text, id)
@@ -418,7 +414,6 @@ while skips_left > 0 do
           entries = lines[q]
           entries[k + 1], entries[k + 2] = id, unacked -- as long as deadlines[q]
         else
-          deadlines = deadlines or {}
           deadlines[q], lines[q] = {deadline_text, id}, {id, unacked} -- sized at once (filling grows twice)
         end
       end
@@ -431,10 +426,8 @@ while skips_left > 0 do
   if gone then
     for q, ids in pairs(gone) do variadic('ZREM', q.index, ids) end
   end
-  if deadlines then
-    for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
-  end
   if lines then
+    for q, entries in pairs(deadlines) do variadic('ZADD', q.index, entries) end
     for q, entries in pairs(lines) do variadic('HSET', q.state, entries) end
   end
   if exhausted then drained = true break end -- every queue of the call is empty

@@ -16,10 +16,9 @@ own Lua; so what merging calls or trimming Lua can and cannot buy (docs/performa
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
-from scripts.bench.script_ab import PAYLOAD, CallgrindServer, queue_keys
+from scripts.bench.script_ab import PAYLOAD, CallgrindServer, measured, queue_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,6 +67,7 @@ OPERATIONS = {
 
 def operations(kind: str, calls: int = 200, loops: int = 100) -> dict[str, float]:
     """Instructions per Lua operation of OPERATIONS, on a server of ``kind``."""
+    CallgrindServer.require()
     costs: dict[str, float] = {}
     with CallgrindServer(kind) as server:
         client = server.client(socket_timeout=60)
@@ -76,9 +76,7 @@ def operations(kind: str, calls: int = 200, loops: int = 100) -> dict[str, float
             pipe = client.pipeline(transaction=False)
             for _ in range(calls):
                 pipe.evalsha(sha, 0, "60000", "queue:{q}")
-            server.instructions()
-            pipe.execute()
-            costs[name] = server.instructions() / calls
+            costs[name] = measured(client, pipe.execute, server)
         client.close()
     empty = costs.pop("empty loop")
     return {name: (cost - empty) / loops for name, cost in costs.items()}
@@ -86,8 +84,7 @@ def operations(kind: str, calls: int = 200, loops: int = 100) -> dict[str, float
 
 def measure(kind: str, n: int) -> dict[str, float]:
     """Instructions per EVALSHA of each probe, on a server of ``kind``."""
-    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-        raise SystemExit("the floor is counted under callgrind: install valgrind (Debian's package valgrind)")
+    CallgrindServer.require()
     costs: dict[str, float] = {}
     with CallgrindServer(kind) as server:
         client = server.client(socket_timeout=60)
@@ -98,10 +95,9 @@ def measure(kind: str, n: int) -> dict[str, float]:
                 pipe = client.pipeline(transaction=False)
                 for i in range(n):
                     pipe.evalsha(sha, 8, *queue_keys("q"), PAYLOAD, 0, "", "", 60_000, f"task-{i}")
-                server.instructions()  # what ran before is not this round's
-                pipe.execute()
+                cost = measured(client, pipe.execute, server)
                 if not warm:
-                    costs[name] = server.instructions() / n
+                    costs[name] = cost
         client.close()
     return costs
 

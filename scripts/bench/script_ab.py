@@ -60,6 +60,13 @@ def evalsha_usec(client: Any) -> tuple[int, int]:
 class CallgrindServer(Server):
     """A server run under callgrind, counting instructions inside EVALSHA only."""
 
+    @staticmethod
+    def require() -> None:
+        """Refuse at once, naming the package, where valgrind is not installed."""
+        if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+            raise SystemExit("instructions are counted under callgrind: "
+                             "install valgrind (Debian's package valgrind)")
+
     def command_line(self) -> list[str]:
         assert self.directory is not None
         return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.directory / 'callgrind.out'}",
@@ -82,9 +89,10 @@ class CallgrindServer(Server):
 COUNTER: dict[str, Any] = {}
 
 
-def measured(client: Any, run: Callable[[], None]) -> float:
-    """Server µs (or, under callgrind, instructions) per EVALSHA of what ``run`` sends."""
-    server = COUNTER.get("callgrind")
+def measured(client: Any, run: Callable[[], None], server: CallgrindServer | None = None) -> float:
+    """Server µs (or, under callgrind, instructions) per EVALSHA of what ``run`` sends
+    (``server``: counted by that one, else by the one this run put in COUNTER, if any)."""
+    server = server or COUNTER.get("callgrind")
     usec0, calls0 = evalsha_usec(client)
     if server is not None:
         server.instructions()  # what ran before is not this round's
@@ -146,8 +154,8 @@ def run(script: str, base: str, kind: str, rounds: int, n: int, batch: int, vari
                                 capture_output=True, text=True).stdout
     new_source = (ROOT / "lua" / f"{script}.lua").read_text()
     results: dict[str, list[float]] = {"old": [], "new": []}
-    if instructions and not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-        raise SystemExit("--instructions needs valgrind (Debian's package valgrind)")
+    if instructions:
+        CallgrindServer.require()
     with (CallgrindServer(kind) if instructions else Server(kind)) as server:
         if instructions:
             COUNTER["callgrind"] = server
