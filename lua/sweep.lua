@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- name: sweep
--- version: 13
+-- version: 14
 -- summary: Periodic repair of queues: promote due delayed messages, restore timed-out deliveries, dead-letter what reached the delivery limit or expired, drop orphans.
 -- KEYS: 8 per queue, repeated for each queue (all queues of one call must share a cluster slot)
 --   queue    ZSET    P queue:{Q}           ready messages
@@ -39,7 +39,10 @@
 --   delivered and not acked in time (restore with delivery_count + 1, or dead-letter at
 --   the limit), the message is gone (orphan: remove the entry), or one of two leftovers of
 --   scripts before version 6: a ready message still in the queue (backlog) or one popped
---   and never claimed (restore, not a delivery). A ready message is indexed only at its TTL.
+--   and never claimed (restore, not a delivery). A ready message is indexed only at its TTL;
+--   so is a waiting one, and one still in the delayed set whose entry falls due before its
+--   TTL (set by hand) keeps waiting for its ETA: made ready, it would be delivered now and
+--   again at its ETA (version 13 did so).
 --   Whatever the sweep makes ready pushes the wake token; a queue left with nothing ready
 --   or delayed drops it. A timed-out delivery of a queue whose x-delayed-retry-type is
 --   'failed' or 'all' waits min(retry_min * delivery_count, retry_max or 10 years) ms (a stored
@@ -306,10 +309,13 @@ for q = 1, #KEYS / QUEUE_KEYS do
     elseif queued_score then
       index_ready(index_key, id, s)
       backlog = backlog + 1
+    elseif s.state ~= 'unacked' and s.state ~= 'ready' and rcall('ZSCORE', delayed_key, id) then
+      index_ready(index_key, id, s) -- a countdown or retry still waiting for its ETA: it waits on
     elseif s.state ~= 'unacked' then
       rcall('ZADD', queue_key, ready_score(s.priority, clock or now), id)
       index_ready(index_key, id, s)
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
+      if s.state == 'retry' then retrying = retrying - 1 end
       unclaimed = unclaimed + 1
     else
       local attempts = s.count + 1

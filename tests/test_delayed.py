@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from celery_redis_lua import Keyspace, ScriptLibrary
+from celery_redis_lua.protocol.retry import DelayedRetry
 from conftest import Target
 from helpers import message_state, server_now_ms, wait_for_server_time, wait_until
 from scripts.servers import Server
@@ -69,6 +70,43 @@ def test_a_countdown_rejected_by_id_alone_is_delivered_once(lib: ScriptLibrary, 
     assert [(d.id, d.delivery_count) for d in first.deliveries] == [(message_id, 1)]
     wait_for_server_time(target.client, eta)
     assert lib.consume(["countdown"], 10).deliveries == []  # in flight, not due again
+
+
+def test_a_countdown_whose_index_entry_falls_due_waits_for_its_eta(lib: ScriptLibrary,
+                                                                   target: Target) -> None:
+    """A waiting message is indexed only at its TTL; an entry that falls due before it (set by
+    hand, or by a script of another version) is moved there, and the countdown keeps waiting:
+    sweep 13 made it ready and left it delayed too, so it ran at once and again at its ETA."""
+    client = target.client
+    eta = server_now_ms(client) + DELAY_MS
+    message_id = lib.publish("stale-entry", "later", eta_ms=eta)
+    client.zadd(lib.keys.index("stale-entry"), {message_id: server_now_ms(client) - 1})
+    assert lib.sweep(["stale-entry"]).unclaimed == 0
+    assert client.zscore(lib.keys.queue("stale-entry"), message_id) is None
+    assert client.zscore(lib.keys.delayed("stale-entry"), message_id) == eta
+    assert client.zscore(lib.keys.index("stale-entry"), message_id) is None  # no TTL: no entry
+    assert lib.consume(["stale-entry"], 10).deliveries == []
+    wait_for_server_time(client, eta)
+    assert [d.id for d in lib.consume(["stale-entry"], 10).deliveries] == [message_id]
+
+
+def test_a_retry_out_of_the_delayed_set_is_made_ready_and_no_longer_counted(lib: ScriptLibrary,
+                                                                          target: Target) -> None:
+    """A message waiting for its delayed retry that left the delayed set (by hand) but is still
+    indexed is made ready by the sweep, and the queue's 'retrying' counter lets it go: sweep
+    13 left the counter one too high for good."""
+    client = target.client
+    lib.declare("lost-retry", retry=DelayedRetry("failed", 60_000, None))
+    message_id = lib.publish("lost-retry", "again", ttl_ms=3_600_000)
+    delivery = lib.consume(["lost-retry"], 1).deliveries[0]
+    assert lib.reject("lost-retry", [f"{delivery.id}:{delivery.delivery_count}"], requeue=True).requeued == 1
+    assert client.hget(lib.keys.meta("lost-retry"), "retrying") == b"1"
+    client.zrem(lib.keys.delayed("lost-retry"), message_id)
+    client.zadd(lib.keys.index("lost-retry"), {message_id: server_now_ms(client) - 1})
+    assert lib.sweep(["lost-retry"]).unclaimed == 1
+    assert message_state(client, lib.keys, "lost-retry", message_id)[:2] == ("ready", 1)
+    assert client.hget(lib.keys.meta("lost-retry"), "retrying") == b"0"
+    assert [d.id for d in lib.consume(["lost-retry"], 10).deliveries] == [message_id]
 
 
 def test_sweep_promotes_due_delayed_messages(lib: ScriptLibrary, target: Target) -> None:
