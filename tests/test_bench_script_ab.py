@@ -1,12 +1,18 @@
 """scripts/bench/script_ab.py runs a script's two versions on a real server and says the
-ratio (a tiny run: the figures are the benchmark's, not the test's)."""
+ratio (a tiny run: the figures are the benchmark's, not the test's); floor.py and the
+benchmark's --instructions count under callgrind."""
 
 from __future__ import annotations
+
+from contextlib import closing
 
 import pytest
 
 from conftest import require_kind
 from scripts.bench import floor, script_ab
+from scripts.bench.peers import Peer
+from scripts.bench.script_ab import CallgrindServer
+from scripts.bench.server_cost import CALLGRIND_ENV, Probe
 
 
 @pytest.mark.parametrize(("script", "variant"),
@@ -47,3 +53,27 @@ def test_single_operations_are_priced() -> None:
     costs = floor.operations("valkey", calls=20, loops=20)
     assert costs["redis.call('TIME')"] > max(v for k, v in costs.items() if k != "redis.call('TIME')")
     assert costs["tonumber of a string"] > costs["a string + 0"] > 0, costs
+
+
+def test_a_probe_of_a_callgrind_server_counts_its_instructions_per_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """python -m scripts.bench --instructions: a probe of the server named by CALLGRIND_ENV
+    reads the instructions it ran between two snapshots (everything: a request's reading and
+    reply too), per message; two round trips a message count about twice one; a probe of
+    another server reads none."""
+    require_kind("valkey")
+    with CallgrindServer("valkey", whole=True) as server, closing(server.client()) as client:
+        assert server.process is not None
+        monkeypatch.setenv(CALLGRIND_ENV, f"{server.process.pid}:{server.port}:{server.directory}")
+        probe = Probe(Peer("lua", f"redislua://127.0.0.1:{server.port}/0"))
+
+        def per_message(round_trips: int) -> float:
+            before = probe.snapshot()
+            for i in range(50 * round_trips):
+                client.set(f"k{i % 50}", "v")
+            return float(probe.cost(before, probe.snapshot(), 50)["instructions_per_msg"])
+
+        one, two = per_message(1), per_message(2)
+        assert 1_000 < one < 100_000 and 1.5 < two / one < 2.5, (one, two)
+        assert Probe(Peer("lua", f"redislua://127.0.0.1:{server.port + 1}/0")).callgrind is None
+        probe.close()

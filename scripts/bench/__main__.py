@@ -31,7 +31,8 @@ from scripts.servers import Cluster, Server, available_kinds
 
 from . import backlog, broker_mechanics, celery_level, durability, kombu_level, report, shutdown
 from .peers import BASELINE, ROOT, Peer, default_peers, parse_checkout, parse_peer
-from .server_cost import version_of
+from .script_ab import CallgrindServer
+from .server_cost import CALLGRIND_ENV, version_of
 
 
 def options() -> argparse.Namespace:
@@ -88,6 +89,10 @@ def options() -> argparse.Namespace:
                    help="skip the idle warm-shutdown measurement (SIGTERM to exit, 4 workers per peer)")
     p.add_argument("--cluster", action="store_true",
                    help="also our transport on a three-primary cluster of --server-kind (peer lua-cluster)")
+    p.add_argument("--instructions", action="store_true",
+                   help="run the shared server under callgrind and count its instructions per message "
+                        "and per task too (slow; the kombu and Celery rows: memory and backlog use "
+                        "servers of their own)")
     p.add_argument("--quick", action="store_true", help="~1-2 min: repeat 1, small N, early ack only")
     p.add_argument("--no-docs", action="store_true",
                    help="do not update docs/bench/ (latest.*, durability-<date>.*)")
@@ -153,6 +158,23 @@ def jobs(o: argparse.Namespace, peers: list[Peer], durability_peers: Sequence[Pe
     return todo
 
 
+def shared_server(o: argparse.Namespace, stack: ExitStack) -> Server:
+    """The server the peers share, started; with --instructions, under callgrind, counting
+    everything it runs, and named to every job's probe (server_cost.CALLGRIND_ENV)."""
+    if not o.instructions:
+        return stack.enter_context(Server(o.server_kind))
+    CallgrindServer.require()
+    server = stack.enter_context(CallgrindServer(o.server_kind, whole=True))
+    assert server.process is not None
+    os.environ[CALLGRIND_ENV] = f"{server.process.pid}:{server.port}:{server.directory}"
+    return server
+
+
+def instructions_text(cost: dict[str, Any], unit: str) -> str:
+    per = cost.get("instructions_per_msg")
+    return f"  {per / 1000:,.0f}k instructions/{unit}" if per is not None else ""
+
+
 def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str, Any], str]:
     if peer.checkout:
         return run_in_checkout(scenario, peer)
@@ -168,7 +190,9 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
     if scenario == "kombu":
         r = kombu_level.run(peer, o.kombu_n, o.prefetch, o.size)
         return r, (f"publish {r['publish']['msgs_per_s']:7,.0f} msg/s  "
-                   f"consume+ack {r['consume']['msgs_per_s']:7,.0f} msg/s")
+                   f"consume+ack {r['consume']['msgs_per_s']:7,.0f} msg/s"
+                   f"{instructions_text(r['publish'].get('server', {}), 'publish')}"
+                   f"{instructions_text(r['consume'].get('server', {}), 'consume+ack')}")
     if scenario.startswith("drain_"):  # the consuming side only: not for publish variants (jobs)
         pool, ack = scenario.removeprefix("drain_").split("_")
         concurrency = {"threads": o.threads, "prefork": o.processes, "solo": 1, "gevent": o.greenlets}[pool]
@@ -185,7 +209,8 @@ def run_job(o: argparse.Namespace, scenario: str, peer: Peer) -> tuple[dict[str,
                        "gevent": o.greenlets}[pool]
         r = celery_level.run(peer, pool, ack == "late", o.celery_n, concurrency,
                              open_loop_rate=rate, open_loop_seconds=o.rate_seconds)
-        text = f"{r['throughput']['tasks_per_s']:7,.0f} tasks/s"
+        text = f"{r['throughput']['tasks_per_s']:7,.0f} tasks/s" + instructions_text(
+            r["throughput"]["server"], "task")
         if "open_loop" in r:
             lat = r["open_loop"]["latency_us"]
             text += f"  @{o.rate:.0f}/s p50 {lat['p50'] / 1000:.1f} p99 {lat['p99'] / 1000:.1f} ms"
@@ -296,7 +321,7 @@ def main() -> int:
         elif o.peer:
             peers = [parse_peer(text) for text in o.peer]
         else:
-            server = stack.enter_context(Server(o.server_kind))
+            server = shared_server(o, stack)
             wanted = [p.strip() for p in o.peers.split(",") if p.strip()]  # none: the checkouts only
             peers, skipped = default_peers(server.port, o.amqp_url, wanted)
             peers += [parse_checkout(text, server.port, 8 + i) for i, text in enumerate(o.checkout)]
@@ -345,7 +370,7 @@ def main() -> int:
         return 1 if failed else 0
     runs = [r for r in runs if r["scenario"] != "durability"]
 
-    rows = report.metrics(o.variants, o.mech_workers, o.drains, bool(o.backlog_sizes))
+    rows = report.metrics(o.variants, o.mech_workers, o.drains, bool(o.backlog_sizes), o.instructions)
     names = [p.name for p in peers]
     summary = report.summarize(runs, names, rows)
     verdicts = report.targets(summary)
@@ -370,12 +395,16 @@ def main() -> int:
     title = (f"{info['nproc']} CPUs, {', '.join(sorted(set(filter(None, info['servers'].values()))))}; "
              f"medians of {o.repeat}")
     report.chart(summary, rows, png, title)
-    print("\n" + table + "\n\nTargets (measured, never asserted):\n" + report.targets_markdown(verdicts))
+    if o.instructions:
+        print("\n" + table + "\n\nUnder callgrind: compare the instruction rows; its times and CPU "
+              "are callgrind's.")
+    else:
+        print("\n" + table + "\n\nTargets (measured, never asserted):\n" + report.targets_markdown(verdicts))
     if failed:
         print(f"\n{len(failed)} runs failed; see 'runs[].traceback' in {path.relative_to(ROOT)}")
     print(f"\n-> {path.relative_to(ROOT)}, {png.relative_to(ROOT)}  ({info['seconds']:.0f} s; "
           f"load {info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f})")
-    if not (o.quick or o.no_docs or o.peer):
+    if not (o.quick or o.no_docs or o.peer or o.instructions):
         docs = ROOT / "docs" / "bench"
         docs.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, docs / "latest.json")

@@ -26,7 +26,7 @@ def _ms(us: float | None) -> float | None:
 
 
 def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequence[str] = (),
-            backlog: bool = False) -> list[tuple[str, str, str, Getter, bool]]:
+            backlog: bool = False, instructions: bool = False) -> list[tuple[str, str, str, Getter, bool]]:
     """(key, label, scenario, getter, higher_is_better) of every metric in the table."""
     rows: list[tuple[str, str, str, Getter, bool]] = [
         ("kombu_publish", "kombu publish, msg/s", "kombu",
@@ -34,6 +34,8 @@ def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequenc
         ("kombu_consume", "kombu consume+ack, msg/s", "kombu",
          lambda r: _dig(r, "consume", "msgs_per_s"), True),
     ]
+    if instructions:  # --instructions: the server's, under callgrind (its times are callgrind's)
+        rows += instruction_rows(celery_variants)
     for variant in celery_variants:
         rows.append((f"celery_{variant}", f"Celery {variant.replace('_', ' ')}-ack, tasks/s",
                      f"celery_{variant}", lambda r: _dig(r, "throughput", "tasks_per_s"), True))
@@ -107,6 +109,25 @@ def metrics(celery_variants: list[str], mech_workers: list[int], drains: Sequenc
         label = key.replace("_minimal", ", without heartbeat/mingle/gossip")
         rows.append((f"shutdown_{key}", f"idle warm shutdown, {label}, s", "shutdown",
                      lambda r, k=key: _dig(r, f"{k}_s"), False))
+    return rows
+
+
+def instruction_rows(celery_variants: list[str]) -> list[tuple[str, str, str, Getter, bool]]:
+    """The server's instructions per message and per task (a server run under callgrind that
+    counts everything it runs: scripts, commands, reading requests, writing replies), and the
+    requests per task that carried them."""
+    rows: list[tuple[str, str, str, Getter, bool]] = [
+        ("instructions_publish", "server instructions/msg, kombu publish", "kombu",
+         lambda r: _dig(r, "publish", "server", "instructions_per_msg"), False),
+        ("instructions_consume", "server instructions/msg, kombu consume+ack", "kombu",
+         lambda r: _dig(r, "consume", "server", "instructions_per_msg"), False),
+    ]
+    for variant in celery_variants:
+        label = variant.replace("_", " ")
+        rows += [(f"instructions_{variant}", f"server instructions/task, Celery {label}", f"celery_{variant}",
+                  lambda r: _dig(r, "throughput", "server", "instructions_per_msg"), False),
+                 (f"requests_{variant}", f"requests sent/task, Celery {label}", f"celery_{variant}",
+                  lambda r: _dig(r, "throughput", "server", "requests_per_msg"), False)]
     return rows
 
 

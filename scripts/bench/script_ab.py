@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.server_cost import callgrind_dump
 from scripts.servers import Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +58,12 @@ def evalsha_usec(client: Any) -> tuple[int, int]:
 
 
 @dataclass
+@dataclass
 class CallgrindServer(Server):
-    """A server run under callgrind, counting instructions inside EVALSHA only."""
+    """A server run under callgrind, counting instructions inside EVALSHA only (``whole``:
+    everything it runs, reading requests and writing replies too)."""
+
+    whole: bool = False
 
     @staticmethod
     def require() -> None:
@@ -69,20 +74,15 @@ class CallgrindServer(Server):
 
     def command_line(self) -> list[str]:
         assert self.directory is not None
+        counted = ["--collect-atstart=yes"] if self.whole else ["--collect-atstart=no",
+                                                                "--toggle-collect=evalShaCommand"]
         return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.directory / 'callgrind.out'}",
-                "--collect-atstart=no", "--toggle-collect=evalShaCommand", *super().command_line()]
+                *counted, *super().command_line()]
 
     def instructions(self) -> int:
         """The instructions counted since the last call (a dump resets the counters)."""
         assert self.process is not None and self.directory is not None
-        before = set(self.directory.glob("callgrind.out.*"))
-        subprocess.run(["callgrind_control", "-d", str(self.process.pid)], check=True,
-                       capture_output=True, timeout=60)
-        (dump,) = set(self.directory.glob("callgrind.out.*")) - before
-        for line in dump.read_text().splitlines():
-            if line.startswith(("summary:", "totals:")):
-                return int(line.split()[1])
-        raise RuntimeError(f"{dump}: no totals line")
+        return callgrind_dump(self.process.pid, self.directory)
 
 
 # What a round measures: the server's µs (commandstats) or its instructions (callgrind).

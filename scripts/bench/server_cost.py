@@ -12,12 +12,17 @@ For RabbitMQ the CPU of its ``beam.smp`` process comes from /proc (read only).
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from .peers import Peer
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# 'PID:PORT:DIR' of the run's server under callgrind (python -m scripts.bench --instructions),
+# for every job's probe of that server (a --checkout peer's subprocess too, and not one of a
+# throwaway server of its own): each snapshot dumps its counters.
+CALLGRIND_ENV = "BENCH_CALLGRIND"
 HARNESS_COMMANDS = {"info", "config", "ping", "flushall", "script", "client", "hello", "command"}
 SCRIPT_COMMANDS = {"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro"}
 # Commands the harness itself sends (snapshots, setup, connection handshake).
@@ -73,6 +78,21 @@ def server_cost(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[s
 
 
 
+def callgrind_dump(pid: int, directory: Path) -> int:
+    """The instructions a server run under callgrind counted since its last dump: a dump
+    (callgrind_control -d) writes them to a file of its own and resets the counters."""
+    before = set(directory.glob("callgrind.out.*"))
+    subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True, timeout=60)
+    (dump,) = set(directory.glob("callgrind.out.*")) - before
+    try:
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    finally:
+        dump.unlink()
+    raise RuntimeError(f"{dump}: no totals line")
+
+
 def _beam_pid() -> int | None:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -93,6 +113,18 @@ class Probe:
     def __init__(self, peer: Peer) -> None:
         self.client = peer.redis_client()
         self.beam = None if self.client is not None else (_beam_pid() if "amqp" in peer.url else None)
+        self.callgrind = self._callgrind()
+
+    def _callgrind(self) -> tuple[int, Path] | None:
+        """The pid and dump directory of the callgrind server this probe reads, if it is one."""
+        named = os.environ.get(CALLGRIND_ENV)
+        if not named or self.client is None:
+            return None
+        pid, port, directory = named.split(":", 2)
+        ours = getattr(self.client, "connection_pool", None)
+        if ours is None or str(ours.connection_kwargs.get("port")) != port:
+            return None
+        return int(pid), Path(directory)
 
     @property
     def available(self) -> bool:
@@ -100,7 +132,10 @@ class Probe:
 
     def snapshot(self) -> dict[str, Any] | None:
         if self.client is not None:
-            return snapshot(self.client)
+            taken = snapshot(self.client)
+            if self.callgrind:  # since the last snapshot: the one before this phase
+                taken["instructions"] = callgrind_dump(*self.callgrind)
+            return taken
         if self.beam is not None:
             try:
                 fields = Path(f"/proc/{self.beam}/stat").read_text().rsplit(")", 1)[1].split()
@@ -113,7 +148,10 @@ class Probe:
         if before is None or after is None or n <= 0:
             return {}
         if self.client is not None:
-            return server_cost(before, after, n)
+            cost = server_cost(before, after, n)
+            if "instructions" in after:  # the whole server's, the phase's requests and its cron
+                cost["instructions_per_msg"] = after["instructions"] / n
+            return cost
         return {"cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
                 "note": "beam.smp utime+stime (/proc, 10 ms ticks)"}
 
