@@ -27,7 +27,8 @@ import celery_redis_lua  # noqa: F401  (registers the redislua:// schemes with k
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUS_TRANSPORT = "celery_redis_plus.transport:Transport"
-REDIS_SCHEMES = {"redis", "rediss", "redislua", "redisluas", "valkey", "valkeys", "redislua+cluster"}
+STOCK_SCHEMES = {"redis", "rediss", "valkey", "valkeys"}  # kombu's own transport
+REDIS_SCHEMES = {*STOCK_SCHEMES, "redislua", "redisluas", "redislua+cluster"}
 BASELINE = "stock"  # ratios are to kombu's stock Redis transport
 
 
@@ -65,9 +66,19 @@ class Peer:
         return self.is_redis and not urlsplit(self.url).scheme.endswith("+cluster")
 
     @property
+    def is_ours(self) -> bool:
+        """Our transport, on one server or a cluster."""
+        return self.transport is None and urlsplit(self.url).scheme.startswith("redislua")
+
+    @property
+    def is_stock(self) -> bool:
+        """kombu's own Redis transport."""
+        return self.transport is None and urlsplit(self.url).scheme in STOCK_SCHEMES
+
+    @property
     def is_ours_standalone(self) -> bool:
         """Our transport on one server (not a cluster, not another broker's transport)."""
-        return self.transport is None and urlsplit(self.url).scheme in {"redislua", "redisluas"}
+        return self.is_ours and not urlsplit(self.url).scheme.endswith("+cluster")
 
     def redis_client(self) -> redis.Redis | RedisCluster | None:
         """A plain client to the peer's server (for INFO), or None for non-Redis brokers."""
