@@ -34,15 +34,16 @@
 --   ERR celery-redis-lua: sweep: expected 5 arguments, got N
 --   ERR celery-redis-lua: sweep: key 'K' has no {hash tag}
 --   ERR celery-redis-lua: sweep: NAME must be ... , got 'V'
--- why: an index entry that falls due means one of five things, told apart by the message's
+-- why: an index entry that falls due means one of six things, told apart by the message's
 --   state and the queue: its TTL passed (dead-letter it, reason 'expired'), it was
 --   delivered and not acked in time (restore with delivery_count + 1, or dead-letter at
---   the limit), the message is gone (orphan: remove the entry), or one of two leftovers of
---   scripts before version 6: a ready message still in the queue (backlog) or one popped
---   and never claimed (restore, not a delivery). A ready message is indexed only at its TTL;
---   so is a waiting one, and one still in the delayed set whose entry falls due before its
---   TTL (set by hand) keeps waiting for its ETA: made ready, it would be delivered now and
---   again at its ETA (version 13 did so).
+--   the limit), the message is gone (orphan: remove the entry), it still waits in the
+--   delayed set (a keeper's extend, which moves any indexed id, raced the reject that made
+--   the delivery a delayed retry: it keeps waiting, indexed again at its TTL; version 13
+--   made it ready there too, so it ran at once and again at its ETA), or one of two
+--   leftovers of scripts before version 6: a ready message still in the queue (backlog) or
+--   one popped and never claimed (restore, not a delivery). A ready message is indexed only
+--   at its TTL, a retry too, a countdown not until it is ready.
 --   Whatever the sweep makes ready pushes the wake token; a queue left with nothing ready
 --   or delayed drops it. A timed-out delivery of a queue whose x-delayed-retry-type is
 --   'failed' or 'all' waits min(retry_min * delivery_count, retry_max or 10 years) ms (a stored
@@ -309,10 +310,12 @@ for q = 1, #KEYS / QUEUE_KEYS do
     elseif queued_score then
       index_ready(index_key, id, s)
       backlog = backlog + 1
-    elseif s.state ~= 'unacked' and s.state ~= 'ready' and rcall('ZSCORE', delayed_key, id) then
-      index_ready(index_key, id, s) -- a countdown or retry still waiting for its ETA: it waits on
+    elseif (s.state == 'retry' or s.state == 'delayed') and rcall('ZSCORE', delayed_key, id) then
+      -- Still waiting for its ETA: it waits on, a retry indexed at its TTL, a countdown not at all.
+      if s.state == 'retry' then index_ready(index_key, id, s) else rcall('ZREM', index_key, id) end
     elseif s.state ~= 'unacked' then
       rcall('ZADD', queue_key, ready_score(s.priority, clock or now), id)
+      rcall('ZREM', delayed_key, id) -- ready only (a state set by hand may say 'ready' there)
       index_ready(index_key, id, s)
       rcall('HSET', state_key, id, state_line('ready', s.count, s))
       if s.state == 'retry' then retrying = retrying - 1 end

@@ -80,19 +80,21 @@ def test_a_probe_of_a_callgrind_server_counts_its_instructions_per_message(
         probe.close()
 
 
-def test_a_stock_peer_s_requests_are_its_commands_whatever_else_ran(valkey_server: Server) -> None:
+def test_a_stock_peer_s_requests_are_its_commands_whatever_else_ran() -> None:
     """kombu's stock transport sends commands, ours script calls: a stray EVALSHA of another
     process on the shared server during a stock phase left its requests per message read as
-    the EVALSHAs alone (0.01 where it sent 10, the bench of 2026-12-08)."""
-    stock = Probe(Peer("stock", f"redis://127.0.0.1:{valkey_server.port}/1"))
-    ours = Probe(Peer("lua", f"redislua://127.0.0.1:{valkey_server.port}/1"))
-    with closing(valkey_server.client()) as client:
+    the EVALSHAs alone (0.01 where it sent 10, the bench of 2026-12-08). A server of its own:
+    nothing else reaches it between the snapshots."""
+    require_kind("valkey")
+    with Server("valkey") as server, closing(server.client()) as client:
+        stock = Probe(Peer("stock", f"redis://127.0.0.1:{server.port}/1"))
+        ours = Probe(Peer("lua", f"redislua://127.0.0.1:{server.port}/1"))
         before = stock.snapshot()
         for i in range(20):
             client.lpush("stock-like", i)
         client.eval("return 1", 0)  # someone else's script call
         after = stock.snapshot()
-    assert stock.cost(before, after, 10)["requests_per_msg"] == 2.1  # 20 LPUSH + the stray EVAL
-    assert ours.cost(before, after, 10)["requests_per_msg"] == 0.1  # ours: script calls only
-    stock.close()
-    ours.close()
+        assert stock.cost(before, after, 10)["requests_per_msg"] == 2.1  # 20 LPUSH + the stray EVAL
+        assert ours.cost(before, after, 10)["requests_per_msg"] == 0.1  # ours: script calls only
+        stock.close()
+        ours.close()

@@ -72,19 +72,44 @@ def test_a_countdown_rejected_by_id_alone_is_delivered_once(lib: ScriptLibrary, 
     assert lib.consume(["countdown"], 10).deliveries == []  # in flight, not due again
 
 
+def test_a_keeper_s_extend_that_races_a_reject_into_a_retry_leaves_it_waiting(lib: ScriptLibrary,
+                                                                              target: Target) -> None:
+    """The keeper extends the deliveries being settled too, and extend moves any indexed id:
+    one sent before a reject made the delivery a delayed retry (indexed at its TTL) lands
+    after it and moves that entry to now + visibility. When it falls due the retry keeps
+    waiting, indexed at its TTL again: sweep 13 made it ready while it stayed in the delayed
+    set, so it ran at once and again at its retry's ETA."""
+    client = target.client
+    lib.declare("raced", retry=DelayedRetry("failed", 60_000, None))
+    message_id = lib.publish("raced", "again", ttl_ms=3_600_000)
+    delivery = lib.consume(["raced"], 1).deliveries[0]
+    assert lib.reject("raced", [f"{delivery.id}:{delivery.delivery_count}"], requeue=True).requeued == 1
+    ttl_at = client.zscore(lib.keys.index("raced"), message_id)
+    assert ttl_at is not None  # a retry is indexed at its TTL
+    assert lib.with_policy(visibility_ms=1).extend("raced", [message_id]) == 1  # the keeper's, late
+    wait_for_server_time(client, server_now_ms(client) + 2)
+    assert lib.sweep(["raced"]).unclaimed == 0
+    assert client.zscore(lib.keys.queue("raced"), message_id) is None
+    assert client.zscore(lib.keys.delayed("raced"), message_id) is not None
+    assert client.zscore(lib.keys.index("raced"), message_id) == ttl_at
+    assert message_state(client, lib.keys, "raced", message_id)[:2] == ("retry", 1)
+    assert lib.consume(["raced"], 10).deliveries == []
+
+
 def test_a_countdown_whose_index_entry_falls_due_waits_for_its_eta(lib: ScriptLibrary,
                                                                    target: Target) -> None:
-    """A waiting message is indexed only at its TTL; an entry that falls due before it (set by
-    hand, or by a script of another version) is moved there, and the countdown keeps waiting:
-    sweep 13 made it ready and left it delayed too, so it ran at once and again at its ETA."""
+    """A countdown has no index entry until it is ready (its TTL counts from its ETA); one
+    that falls due (set by hand, or by another version's script) goes, and the countdown
+    keeps waiting: sweep 13 made it ready and left it delayed too, so it ran at once and again
+    at its ETA."""
     client = target.client
     eta = server_now_ms(client) + DELAY_MS
-    message_id = lib.publish("stale-entry", "later", eta_ms=eta)
+    message_id = lib.publish("stale-entry", "later", eta_ms=eta, ttl_ms=60_000)
     client.zadd(lib.keys.index("stale-entry"), {message_id: server_now_ms(client) - 1})
     assert lib.sweep(["stale-entry"]).unclaimed == 0
     assert client.zscore(lib.keys.queue("stale-entry"), message_id) is None
     assert client.zscore(lib.keys.delayed("stale-entry"), message_id) == eta
-    assert client.zscore(lib.keys.index("stale-entry"), message_id) is None  # no TTL: no entry
+    assert client.zscore(lib.keys.index("stale-entry"), message_id) is None
     assert lib.consume(["stale-entry"], 10).deliveries == []
     wait_for_server_time(client, eta)
     assert [d.id for d in lib.consume(["stale-entry"], 10).deliveries] == [message_id]

@@ -527,8 +527,9 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
             ``requeue``, it hands what it took back while the queue is still fair: ready at V."""
             self.publish([queue] * flood, priority, None, None, False, None, "t1", batched=True)
             self.publish([queue], priority, None, None, False, None, "t2")
-            if self.do_consume(0, flood, [queue]) and requeue:
-                self.reject(0, list(range(flood)), True, False, False)
+            taken = self.do_consume(0, flood, [queue])
+            if taken and requeue:
+                self.do_reject(0, queue, [m.id for m in taken], True, False)
 
         def predict_fair(self, queue: str, message_id: str, key: str | None, eta: int | None, t0: int,
                          t1: int) -> int | None:
@@ -830,6 +831,10 @@ def make_machine(client: Any, keyspace: Keyspace, queues: list[str],
                 ids = [i for i in ids if (queue, i) in self.m.messages]
                 if not ids:
                     return
+            self.do_reject(consumer, queue, ids, requeue, returned)
+
+        def do_reject(self, consumer: int, queue: str, ids: list[str], requeue: bool, returned: bool) -> None:
+            """``consumer`` rejects its deliveries ``ids`` of ``queue``, fenced by their counts."""
             given = [self.m.held[consumer][queue, i] for i in ids]
             cause = "returned" if returned else "failed"
             t0 = self.now()
@@ -1342,16 +1347,16 @@ STORY_STEPS: list[tuple[str, dict[str, Any]]] = [
 
 
 def tell_stories(client: Any, keyspace: Keyspace) -> set[str]:
-    """Run STORY_STEPS on a fresh machine (every queue with a delayed retry for every
-    reason), its invariants after each step, and its teardown; what is left untold."""
+    """Run STORY_STEPS on a fresh machine (a delayed retry for every reason, which only the
+    expiring queue 'b' is declared with: no step declares 'a'), its invariant after each step,
+    and its teardown; what is left untold."""
     for counter in (CALLED, DEDUP_STORIES, FAIR_STORIES, BATCHES, PATHS):
         counter.clear()
     machine = make_machine(client, keyspace, ["a", "b"], expiring="b")()
     machine.prefill(retry=["all", "all"], batch=[])
     for name, arguments in STORY_STEPS:
         getattr(machine, name)(**arguments)
-        for check in machine.invariants:
-            check.function(machine)
+        machine.server_matches_model()  # its one invariant
     machine.teardown()
     return untold_stories()
 

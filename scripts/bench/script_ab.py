@@ -58,7 +58,6 @@ def evalsha_usec(client: Any) -> tuple[int, int]:
 
 
 @dataclass
-@dataclass
 class CallgrindServer(Server):
     """A server run under callgrind, counting instructions inside EVALSHA only (``whole``:
     everything it runs, reading requests and writing replies too)."""

@@ -120,6 +120,7 @@ class Probe:
         self.client = peer.redis_client()
         self.beam = None if self.client is not None else (_beam_pid() if "amqp" in peer.url else None)
         self.callgrind = self._callgrind()
+        self.counted = 0  # the callgrind server's instructions this probe's dumps have read
         # Ours sends script calls; kombu's stock transport (no transport class of another
         # package) sends commands; another package's: told by what ran.
         self.scripted = True if peer.is_ours else (False if peer.is_stock else None)
@@ -142,8 +143,9 @@ class Probe:
     def snapshot(self) -> dict[str, Any] | None:
         if self.client is not None:
             taken = snapshot(self.client)
-            if self.callgrind:  # since the last snapshot: the one before this phase
-                taken["instructions"] = callgrind_dump(*self.callgrind)
+            if self.callgrind:  # a running total: a dump resets the server's counters
+                self.counted += callgrind_dump(*self.callgrind)
+                taken["instructions"] = self.counted
             return taken
         if self.beam is not None:
             try:
@@ -158,8 +160,9 @@ class Probe:
             return {}
         if self.client is not None:
             cost = server_cost(before, after, n, self.scripted)
-            if "instructions" in after:  # the whole server's, the phase's requests and its cron
-                cost["instructions_per_msg"] = after["instructions"] / n
+            if "instructions" in after:  # the whole server's: the phase's requests, its cron, and
+                # whatever else reached it meanwhile (one probe at a time dumps it: its jobs)
+                cost["instructions_per_msg"] = (after["instructions"] - before["instructions"]) / n
             return cost
         return {"cpu_us_per_msg": (after["cpu"] - before["cpu"]) * 1e6 / n,
                 "note": "beam.smp utime+stime (/proc, 10 ms ticks)"}
