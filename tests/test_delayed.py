@@ -72,6 +72,16 @@ def test_a_countdown_rejected_by_id_alone_is_delivered_once(lib: ScriptLibrary, 
     assert lib.consume(["countdown"], 10).deliveries == []  # in flight, not due again
 
 
+def waiting_for_a_retry(lib: ScriptLibrary, queue: str) -> str:
+    """A message with a TTL in ``queue`` (declared with a 60 s delayed retry), delivered and
+    rejected with requeue: waiting for its retry, indexed at its TTL. Its id."""
+    lib.declare(queue, retry=DelayedRetry("failed", 60_000, None))
+    message_id = lib.publish(queue, "again", ttl_ms=3_600_000)
+    delivery = lib.consume([queue], 1).deliveries[0]
+    assert lib.reject(queue, [f"{delivery.id}:{delivery.delivery_count}"], requeue=True).requeued == 1
+    return message_id
+
+
 def test_a_keeper_s_extend_that_races_a_reject_into_a_retry_leaves_it_waiting(lib: ScriptLibrary,
                                                                               target: Target) -> None:
     """The keeper extends the deliveries being settled too, and extend moves any indexed id:
@@ -80,10 +90,7 @@ def test_a_keeper_s_extend_that_races_a_reject_into_a_retry_leaves_it_waiting(li
     waiting, indexed at its TTL again: sweep 13 made it ready while it stayed in the delayed
     set, so it ran at once and again at its retry's ETA."""
     client = target.client
-    lib.declare("raced", retry=DelayedRetry("failed", 60_000, None))
-    message_id = lib.publish("raced", "again", ttl_ms=3_600_000)
-    delivery = lib.consume(["raced"], 1).deliveries[0]
-    assert lib.reject("raced", [f"{delivery.id}:{delivery.delivery_count}"], requeue=True).requeued == 1
+    message_id = waiting_for_a_retry(lib, "raced")
     ttl_at = client.zscore(lib.keys.index("raced"), message_id)
     assert ttl_at is not None  # a retry is indexed at its TTL
     assert lib.with_policy(visibility_ms=1).extend("raced", [message_id]) == 1  # the keeper's, late
@@ -121,10 +128,7 @@ def test_a_retry_out_of_the_delayed_set_is_made_ready_and_no_longer_counted(lib:
     indexed is made ready by the sweep, and the queue's 'retrying' counter lets it go: sweep
     13 left the counter one too high for good."""
     client = target.client
-    lib.declare("lost-retry", retry=DelayedRetry("failed", 60_000, None))
-    message_id = lib.publish("lost-retry", "again", ttl_ms=3_600_000)
-    delivery = lib.consume(["lost-retry"], 1).deliveries[0]
-    assert lib.reject("lost-retry", [f"{delivery.id}:{delivery.delivery_count}"], requeue=True).requeued == 1
+    message_id = waiting_for_a_retry(lib, "lost-retry")
     assert client.hget(lib.keys.meta("lost-retry"), "retrying") == b"1"
     client.zrem(lib.keys.delayed("lost-retry"), message_id)
     client.zadd(lib.keys.index("lost-retry"), {message_id: server_now_ms(client) - 1})

@@ -39,13 +39,10 @@ def test_celery_runs_every_task_of_a_sharded_queue_once(cluster_broker: tuple[Br
     client = cluster.client()
     assert len({client.get_node_from_key(Keyspace().queue(n)).name for n in names}) == 3
     producer = sharded_producer(broker, "hot:3")
-    # No results asked for: the ledger tells what ran, and an AsyncResult collected after the
-    # fixture stopped the result server would unsubscribe from it (a warning in every run).
     for i in range(60):  # queued before the worker starts: the shards hold them
-        producer.send_task("celery_e2e.app.note", (f"t{i}",), queue="hot", ignore_result=True)
+        producer.send_task("celery_e2e.app.note", (f"t{i}",), queue="hot")
     for i in range(12):
-        producer.send_task("celery_e2e.app.note", (f"k{i}",), queue="hot", headers={"x-shard-key": "one"},
-                           ignore_result=True)
+        producer.send_task("celery_e2e.app.note", (f"k{i}",), queue="hot", headers={"x-shard-key": "one"})
     lib = ScriptLibrary(client, Keyspace())
     ready = {s.queue: s.ready for s in lib.stats(["hot", *names])}
     keyed = names[zlib.crc32(b"one") % 3]
@@ -55,7 +52,7 @@ def test_celery_runs_every_task_of_a_sharded_queue_once(cluster_broker: tuple[Br
     with running(worker):
         wait_for(lambda: len(broker.entries("ran")) >= 72, timeout=90, what="every task ran")
         for i in range(30):  # and while it runs
-            producer.send_task("celery_e2e.app.note", (f"l{i}",), queue="hot", ignore_result=True)
+            producer.send_task("celery_e2e.app.note", (f"l{i}",), queue="hot")
         wait_for(lambda: len(broker.entries("ran")) >= 102, timeout=90, what="every later task ran")
         ran = Counter(e["label"] for e in broker.entries("ran"))
         expected = [f"t{i}" for i in range(60)] + [f"k{i}" for i in range(12)] + [f"l{i}" for i in range(30)]
@@ -82,7 +79,7 @@ def cpu_of_a_load(broker: Broker, cluster: Cluster, tmp_path: Path, queue: str, 
     ledger = redis.Redis.from_url(broker.result_url)
     ledger.delete("ledger:ran")
     with running(worker):
-        producer.send_task("celery_e2e.app.note", ("warm",), queue=queue, ignore_result=True)
+        producer.send_task("celery_e2e.app.note", ("warm",), queue=queue)
         wait_for(lambda: ledger.llen("ledger:ran") >= 1, timeout=60, what="the worker runs")
         before = [cpu_seconds(node.port) for node in cluster.nodes]
         for i in range(tasks):
